@@ -1,0 +1,19 @@
+"""vit_keras: the Vision Transformer (Dosovitskiy et al., ICLR 2021) in Keras 3, on every backend.
+
+Importing this package registers its layers, so `keras.models.load_model` reads vit_keras models
+with nothing else imported. It loads no TensorFlow on the JAX and torch backends.
+"""
+
+from vit_keras.configs import VARIANTS, ViTConfig, get_config
+from vit_keras.layers import (
+    AddPositionEmbs,
+    ClassToken,
+    MlpBlock,
+    MultiHeadDotProductAttention,
+    PatchEmbedding,
+    TokenPooling,
+    TransformerBlock,
+)
+from vit_keras.model import attention_scores, build_model
+
+__version__ = "0.1.0"

@@ -1,0 +1,65 @@
+"""The variant table: every model of the paper as one record of data."""
+
+import dataclasses
+import types
+
+
+@dataclasses.dataclass(frozen=True)
+class ViTConfig:
+    """The architecture of one Vision Transformer.
+
+    `patch_size` is in pixels of the image fed to the Transformer (for hybrids: of the ResNet's
+    feature map). Everything that can differ between two runs of the same architecture (image size,
+    classes, dropout) is an argument of `build_model`, not part of the config.
+    """
+
+    name: str
+    patch_size: int
+    hidden_size: int
+    mlp_dim: int
+    num_heads: int
+    num_layers: int
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"{self.name}: hidden size {self.hidden_size} is not divisible by the number of "
+                f"heads {self.num_heads}; choose a hidden size that is a multiple of "
+                f"{self.num_heads}.")
+        for field in ("patch_size", "hidden_size", "mlp_dim", "num_heads", "num_layers"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{self.name}: {field} must be positive; got {getattr(self, field)}.")
+
+
+def _vit(size, patch, hidden, mlp, heads, layers):
+    return ViTConfig(f"ViT-{size}/{patch}", patch, hidden, mlp, heads, layers)
+
+
+# Sizes from Table 1 of the paper (Ti and S from "How to train your ViT").
+VARIANTS = types.MappingProxyType({config.name: config for config in (
+    _vit("Ti", 16, 192, 768, 3, 12),
+    _vit("S", 16, 384, 1536, 6, 12),
+    _vit("S", 32, 384, 1536, 6, 12),
+    _vit("B", 8, 768, 3072, 12, 12),
+    _vit("B", 16, 768, 3072, 12, 12),
+    _vit("B", 32, 768, 3072, 12, 12),
+    _vit("L", 16, 1024, 4096, 16, 24),
+    _vit("L", 32, 1024, 4096, 16, 24),
+    _vit("H", 14, 1280, 5120, 16, 32),
+)})
+
+
+def get_config(variant):
+    """Resolves a variant name, a `ViTConfig` or a mapping of `ViTConfig` fields to a `ViTConfig`."""
+    if isinstance(variant, ViTConfig):
+        return variant
+    if isinstance(variant, dict):
+        fields = {"name": "custom", **variant}
+        unknown = set(fields) - {f.name for f in dataclasses.fields(ViTConfig)}
+        if unknown:
+            raise ValueError(f"Unknown config fields {sorted(unknown)}; a config has the fields of "
+                             f"ViTConfig: {[f.name for f in dataclasses.fields(ViTConfig)]}.")
+        return ViTConfig(**fields)
+    if variant in VARIANTS:
+        return VARIANTS[variant]
+    raise ValueError(f"Unknown variant {variant!r}; known variants: {', '.join(VARIANTS)}.")

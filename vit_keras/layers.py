@@ -1,0 +1,350 @@
+"""The Vision Transformer's layers, in Keras 3 and nothing else, so they run on every backend.
+
+Layer and weight names follow the original vit_jax modules (`embedding`, `cls`, `posembed_input`,
+`encoderblock_{n}/MultiHeadDotProductAttention_1/query/kernel`, ...) and every kernel is stored in the
+original checkpoint layout, so a checkpoint maps onto a model by name (see `checkpoints/`).
+"""
+
+import math
+
+import keras
+from keras import ops
+
+_PACKAGE = "vit_keras"
+_MLP_BIAS_INIT = keras.initializers.RandomNormal(stddev=1e-6)
+
+
+def _xavier_uniform(fan_in, fan_out):
+    """Glorot-uniform for a kernel of any rank whose fans are known, as Flax's DenseGeneral uses.
+
+    Keras' `glorot_uniform` would read a (hidden, heads, head_dim) kernel as a convolution and get
+    the fans wrong, so the limit is computed from the true fans.
+    """
+    limit = math.sqrt(6.0 / (fan_in + fan_out))
+    return keras.initializers.RandomUniform(-limit, limit)
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class PatchEmbedding(keras.layers.Layer):
+    """Cuts an image into non-overlapping patches and projects each one linearly.
+
+    Equivalent to a convolution with kernel = stride = `patch_size` and VALID padding, computed as a
+    reshape and one matrix multiply (faster to differentiate than a strided convolution).
+
+    Input: `(batch, height, width, channels)`; height and width multiples of `patch_size`.
+    Output: `(batch, (height // patch_size) * (width // patch_size), hidden_size)`, patches row-major.
+    Weights: `kernel` `(patch_size, patch_size, channels, hidden_size)` (HWIO), `bias` `(hidden_size,)`.
+    """
+
+    def __init__(self, patch_size, hidden_size, kernel_initializer="lecun_normal",
+                 bias_initializer="zeros", **kwargs):
+        super().__init__(**kwargs)
+        self.patch_size = int(patch_size)
+        self.hidden_size = int(hidden_size)
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.bias_initializer = keras.initializers.get(bias_initializer)
+
+    def build(self, input_shape):
+        if len(input_shape) != 4:
+            raise ValueError(
+                f"{self.name} expects images of shape (batch, height, width, channels); "
+                f"got shape {tuple(input_shape)}.")
+        _, height, width, channels = input_shape
+        for side, size in (("height", height), ("width", width)):
+            if size is not None and size % self.patch_size:
+                raise ValueError(
+                    f"Image {side} {size} is not divisible by patch size {self.patch_size}; "
+                    f"use an image size that is a multiple of {self.patch_size}.")
+        if channels is None:
+            raise ValueError(f"{self.name} needs a known number of channels; got {tuple(input_shape)}.")
+        p = self.patch_size
+        self.kernel = self.add_weight(
+            name="kernel", shape=(p, p, channels, self.hidden_size),
+            initializer=self.kernel_initializer)
+        self.bias = self.add_weight(
+            name="bias", shape=(self.hidden_size,), initializer=self.bias_initializer)
+
+    def call(self, images):
+        _, height, width, channels = images.shape
+        p = self.patch_size
+        if height is None or width is None:
+            # Sizes unknown while tracing (e.g. a SavedModel signature): the equivalent convolution.
+            patches = ops.conv(images, self.kernel, strides=p, padding="valid")
+            return ops.reshape(patches, (ops.shape(patches)[0], -1, self.hidden_size)) + self.bias
+        rows, cols = height // p, width // p
+        x = ops.reshape(images, (-1, rows, p, cols, p, channels))
+        x = ops.transpose(x, (0, 1, 3, 2, 4, 5))  # (batch, rows, cols, p, p, channels): HWI order
+        x = ops.reshape(x, (-1, rows * cols, p * p * channels))
+        kernel = ops.reshape(self.kernel, (p * p * channels, self.hidden_size))
+        return ops.matmul(x, kernel) + self.bias
+
+    def compute_output_shape(self, input_shape):
+        batch, height, width, _ = input_shape
+        if height is None or width is None:
+            return (batch, None, self.hidden_size)
+        return (batch, (height // self.patch_size) * (width // self.patch_size), self.hidden_size)
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "patch_size": self.patch_size,
+            "hidden_size": self.hidden_size,
+            "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
+            "bias_initializer": keras.initializers.serialize(self.bias_initializer),
+        }
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class ClassToken(keras.layers.Layer):
+    """Prepends a learnable class token to a sequence.
+
+    Input: `(batch, tokens, hidden)`. Output: `(batch, tokens + 1, hidden)`.
+    Weight: `cls` `(1, 1, hidden)`, zero-initialised.
+    """
+
+    def build(self, input_shape):
+        self.cls = self.add_weight(name="cls", shape=(1, 1, input_shape[-1]), initializer="zeros")
+
+    def call(self, x):
+        token = ops.cast(self.cls, x.dtype)
+        token = ops.broadcast_to(token, (ops.shape(x)[0], 1, x.shape[-1]))
+        return ops.concatenate([token, x], axis=1)
+
+    def compute_output_shape(self, input_shape):
+        batch, tokens, hidden = input_shape
+        return (batch, None if tokens is None else tokens + 1, hidden)
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class AddPositionEmbs(keras.layers.Layer):
+    """Adds a learnable position embedding to every token.
+
+    Input and output: `(batch, tokens, hidden)`. Weight: `pos_embedding` `(1, tokens, hidden)`,
+    normal(stddev 0.02). The token count is fixed when the layer is built; a model for another image
+    size gets its embedding through `vit_keras.resample_position_embeddings`.
+    """
+
+    def __init__(self, initializer=None, **kwargs):
+        super().__init__(**kwargs)
+        self.initializer = keras.initializers.get(
+            initializer or keras.initializers.RandomNormal(stddev=0.02))
+
+    def build(self, input_shape):
+        if input_shape[1] is None:
+            raise ValueError(f"{self.name} needs a known number of tokens; got {tuple(input_shape)}.")
+        self.pos_embedding = self.add_weight(
+            name="pos_embedding", shape=(1, input_shape[1], input_shape[2]),
+            initializer=self.initializer)
+
+    def call(self, x):
+        expected = self.pos_embedding.shape[1]
+        if x.shape[1] is not None and x.shape[1] != expected:
+            raise ValueError(
+                f"{self.name} holds position embeddings for {expected} tokens but got {x.shape[1]} "
+                f"tokens: the input image size differs from the one the model was built for. Build "
+                f"the model at the new size (position embeddings are resampled when weights load).")
+        return x + ops.cast(self.pos_embedding, x.dtype)
+
+    def get_config(self):
+        return {**super().get_config(),
+                "initializer": keras.initializers.serialize(self.initializer)}
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class MultiHeadDotProductAttention(keras.layers.Layer):
+    """Multi-head self-attention with the vit_jax weight layout.
+
+    Input: `(batch, tokens, hidden)`. Output: `(batch, tokens, hidden)`, and with
+    `return_attention_scores=True` also the probabilities `(batch, heads, tokens, tokens)` (float32).
+    Weights: `query|key|value/kernel` `(hidden, heads, head_dim)`, `.../bias` `(heads, head_dim)`,
+    `out/kernel` `(heads, head_dim, hidden)`, `out/bias` `(hidden,)`.
+
+    The default path is `keras.ops.dot_product_attention`, which each backend fuses where it can;
+    attention dropout in training and `return_attention_scores` take an explicit softmax path.
+    """
+
+    def __init__(self, num_heads, attention_dropout=0.0, **kwargs):
+        super().__init__(**kwargs)
+        self.num_heads = int(num_heads)
+        self.attention_dropout = float(attention_dropout)
+        self._dropout = keras.layers.Dropout(
+            self.attention_dropout, dtype=self.dtype_policy, name="attention_dropout")
+
+    def build(self, input_shape):
+        hidden = input_shape[-1]
+        if hidden % self.num_heads:
+            raise ValueError(
+                f"Hidden size {hidden} is not divisible by the number of heads {self.num_heads}; "
+                f"choose a hidden size that is a multiple of {self.num_heads}.")
+        head_dim = hidden // self.num_heads
+        init = _xavier_uniform(hidden, hidden)
+        for name in ("query", "key", "value"):
+            projection = keras.layers.EinsumDense(
+                "btd,dhk->bthk", output_shape=(None, self.num_heads, head_dim), bias_axes="hk",
+                kernel_initializer=init, dtype=self.dtype_policy, name=name)
+            projection.build(input_shape)
+            setattr(self, name, projection)
+        self.out = keras.layers.EinsumDense(
+            "bthk,hkd->btd", output_shape=(None, hidden), bias_axes="d",
+            kernel_initializer=init, dtype=self.dtype_policy, name="out")
+        self.out.build((input_shape[0], input_shape[1], self.num_heads, head_dim))
+
+    def call(self, x, training=None, return_attention_scores=False):
+        q, k, v = self.query(x), self.key(x), self.value(x)  # (batch, tokens, heads, head_dim)
+        explicit = return_attention_scores or (training and self.attention_dropout > 0)
+        if not explicit:
+            return self.out(ops.dot_product_attention(q, k, v))
+        head_dim = q.shape[-1]
+        logits = ops.einsum("bqhd,bkhd->bhqk", q, k)
+        # Softmax in float32 whatever the compute dtype: float16 logits overflow and lose the tail.
+        probs = ops.softmax(ops.cast(logits, "float32") / math.sqrt(head_dim), axis=-1)
+        attended = ops.einsum(
+            "bhqk,bkhd->bqhd", self._dropout(ops.cast(probs, q.dtype), training=training), v)
+        y = self.out(attended)
+        return (y, probs) if return_attention_scores else y
+
+    def compute_output_spec(self, x, training=None, return_attention_scores=False):
+        y = keras.KerasTensor(x.shape, dtype=self.compute_dtype)
+        if not return_attention_scores:
+            return y
+        batch, tokens = x.shape[0], x.shape[1]
+        return y, keras.KerasTensor((batch, self.num_heads, tokens, tokens), dtype="float32")
+
+    def get_config(self):
+        return {**super().get_config(), "num_heads": self.num_heads,
+                "attention_dropout": self.attention_dropout}
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class MlpBlock(keras.layers.Layer):
+    """Dense → GELU → dropout → Dense → dropout, as in vit_jax's `MlpBlock`.
+
+    Input and output: `(batch, tokens, hidden)`. Weights: `Dense_0` `(hidden, mlp_dim)`,
+    `Dense_1` `(mlp_dim, hidden)`.
+    """
+
+    def __init__(self, mlp_dim, dropout=0.0, approximate_gelu=False, **kwargs):
+        super().__init__(**kwargs)
+        self.mlp_dim = int(mlp_dim)
+        self.dropout = float(dropout)
+        self.approximate_gelu = bool(approximate_gelu)
+        self._dropout = keras.layers.Dropout(self.dropout, dtype=self.dtype_policy, name="dropout")
+
+    def build(self, input_shape):
+        hidden = input_shape[-1]
+        self.dense_0 = keras.layers.Dense(
+            self.mlp_dim, kernel_initializer=_xavier_uniform(hidden, self.mlp_dim),
+            bias_initializer=_MLP_BIAS_INIT, dtype=self.dtype_policy, name="Dense_0")
+        self.dense_0.build(input_shape)
+        self.dense_1 = keras.layers.Dense(
+            hidden, kernel_initializer=_xavier_uniform(self.mlp_dim, hidden),
+            bias_initializer=_MLP_BIAS_INIT, dtype=self.dtype_policy, name="Dense_1")
+        self.dense_1.build((*input_shape[:-1], self.mlp_dim))
+
+    def call(self, x, training=None):
+        x = ops.gelu(self.dense_0(x), approximate=self.approximate_gelu)
+        x = self._dropout(x, training=training)
+        return self._dropout(self.dense_1(x), training=training)
+
+    def get_config(self):
+        return {**super().get_config(), "mlp_dim": self.mlp_dim, "dropout": self.dropout,
+                "approximate_gelu": self.approximate_gelu}
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class TransformerBlock(keras.layers.Layer):
+    """One pre-LayerNorm encoder block: `x + attn(LN(x))`, then `x + mlp(LN(x))`.
+
+    Input and output: `(batch, tokens, hidden)`; with `return_attention_scores=True` the call also
+    returns the attention probabilities `(batch, heads, tokens, tokens)`.
+    `drop_path_rate` drops each residual branch per example (stochastic depth) during training.
+    """
+
+    def __init__(self, num_heads, mlp_dim, dropout=0.0, attention_dropout=0.0, drop_path_rate=0.0,
+                 layer_norm_epsilon=1e-6, approximate_gelu=False, seed=None, **kwargs):
+        super().__init__(**kwargs)
+        self.num_heads = int(num_heads)
+        self.mlp_dim = int(mlp_dim)
+        self.dropout = float(dropout)
+        self.attention_dropout = float(attention_dropout)
+        self.drop_path_rate = float(drop_path_rate)
+        self.layer_norm_epsilon = float(layer_norm_epsilon)
+        self.approximate_gelu = bool(approximate_gelu)
+        self.seed = seed
+        policy = self.dtype_policy
+        self.norm_0 = keras.layers.LayerNormalization(
+            epsilon=self.layer_norm_epsilon, dtype=policy, name="LayerNorm_0")
+        self.attention = MultiHeadDotProductAttention(
+            self.num_heads, self.attention_dropout, dtype=policy,
+            name="MultiHeadDotProductAttention_1")
+        self._dropout = keras.layers.Dropout(self.dropout, dtype=policy, name="dropout")
+        self.norm_2 = keras.layers.LayerNormalization(
+            epsilon=self.layer_norm_epsilon, dtype=policy, name="LayerNorm_2")
+        self.mlp = MlpBlock(self.mlp_dim, self.dropout, self.approximate_gelu, dtype=policy,
+                            name="MlpBlock_3")
+        if self.drop_path_rate > 0:
+            self._seed_generator = keras.random.SeedGenerator(seed)
+
+    def build(self, input_shape):
+        for sublayer in (self.norm_0, self.attention, self.norm_2, self.mlp):
+            sublayer.build(input_shape)
+
+    def _drop_path(self, branch, training):
+        if not (training and self.drop_path_rate > 0):
+            return branch
+        return keras.random.dropout(branch, self.drop_path_rate,
+                                    noise_shape=(ops.shape(branch)[0], 1, 1),
+                                    seed=self._seed_generator)
+
+    def call(self, x, training=None, return_attention_scores=False):
+        y = self.attention(self.norm_0(x), training=training,
+                           return_attention_scores=return_attention_scores)
+        if return_attention_scores:
+            y, scores = y
+        x = x + self._drop_path(self._dropout(y, training=training), training)
+        x = x + self._drop_path(self.mlp(self.norm_2(x), training=training), training)
+        return (x, scores) if return_attention_scores else x
+
+    def compute_output_spec(self, x, training=None, return_attention_scores=False):
+        return self.attention.compute_output_spec(x, return_attention_scores=return_attention_scores)
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "num_heads": self.num_heads,
+            "mlp_dim": self.mlp_dim,
+            "dropout": self.dropout,
+            "attention_dropout": self.attention_dropout,
+            "drop_path_rate": self.drop_path_rate,
+            "layer_norm_epsilon": self.layer_norm_epsilon,
+            "approximate_gelu": self.approximate_gelu,
+            "seed": self.seed,
+        }
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class TokenPooling(keras.layers.Layer):
+    """Reduces the token sequence to one vector per image.
+
+    Input: `(batch, tokens, hidden)`. Output: `(batch, hidden)`: the class token (`mode="token"`) or
+    the mean over all tokens (`mode="gap"`, computed in float32).
+    """
+
+    MODES = ("token", "gap")
+
+    def __init__(self, mode="token", **kwargs):
+        super().__init__(**kwargs)
+        if mode not in self.MODES:
+            raise ValueError(f"Unknown pooling mode {mode!r}; expected one of {self.MODES}.")
+        self.mode = mode
+
+    def call(self, x):
+        if self.mode == "token":
+            return x[:, 0]
+        return ops.cast(ops.mean(ops.cast(x, "float32"), axis=1), x.dtype)
+
+    def compute_output_shape(self, input_shape):
+        return (input_shape[0], input_shape[-1])
+
+    def get_config(self):
+        return {**super().get_config(), "mode": self.mode}

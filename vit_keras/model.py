@@ -1,0 +1,114 @@
+"""`build_model`: a variant config → a functional `keras.Model`, and the attention-scores view of one."""
+
+import keras
+import numpy as np
+
+from vit_keras import configs
+from vit_keras import layers
+
+
+def image_size_pair(image_size):
+    """`224` or `(224, 224)` → `(height, width)` as ints."""
+    if isinstance(image_size, int):
+        return image_size, image_size
+    height, width = image_size
+    return int(height), int(width)
+
+
+def build_model(variant, *, image_size=224, num_classes=1000, include_top=True,
+                include_preprocessing=True, classifier="token", representation_size=None,
+                dropout=0.0, attention_dropout=0.0, drop_path_rate=0.0, channels=3,
+                layer_norm_epsilon=1e-6, approximate_gelu=False, name=None):
+    """Builds a Vision Transformer as a functional `keras.Model`.
+
+    Args:
+      variant: a name from `vit_keras.VARIANTS` (e.g. `"ViT-B/16"`), a `ViTConfig`, or a dict of
+        `ViTConfig` fields for a custom architecture.
+      image_size: `int` or `(height, width)`; multiples of the patch size.
+      num_classes: size of the classification head.
+      include_top: with `False` the model ends at the pooled `(batch, features)` representation
+        (after the final LayerNorm and the representation layer, if any) and has no head.
+      include_preprocessing: `True`: inputs are RGB pixels in [0, 255], rescaled in the graph to
+        [-1, 1] (the original weights' convention); `False`: inputs are already normalised.
+      classifier: `"token"` (class token) or `"gap"` (global average pooling, no class token).
+      representation_size: width of the optional `pre_logits` layer (Dense + tanh) before the head.
+      dropout, attention_dropout: dropout rates after embeddings/attention/MLP and on attention
+        probabilities.
+      drop_path_rate: stochastic depth of the last block; earlier blocks get linearly less.
+      channels: number of input channels.
+      layer_norm_epsilon: 1e-6 as in the original models.
+      approximate_gelu: the tanh GELU of Flax (exact erf GELU, as in timm and Hugging Face, if False).
+
+    Returns:
+      A `keras.Model` mapping `(batch, height, width, channels)` to logits `(batch, num_classes)`
+      (float32 under mixed precision) or, without the top, to features `(batch, features)`.
+    """
+    config = configs.get_config(variant)
+    height, width = image_size_pair(image_size)
+    for side, size in (("height", height), ("width", width)):
+        if size % config.patch_size:
+            raise ValueError(
+                f"Image {side} {size} is not divisible by patch size {config.patch_size} of "
+                f"{config.name}; use an image size that is a multiple of {config.patch_size}.")
+    if classifier not in layers.TokenPooling.MODES:
+        raise ValueError(f"Unknown classifier {classifier!r}; expected one of "
+                         f"{layers.TokenPooling.MODES}.")
+
+    images = keras.Input((height, width, channels), name="images")
+    x = images
+    if include_preprocessing:
+        x = keras.layers.Rescaling(1 / 127.5, offset=-1.0, dtype="float32", name="rescale")(x)
+    x = layers.PatchEmbedding(config.patch_size, config.hidden_size, name="embedding")(x)
+    if classifier == "token":
+        x = layers.ClassToken(name="cls")(x)
+    x = layers.AddPositionEmbs(name="posembed_input")(x)
+    x = keras.layers.Dropout(dropout, name="dropout")(x)
+    for index, rate in enumerate(np.linspace(0.0, drop_path_rate, config.num_layers)):
+        x = layers.TransformerBlock(
+            config.num_heads, config.mlp_dim, dropout=dropout, attention_dropout=attention_dropout,
+            drop_path_rate=float(rate), layer_norm_epsilon=layer_norm_epsilon,
+            approximate_gelu=approximate_gelu, name=f"encoderblock_{index}")(x)
+    # Under mixed precision the last LayerNorm and everything after it run in float32.
+    head_dtype = "float32" if keras.config.dtype_policy().name.startswith("mixed") else None
+    x = keras.layers.LayerNormalization(
+        epsilon=layer_norm_epsilon, dtype=head_dtype, name="encoder_norm")(x)
+    x = layers.TokenPooling(classifier, dtype=head_dtype, name="pooling")(x)
+    if representation_size:
+        x = keras.layers.Dense(representation_size, activation="tanh", dtype=head_dtype,
+                               name="pre_logits")(x)
+    if include_top:
+        x = keras.layers.Dense(num_classes, kernel_initializer="zeros", dtype=head_dtype,
+                               name="head")(x)
+    return keras.Model(images, x, name=name or config.name.replace("/", "_"))
+
+
+def transformer_blocks(model):
+    """The model's `TransformerBlock`s in the order they run."""
+    return [layer for layer in model.layers if isinstance(layer, layers.TransformerBlock)]
+
+
+def attention_scores(model, images, batch_size=16):
+    """Every encoder block's attention probabilities for a batch of images.
+
+    Args:
+      model: a model from `build_model` (or a loaded one).
+      images: `(batch, height, width, channels)`, as the model takes them.
+      batch_size: images per forward pass.
+
+    Returns:
+      A list with one float32 NumPy array `(batch, heads, tokens, tokens)` per block, in order.
+      Only this call takes the explicit-softmax path; the model itself keeps fused attention.
+    """
+    blocks = transformer_blocks(model)
+    if not blocks:
+        raise ValueError(f"Model {model.name!r} has no TransformerBlock layers.")
+    # The part of the graph before the first block (preprocessing, patches, tokens).
+    stem = keras.Model(model.input, blocks[0].input)
+    images = np.asarray(images)
+    per_block = [[] for _ in blocks]
+    for start in range(0, len(images), batch_size):
+        x = stem(images[start:start + batch_size], training=False)
+        for index, block in enumerate(blocks):
+            x, scores = block(x, training=False, return_attention_scores=True)
+            per_block[index].append(keras.ops.convert_to_numpy(scores))
+    return [np.concatenate(chunks) for chunks in per_block]
