@@ -1,0 +1,62 @@
+"""Shared test fixtures. Each pytest process runs on one backend (KERAS_BACKEND); tests that need
+another backend start a subprocess through `run_on_backend`."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+
+BACKENDS = ("tensorflow", "jax", "torch")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A ViT small enough to build, run and save in well under a second on any backend.
+TINY_CONFIG = {"name": "tiny", "patch_size": 4, "hidden_size": 32, "mlp_dim": 64, "num_heads": 4,
+               "num_layers": 2}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_keras_state():
+    """Each test starts with a clean graph, float32 policy and a fixed seed."""
+    keras.config.set_dtype_policy("float32")
+    keras.utils.clear_session()
+    keras.utils.set_random_seed(0)
+    yield
+    keras.config.set_dtype_policy("float32")
+
+
+@pytest.fixture
+def tiny_config():
+    return dict(TINY_CONFIG)
+
+
+def random_images(batch, height, width, channels=3, seed=0):
+    """Raw pixels in [0, 255], float32."""
+    return np.random.default_rng(seed).uniform(0, 255, (batch, height, width, channels)).astype(
+        "float32")
+
+
+def randomize_weights(model, seed=0, scale=0.1):
+    """Gives every weight (zero-initialised heads and class tokens too) a random non-trivial value."""
+    rng = np.random.default_rng(seed)
+    for weight in model.weights:
+        weight.assign(rng.normal(0, scale, weight.shape).astype(weight.dtype))
+    return model
+
+
+def run_on_backend(backend, code, timeout=600, **kwargs):
+    """Runs `code` in a fresh Python process on `backend` and returns the JSON it prints last.
+
+    `kwargs` are made available to the code as the dict `ARGS`.
+    """
+    script = "import json\nARGS = json.loads(%r)\n" % json.dumps(kwargs) + textwrap.dedent(code)
+    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=timeout)
+    if result.returncode:
+        raise AssertionError(f"subprocess on {backend} failed:\n{result.stdout}\n{result.stderr}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
