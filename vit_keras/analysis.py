@@ -1,0 +1,270 @@
+"""What a trained ViT learned, as in Section 4.5 of the paper (Figures 6 and 7).
+
+Pure NumPy on arrays, plus a few thin functions that pull those arrays out of a model:
+
+- `attention_rollout`: how much the class token (or, for GAP models, the average token) draws on
+  each input patch through all layers (Fig. 6, Abnar & Zuidema 2020).
+- `mean_attention_distance`: per layer and head, how far in pixels a head looks (Fig. 7, right).
+- `position_embedding_similarity`: each position embedding's cosine similarity to all others, on the
+  patch grid (Fig. 7, centre).
+- `embedding_filter_components`: the top principal components of the patch-embedding filters
+  (Fig. 7, left).
+
+Attention probabilities come from `vit_keras.attention_scores(model, images)`: a list with one
+`(batch, heads, tokens, tokens)` array per block. Tokens are any prefix tokens (the class token)
+followed by the patch tokens in row-major order on a `(rows, cols)` grid; the number of prefix tokens
+is `tokens - rows * cols`. The grid is the model's token grid (`token_grid(model)`), which for hybrid
+models is the ResNet feature map's grid, not the raw image's.
+
+This module imports neither Keras' backends nor matplotlib; `vit_keras.plots` draws the figures.
+"""
+
+import numpy as np
+
+__all__ = [
+    "attention_rollout",
+    "embedding_filter_components",
+    "mean_attention_distance",
+    "patch_embedding_kernel",
+    "position_embedding",
+    "position_embedding_similarity",
+    "token_grid",
+    "token_size_pixels",
+]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pure NumPy.
+
+
+def _grid_pair(grid):
+    rows, cols = (grid, grid) if np.ndim(grid) == 0 else grid
+    rows, cols = int(rows), int(cols)
+    if rows < 1 or cols < 1:
+        raise ValueError(f"A token grid needs positive (rows, cols); got {grid!r}.")
+    return rows, cols
+
+
+def _num_prefix_tokens(tokens, grid):
+    rows, cols = grid
+    prefix = tokens - rows * cols
+    if prefix < 0:
+        raise ValueError(
+            f"{tokens} tokens cannot hold a {rows}x{cols} patch grid ({rows * cols} patches); pass "
+            f"the grid of the model the arrays came from (`vit_keras.analysis.token_grid(model)`).")
+    return prefix
+
+
+def _stack_attentions(attentions):
+    """A list of `(batch, heads, tokens, tokens)` arrays, or one `(layers, batch, heads, tokens,
+    tokens)` array → a float64 array `(layers, batch, heads, tokens, tokens)`."""
+    if isinstance(attentions, (list, tuple)):
+        if not attentions:
+            raise ValueError("Expected attention probabilities of at least one layer; got none.")
+        shapes = {np.shape(a) for a in attentions}
+        if len(shapes) != 1:
+            raise ValueError(f"All layers' attention probabilities must have one shape; got "
+                             f"{sorted(shapes)}.")
+        attentions = np.stack([np.asarray(a, dtype=np.float64) for a in attentions])
+    attentions = np.asarray(attentions, dtype=np.float64)
+    if attentions.ndim != 5 or attentions.shape[-1] != attentions.shape[-2]:
+        raise ValueError(
+            f"Expected attention probabilities of shape (layers, batch, heads, tokens, tokens) or "
+            f"a list of (batch, heads, tokens, tokens) arrays, one per layer; got shape "
+            f"{attentions.shape}.")
+    return attentions
+
+
+def attention_rollout(attentions, grid):
+    """Attention rollout (Abnar & Zuidema, 2020), the paper's Figure 6.
+
+    For each layer the heads' attention matrices are averaged, the identity is added for the
+    residual connection and each row is renormalised to sum to 1, giving `A_l = (mean_h(attn) + I) / 2`.
+    The rollout is the product through the layers, `A_L @ ... @ A_1`: row `q` says how much the last
+    layer's token `q` draws on each input token.
+
+    Args:
+      attentions: a list with one `(batch, heads, tokens, tokens)` array per layer, in order (as
+        `vit_keras.attention_scores` returns), or one `(layers, batch, heads, tokens, tokens)` array.
+      grid: the patch grid `(rows, cols)` (or one int for a square grid); `tokens - rows * cols`
+        prefix tokens come first.
+
+    Returns:
+      A float array `(batch, rows, cols)`: with prefix tokens, the class token's (token 0's) row of
+      the rollout over the patch tokens; without them (GAP models), the rollout averaged over all
+      query tokens. Values are not rescaled (they sum to at most 1 per image); divide by the maximum
+      for display.
+    """
+    grid = _grid_pair(grid)
+    attentions = _stack_attentions(attentions)
+    tokens = attentions.shape[-1]
+    prefix = _num_prefix_tokens(tokens, grid)
+    identity = np.eye(tokens)
+    per_layer = attentions.mean(axis=2) + identity  # (layers, batch, tokens, tokens)
+    per_layer /= per_layer.sum(axis=-1, keepdims=True)
+    rollout = np.broadcast_to(identity, per_layer.shape[1:]).copy()
+    for layer in per_layer:
+        rollout = layer @ rollout
+    weights = rollout[:, 0, prefix:] if prefix else rollout.mean(axis=1)
+    return weights.reshape(-1, *grid)
+
+
+def _patch_distances(grid, token_size):
+    """`(rows * cols, rows * cols)` Euclidean distances in pixels between patch centres."""
+    rows, cols = grid
+    height, width = (token_size, token_size) if np.ndim(token_size) == 0 else token_size
+    r, c = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
+    y, x = r.ravel() * float(height), c.ravel() * float(width)
+    return np.hypot(y[:, None] - y[None, :], x[:, None] - x[None, :])
+
+
+def mean_attention_distance(attentions, grid, token_size):
+    """Mean attention distance per layer and head in pixels, the paper's Figure 7 (right).
+
+    For every query patch, the Euclidean distance between its centre and each key patch's centre,
+    weighted by the attention weight, summed over keys; then averaged over query patches and images
+    (Appendix D.7: the "receptive field size" of a head).
+
+    Prefix tokens (the class token) have no place on the image, so they are left out on both sides:
+    their rows (queries) are dropped, their columns (keys) are dropped and each remaining
+    patch-to-patch row is renormalised to sum to 1. A query that gives all its weight to prefix
+    tokens has no patch-to-patch distance and does not count in the average.
+
+    Args:
+      attentions: a list with one `(batch, heads, tokens, tokens)` array per layer, or one
+        `(layers, batch, heads, tokens, tokens)` array.
+      grid: the patch grid `(rows, cols)` (or one int); `tokens - rows * cols` prefix tokens first.
+      token_size: the pixels of input image covered by one token, a number or `(height, width)`
+        (`token_size_pixels(model)`; 16 for ViT-B/16 and for the hybrids' stride-16 feature map).
+
+    Returns:
+      A float array `(layers, heads)` of distances in pixels.
+    """
+    grid = _grid_pair(grid)
+    attentions = _stack_attentions(attentions)
+    prefix = _num_prefix_tokens(attentions.shape[-1], grid)
+    weights = attentions[..., prefix:, prefix:]
+    totals = weights.sum(axis=-1)  # (layers, batch, heads, queries)
+    per_query = (weights * _patch_distances(grid, token_size)).sum(axis=-1)
+    valid = totals > 0
+    per_query = np.where(valid, per_query / np.where(valid, totals, 1.0), 0.0)
+    counts = valid.sum(axis=(1, 3))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(counts > 0, per_query.sum(axis=(1, 3)) / counts, np.nan)
+
+
+def position_embedding_similarity(pos_embedding, grid):
+    """Cosine similarity of each patch's position embedding to every other's, Figure 7 (centre).
+
+    Args:
+      pos_embedding: `(1, tokens, hidden)` or `(tokens, hidden)`; the first `tokens - rows * cols`
+        rows (the class token's) are left out.
+      grid: the patch grid `(rows, cols)` (or one int).
+
+    Returns:
+      A float array `(rows, cols, rows, cols)`: `[r, c]` is the map of the similarities of patch
+      `(r, c)`'s embedding to every patch's, in [-1, 1], with 1 at `[r, c, r, c]`.
+    """
+    grid = _grid_pair(grid)
+    embedding = np.asarray(pos_embedding, dtype=np.float64)
+    if embedding.ndim == 3 and embedding.shape[0] == 1:
+        embedding = embedding[0]
+    if embedding.ndim != 2:
+        raise ValueError(f"Expected a position embedding of shape (1, tokens, hidden) or "
+                         f"(tokens, hidden); got shape {np.shape(pos_embedding)}.")
+    embedding = embedding[_num_prefix_tokens(len(embedding), grid):]
+    norms = np.linalg.norm(embedding, axis=-1, keepdims=True)
+    unit = embedding / np.maximum(norms, np.finfo(np.float64).tiny)
+    return (unit @ unit.T).reshape(*grid, *grid)
+
+
+def embedding_filter_components(kernel, num_components=28):
+    """Principal components of the patch-embedding filters, Figure 7 (left).
+
+    Each of the `hidden` filters is one `patch_h * patch_w * channels` vector; the filters are
+    centred on their mean and the components are the top right-singular vectors. The sign of a
+    component is arbitrary; it is chosen so that its largest-magnitude entry is positive.
+
+    Args:
+      kernel: the `embedding` kernel `(patch_h, patch_w, channels, hidden)` (HWIO).
+      num_components: how many to return (28 in the paper); fewer if there are fewer.
+
+    Returns:
+      `(components, explained_variance_ratio)`: unit-norm components `(n, patch_h, patch_w,
+      channels)` and the fraction of the filters' variance each one explains `(n,)`. Rescale each
+      component to [0, 1] to show it as an RGB patch (`vit_keras.plots` does).
+    """
+    kernel = np.asarray(kernel, dtype=np.float64)
+    if kernel.ndim != 4:
+        raise ValueError(f"Expected a patch-embedding kernel (patch_h, patch_w, channels, hidden); "
+                         f"got shape {kernel.shape}.")
+    patch_h, patch_w, channels, hidden = kernel.shape
+    filters = kernel.reshape(-1, hidden).T  # (hidden, patch_h * patch_w * channels)
+    centred = filters - filters.mean(axis=0)
+    _, singular, components = np.linalg.svd(centred, full_matrices=False)
+    count = min(int(num_components), len(singular))
+    components = components[:count]
+    peaks = components[np.arange(count), np.abs(components).argmax(axis=1)]
+    components = components * np.where(peaks < 0, -1.0, 1.0)[:, None]
+    variance = singular ** 2
+    ratio = variance[:count] / max(variance.sum(), np.finfo(np.float64).tiny)
+    return components.reshape(count, patch_h, patch_w, channels), ratio
+
+
+# ---------------------------------------------------------------------------------------------------
+# Arrays out of a model (a `build_model` model or a loaded one; hybrids included).
+
+
+def _get_layer(model, name, what):
+    try:
+        return model.get_layer(name)
+    except ValueError:
+        raise ValueError(
+            f"Model {model.name!r} has no layer named {name!r} ({what}); expected a vit_keras "
+            f"model from `build_model` or loaded from a vit_keras .keras file.") from None
+
+
+def _to_numpy(variable):
+    return np.asarray(variable.numpy())
+
+
+def token_grid(model):
+    """The model's patch-token grid `(rows, cols)`.
+
+    Read from the `embedding` layer: its input feature map (the image, or a hybrid's ResNet feature
+    map) divided by its patch size. Checked against the position embedding's token count.
+    """
+    embedding = _get_layer(model, "embedding", "the patch embedding")
+    _, height, width, _ = embedding.input.shape
+    patch = int(getattr(embedding, "patch_size", 1))
+    if height is None or width is None:
+        raise ValueError(f"Model {model.name!r} has an unknown input size; the token grid needs a "
+                         f"model built for a fixed image size.")
+    grid = (height // patch, width // patch)
+    tokens = position_embedding(model).shape[0]
+    _num_prefix_tokens(tokens, grid)
+    if tokens - grid[0] * grid[1] > 1:
+        raise ValueError(f"Model {model.name!r} has {tokens} position embeddings for a "
+                         f"{grid[0]}x{grid[1]} patch grid; expected {grid[0] * grid[1]} or one more.")
+    return grid
+
+
+def token_size_pixels(model):
+    """`(height, width)` in input pixels covered by one token: image size over the token grid.
+
+    16 for ViT-B/16 and for hybrids on a stride-16 feature map; floats when the division is uneven.
+    """
+    _, height, width, _ = model.inputs[0].shape
+    rows, cols = token_grid(model)
+    return height / rows, width / cols
+
+
+def position_embedding(model):
+    """The `posembed_input` weight as a NumPy array `(tokens, hidden)` (class token's row first)."""
+    layer = _get_layer(model, "posembed_input", "the position embedding")
+    return _to_numpy(layer.pos_embedding)[0]
+
+
+def patch_embedding_kernel(model):
+    """The `embedding` kernel as a NumPy array `(patch_h, patch_w, channels, hidden)` (HWIO)."""
+    return _to_numpy(_get_layer(model, "embedding", "the patch embedding").kernel)
