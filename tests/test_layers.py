@@ -1,0 +1,188 @@
+"""The layers, one behaviour per test, checked against NumPy references written from the paper."""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+
+import vit_keras
+from vit_keras import layers
+
+from conftest import randomize_weights
+
+
+def _layer_cases():
+    return [
+        (layers.PatchEmbedding(4, 16, name="embedding"), (2, 8, 12, 3)),
+        (layers.ClassToken(name="cls"), (2, 6, 16)),
+        (layers.AddPositionEmbs(name="posembed_input"), (2, 7, 16)),
+        (layers.MultiHeadDotProductAttention(4, attention_dropout=0.1), (2, 7, 16)),
+        (layers.MlpBlock(32, dropout=0.2, approximate_gelu=True), (2, 7, 16)),
+        (layers.TransformerBlock(4, 32, dropout=0.1, attention_dropout=0.1, drop_path_rate=0.2,
+                                 layer_norm_epsilon=1e-5, approximate_gelu=True, seed=3), (2, 7, 16)),
+        (layers.TokenPooling("gap"), (2, 7, 16)),
+    ]
+
+
+@pytest.mark.parametrize("layer,input_shape", _layer_cases(),
+                         ids=lambda case: type(case).__name__ if isinstance(case, keras.Layer) else "")
+def test_get_config_round_trip_rebuilds_an_identical_layer(layer, input_shape):
+    x = np.random.default_rng(0).normal(size=input_shape).astype("float32")
+    expected = keras.ops.convert_to_numpy(layer(x))
+    clone = type(layer).from_config(layer.get_config())
+    assert clone.get_config() == layer.get_config()
+    clone.build(input_shape)
+    clone.set_weights(layer.get_weights())
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(clone(x)), expected, rtol=1e-6, atol=1e-6)
+    # Every layer is found by name when a .keras file is read back.
+    assert keras.saving.get_registered_object(f"vit_keras>{type(layer).__name__}") is type(layer)
+
+
+@pytest.mark.parametrize("height,width,channels", [(8, 8, 3), (8, 12, 1), (12, 4, 5)])
+def test_patch_embedding_equals_strided_valid_convolution(height, width, channels):
+    layer = layers.PatchEmbedding(4, 6)
+    images = np.random.default_rng(1).normal(size=(2, height, width, channels)).astype("float32")
+    tokens = keras.ops.convert_to_numpy(layer(images))
+    layer.bias.assign(np.arange(6, dtype="float32"))
+    tokens = keras.ops.convert_to_numpy(layer(images))
+    conv = keras.ops.conv(images, layer.kernel, strides=4, padding="valid") + layer.bias
+    expected = keras.ops.convert_to_numpy(conv).reshape(2, -1, 6)  # row-major patch order
+    assert tokens.shape == (2, (height // 4) * (width // 4), 6)
+    np.testing.assert_allclose(tokens, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_patch_embedding_rejects_image_size_not_divisible_by_patch():
+    with pytest.raises(ValueError, match="height 10 is not divisible by patch size 4"):
+        layers.PatchEmbedding(4, 8).build((None, 10, 8, 3))
+
+
+def test_class_token_is_zero_initialised_prepended_and_in_compute_dtype():
+    layer = layers.ClassToken(dtype="mixed_bfloat16")
+    x = keras.ops.ones((3, 5, 8), dtype="bfloat16")
+    y = layer(x)
+    assert tuple(y.shape) == (3, 6, 8)
+    assert keras.backend.standardize_dtype(y.dtype) == "bfloat16"
+    assert layer.cls.shape == (1, 1, 8)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(keras.ops.cast(y[:, 0], "float32")), 0)
+
+
+def test_position_embedding_is_added_and_initialised_with_stddev_002():
+    keras.utils.set_random_seed(0)
+    layer = layers.AddPositionEmbs()
+    x = np.zeros((2, 400, 32), "float32")
+    y = keras.ops.convert_to_numpy(layer(x))
+    embedding = keras.ops.convert_to_numpy(layer.pos_embedding)
+    np.testing.assert_array_equal(y, np.broadcast_to(embedding, y.shape))
+    assert abs(embedding.std() - 0.02) < 0.001
+
+
+def test_position_embedding_names_a_token_count_mismatch():
+    layer = layers.AddPositionEmbs(name="posembed_input")
+    layer.build((None, 5, 8))
+    with pytest.raises(ValueError, match="position embeddings for 5 tokens but got 7"):
+        layer(np.zeros((1, 7, 8), "float32"))
+
+
+def _numpy_attention(x, layer):
+    w = {"/".join(v.path.split("/")[-2:]): keras.ops.convert_to_numpy(v) for v in layer.weights}
+    q = np.einsum("btd,dhk->bthk", x, w["query/kernel"]) + w["query/bias"]
+    k = np.einsum("btd,dhk->bthk", x, w["key/kernel"]) + w["key/bias"]
+    v = np.einsum("btd,dhk->bthk", x, w["value/kernel"]) + w["value/bias"]
+    logits = np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    out = np.einsum("bhqk,bkhd->bqhd", probs, v)
+    return np.einsum("bqhd,hdo->bqo", out, w["out/kernel"]) + w["out/bias"], probs
+
+
+def test_attention_weights_have_the_checkpoint_layout():
+    layer = layers.MultiHeadDotProductAttention(4, name="MultiHeadDotProductAttention_1")
+    layer.build((None, 7, 32))
+    shapes = {v.path: tuple(v.shape) for v in layer.weights}
+    assert shapes == {
+        "MultiHeadDotProductAttention_1/query/kernel": (32, 4, 8),
+        "MultiHeadDotProductAttention_1/query/bias": (4, 8),
+        "MultiHeadDotProductAttention_1/key/kernel": (32, 4, 8),
+        "MultiHeadDotProductAttention_1/key/bias": (4, 8),
+        "MultiHeadDotProductAttention_1/value/kernel": (32, 4, 8),
+        "MultiHeadDotProductAttention_1/value/bias": (4, 8),
+        "MultiHeadDotProductAttention_1/out/kernel": (4, 8, 32),
+        "MultiHeadDotProductAttention_1/out/bias": (32,),
+    }
+
+
+def test_fused_and_explicit_attention_paths_match_a_numpy_reference():
+    layer = layers.MultiHeadDotProductAttention(4)
+    layer.build((None, 7, 32))
+    randomize_weights(layer, scale=0.3)
+    x = np.random.default_rng(2).normal(size=(2, 7, 32)).astype("float32")
+    expected, expected_probs = _numpy_attention(x, layer)
+    fused = keras.ops.convert_to_numpy(layer(x))
+    explicit, probs = layer(x, return_attention_scores=True)
+    np.testing.assert_allclose(fused, expected, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(explicit), expected, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(probs), expected_probs, rtol=1e-4,
+                               atol=1e-6)
+
+
+def test_attention_rejects_hidden_size_not_divisible_by_heads():
+    with pytest.raises(ValueError, match="Hidden size 30 is not divisible by the number of heads 4"):
+        layers.MultiHeadDotProductAttention(4).build((None, 7, 30))
+
+
+def _numpy_layer_norm(x, gamma, beta, eps):
+    mean = x.mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(x.var(-1, keepdims=True) + eps) * gamma + beta
+
+
+@pytest.mark.parametrize("approximate", [False, True])
+def test_transformer_block_is_pre_layer_norm_attention_and_gelu_mlp_with_residuals(approximate):
+    block = layers.TransformerBlock(4, 48, layer_norm_epsilon=1e-6, approximate_gelu=approximate)
+    block.build((None, 7, 32))
+    randomize_weights(block, scale=0.2)
+    w = {v.path.split("/", 1)[1]: keras.ops.convert_to_numpy(v) for v in block.weights}
+    x = np.random.default_rng(3).normal(size=(2, 7, 32)).astype("float64")
+
+    y = _numpy_layer_norm(x, w["LayerNorm_0/gamma"], w["LayerNorm_0/beta"], 1e-6)
+    attention = block.attention
+    x = x + _numpy_attention(y, attention)[0]
+    y = _numpy_layer_norm(x, w["LayerNorm_2/gamma"], w["LayerNorm_2/beta"], 1e-6)
+    h = y @ w["MlpBlock_3/Dense_0/kernel"] + w["MlpBlock_3/Dense_0/bias"]
+    if approximate:
+        h = 0.5 * h * (1 + np.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3)))
+    else:
+        h = 0.5 * h * (1 + np.vectorize(math.erf)(h / math.sqrt(2)))
+    expected = x + h @ w["MlpBlock_3/Dense_1/kernel"] + w["MlpBlock_3/Dense_1/bias"]
+
+    inputs = np.random.default_rng(3).normal(size=(2, 7, 32)).astype("float32")
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(block(inputs)), expected,
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_drop_path_drops_whole_residual_branches_per_example_only_in_training():
+    block = layers.TransformerBlock(2, 16, drop_path_rate=0.5, seed=1)
+    x = np.random.default_rng(4).normal(size=(64, 5, 8)).astype("float32")
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(block(x)),
+                                  keras.ops.convert_to_numpy(block(x, training=False)))
+    branch = keras.ops.ones((64, 5, 8))
+    dropped = keras.ops.convert_to_numpy(block._drop_path(branch, training=True))
+    per_example = dropped.reshape(64, -1)
+    # Each example keeps (scaled by 1 / keep) or drops its entire branch.
+    assert set(np.unique(per_example)) <= {0.0, 2.0}
+    assert np.all(per_example.min(1) == per_example.max(1))
+    assert 0 < (per_example[:, 0] == 0).sum() < 64
+
+
+def test_token_pooling_takes_class_token_or_mean():
+    x = np.random.default_rng(5).normal(size=(2, 5, 3)).astype("float32")
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(layers.TokenPooling("token")(x)), x[:, 0])
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(layers.TokenPooling("gap")(x)),
+                               x.mean(1), rtol=1e-6)
+    with pytest.raises(ValueError, match="Unknown pooling mode 'max'"):
+        layers.TokenPooling("max")
+
+
+def test_public_layers_are_exported():
+    for name in ("PatchEmbedding", "ClassToken", "AddPositionEmbs", "TransformerBlock"):
+        assert getattr(vit_keras, name) is getattr(layers, name)
