@@ -1,0 +1,145 @@
+r"""Figures of what a ViT learned, as in the paper's Figures 6 and 7.
+
+    python apps/visualize.py --model saved_models/digits.keras --images a.jpg b.png --out figures/
+
+writes to `--out`:
+  rollout.png                        attention rollout over each image (needs --images)
+  attention_distance.png             mean attention distance per head and layer (needs --images)
+  position_embedding_similarity.png  cosine similarity of the position embeddings on the grid
+  embedding_filters.png              principal components of the patch-embedding filters
+                                     (skipped for hybrids, whose embedding sees a feature map)
+  analysis.json                      the numbers behind the figures
+
+`--model` is a `.keras` file saved on any backend, or a variant name such as `ViT-Ti/16` for a
+randomly initialised model (to try the app). Images are resized to the model's input size; images
+after `--images` that are not flags also count (`--images a.jpg b.png`).
+"""
+
+import _backend
+
+_backend.select_backend()
+
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+import numpy as np  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
+
+flags.DEFINE_enum("backend", None, _backend.BACKENDS, "Keras backend (default: KERAS_BACKEND).")
+flags.DEFINE_string("model", None, "A .keras file, or a variant name (random weights).")
+flags.DEFINE_list("images", [], "Image files (any format PIL reads).")
+flags.DEFINE_string("out", None, "Directory for the figures.")
+flags.DEFINE_integer("image_size", 224, "Image size for a variant name (ignored for files).")
+flags.DEFINE_enum("classifier", "token", ["token", "gap"], "Classifier for a variant name.")
+flags.DEFINE_integer("num_components", 28, "Principal components of the filters to show.")
+flags.DEFINE_integer("batch_size", 8, "Images per forward pass.")
+flags.DEFINE_integer("seed", 0, "Seed of the random weights for a variant name.")
+flags.mark_flags_as_required(["model", "out"])
+FLAGS = flags.FLAGS
+
+
+def load_model(spec):
+    """A `.keras` path, or a variant name built with random weights."""
+    import keras
+
+    import vit_keras
+
+    if os.path.exists(spec):
+        return keras.models.load_model(spec, compile=False)
+    if spec in vit_keras.VARIANTS:
+        logging.warning("%s is not a file: building %s with random weights.", spec, spec)
+        keras.utils.set_random_seed(FLAGS.seed)
+        return vit_keras.build_model(spec, image_size=FLAGS.image_size, classifier=FLAGS.classifier)
+    raise ValueError(f"--model {spec!r} is neither an existing .keras file nor a variant name "
+                     f"({', '.join(vit_keras.VARIANTS)}).")
+
+
+def load_images(paths, height, width, channels):
+    """Image files → `(n, height, width, channels)` float32 pixels in [0, 255], resized bilinearly."""
+    from PIL import Image, UnidentifiedImageError
+
+    mode = {1: "L", 3: "RGB"}.get(channels)
+    if mode is None:
+        raise ValueError(f"The model takes {channels}-channel inputs; only 1 (grey) or 3 (RGB) "
+                         f"channel images can be loaded.")
+    images = []
+    for path in paths:
+        if not os.path.isfile(path):
+            raise ValueError(f"Image file {path!r} does not exist.")
+        try:
+            with Image.open(path) as image:
+                image = image.convert(mode).resize((width, height), Image.BILINEAR)
+        except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as error:
+            raise ValueError(f"Cannot read image file {path!r}: it is not a valid image "
+                             f"({type(error).__name__}: {error}).") from None
+        images.append(np.asarray(image, dtype=np.float32).reshape(height, width, channels))
+    return np.stack(images)
+
+
+def model_inputs(model, images):
+    """Pixels in [0, 255] → what the model takes: models built with `include_preprocessing=False`
+    take [-1, 1] (the original weights' convention)."""
+    names = {layer.name for layer in model.layers}
+    return images if "rescale" in names else images / 127.5 - 1.0
+
+
+def main(argv):
+    import vit_keras
+    from vit_keras import analysis, plots
+
+    paths = list(FLAGS.images) + [arg for arg in argv[1:]]
+    try:
+        model = load_model(FLAGS.model)
+        _, height, width, channels = model.inputs[0].shape
+        images = load_images(paths, height, width, channels) if paths else None
+    except ValueError as error:
+        sys.exit(f"visualize.py: error: {error}")
+    os.makedirs(FLAGS.out, exist_ok=True)
+    grid = analysis.token_grid(model)
+    token_size = analysis.token_size_pixels(model)
+    summary = {"model": FLAGS.model, "image_size": [height, width], "grid": list(grid),
+               "token_size_pixels": list(token_size), "images": paths}
+    written = []
+
+    if images is not None:
+        attentions = vit_keras.attention_scores(model, model_inputs(model, images),
+                                                batch_size=FLAGS.batch_size)
+        rollout = analysis.attention_rollout(attentions, grid)
+        written.append(plots.rollout_figure(
+            images, rollout, os.path.join(FLAGS.out, "rollout.png"),
+            titles=[os.path.basename(path) for path in paths]))
+        distances = analysis.mean_attention_distance(attentions, grid, token_size)
+        written.append(plots.attention_distance_figure(
+            distances, os.path.join(FLAGS.out, "attention_distance.png"),
+            max_distance=float(np.hypot(height, width)) / 2,
+            title=f"{model.name}: mean attention distance ({len(images)} images)"))
+        summary["mean_attention_distance"] = distances.round(3).tolist()
+    else:
+        logging.info("No --images: skipping the rollout and attention-distance figures.")
+
+    similarity = analysis.position_embedding_similarity(analysis.position_embedding(model), grid)
+    written.append(plots.position_similarity_figure(
+        similarity, os.path.join(FLAGS.out, "position_embedding_similarity.png"),
+        title=f"{model.name}: position embedding similarity"))
+
+    kernel = analysis.patch_embedding_kernel(model)
+    if kernel.shape[2] in (1, 3):
+        components, explained = analysis.embedding_filter_components(kernel, FLAGS.num_components)
+        written.append(plots.filter_components_figure(
+            components, os.path.join(FLAGS.out, "embedding_filters.png"), explained=explained,
+            title=f"{model.name}: embedding filters (first {len(components)} principal components)"))
+        summary["filter_explained_variance"] = explained.round(5).tolist()
+    else:
+        logging.warning("The patch embedding sees %d channels (a hybrid's feature map), not "
+                        "pixels: skipping the filter figure.", kernel.shape[2])
+
+    written.append(os.path.join(FLAGS.out, "analysis.json"))
+    with open(written[-1], "w") as file:
+        json.dump(summary, file, indent=1)
+    for path in written:
+        print(path)
+
+
+if __name__ == "__main__":
+    app.run(main)
