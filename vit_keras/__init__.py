@@ -4,6 +4,14 @@ Importing this package registers its layers, so `keras.models.load_model` reads 
 with nothing else imported. It loads no TensorFlow on the JAX and torch backends.
 """
 
+from vit_keras.analysis import (
+    attention_rollout,
+    embedding_filter_components,
+    mean_attention_distance,
+    position_embedding_similarity,
+    token_grid,
+    token_size_pixels,
+)
 from vit_keras.configs import VARIANTS, ViTConfig, get_config
 from vit_keras.layers import (
     AddPositionEmbs,
