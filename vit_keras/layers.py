@@ -191,13 +191,15 @@ class MultiHeadDotProductAttention(keras.layers.Layer):
 
     def call(self, x, training=None, return_attention_scores=False):
         q, k, v = self.query(x), self.key(x), self.value(x)  # (batch, tokens, heads, head_dim)
-        explicit = return_attention_scores or (training and self.attention_dropout > 0)
+        # float16 takes the explicit path: the fused kernels accumulate float16 products into
+        # float32, which XLA on CPU cannot do (jax: "precision F16_F16_F32 is not supported").
+        explicit = (return_attention_scores or (training and self.attention_dropout > 0)
+                    or self.compute_dtype == "float16")
         if not explicit:
             return self.out(ops.dot_product_attention(q, k, v))
-        head_dim = q.shape[-1]
-        logits = ops.einsum("bqhd,bkhd->bhqk", q, k)
-        # Softmax in float32 whatever the compute dtype: float16 logits overflow and lose the tail.
-        probs = ops.softmax(ops.cast(logits, "float32") / math.sqrt(head_dim), axis=-1)
+        # Scaling q before the product keeps float16 logits in range; softmax runs in float32.
+        logits = ops.einsum("bqhd,bkhd->bhqk", q * (1.0 / math.sqrt(q.shape[-1])), k)
+        probs = ops.softmax(ops.cast(logits, "float32"), axis=-1)
         attended = ops.einsum(
             "bhqk,bkhd->bqhd", self._dropout(ops.cast(probs, q.dtype), training=training), v)
         y = self.out(attended)

@@ -1,0 +1,180 @@
+"""build_model and the variant table: parameter counts, shapes, errors, training behaviour."""
+
+import keras
+import numpy as np
+import pytest
+
+import vit_keras
+
+from conftest import random_images, randomize_weights
+
+# Parameter counts of vit_jax (models_test.py) and the paper, 1000 classes, 224 px.
+PARAMETER_COUNTS = {
+    "ViT-Ti/16": 5_717_416,
+    "ViT-S/16": 22_050_664,
+    "ViT-S/32": 22_878_952,
+    "ViT-B/8": 86_576_872,
+    "ViT-B/16": 86_567_656,
+    "ViT-B/32": 88_224_232,
+    "ViT-L/16": 304_326_632,
+    "ViT-L/32": 306_535_400,
+    "ViT-H/14": 632_045_800,
+}
+
+
+def test_variant_table_lists_exactly_the_papers_models():
+    assert list(vit_keras.VARIANTS) == list(PARAMETER_COUNTS)
+
+
+# Counts do not depend on the backend; the large variants (seconds each to initialise) are built on
+# the JAX run only, to keep the three-backend suite fast.
+_COUNTED_HERE = (list(PARAMETER_COUNTS) if keras.backend.backend() == "jax"
+                 else ["ViT-Ti/16", "ViT-S/32", "ViT-B/16"])
+
+
+@pytest.mark.parametrize("variant", _COUNTED_HERE)
+def test_parameter_count_equals_vit_jax(variant):
+    model = vit_keras.build_model(variant)
+    assert model.count_params() == PARAMETER_COUNTS[variant]
+
+
+def test_parameter_count_of_gap_model_has_no_class_token():
+    model = vit_keras.build_model("ViT-B/16", classifier="gap")
+    assert model.count_params() == 86_566_120
+
+
+def test_representation_layer_adds_a_dense_of_its_size():
+    base = vit_keras.build_model("ViT-Ti/16", num_classes=10).count_params()
+    with_representation = vit_keras.build_model(
+        "ViT-Ti/16", num_classes=10, representation_size=192).count_params()
+    assert with_representation - base == 192 * 192 + 192
+
+
+@pytest.mark.parametrize("image_size,classifier,representation_size,channels,tokens", [
+    (16, "token", None, 3, 17),
+    ((16, 24), "token", None, 3, 25),
+    ((24, 16), "gap", None, 1, 24),
+    (16, "gap", 20, 3, 16),
+    (16, "token", 20, 1, 17),
+])
+def test_output_shapes(tiny_config, image_size, classifier, representation_size, channels, tokens):
+    model = vit_keras.build_model(tiny_config, image_size=image_size, num_classes=7,
+                                  classifier=classifier, representation_size=representation_size,
+                                  channels=channels)
+    height, width = vit_keras.model.image_size_pair(image_size)
+    logits = model.predict(random_images(2, height, width, channels), verbose=0)
+    assert logits.shape == (2, 7)
+    assert model.get_layer("posembed_input").pos_embedding.shape == (1, tokens, 32)
+    features = vit_keras.build_model(tiny_config, image_size=image_size, include_top=False,
+                                     classifier=classifier, representation_size=representation_size,
+                                     channels=channels)
+    assert features.output.shape == (None, representation_size or 32)
+
+
+def test_head_is_zero_initialised_so_a_new_model_predicts_uniformly(tiny_config):
+    model = vit_keras.build_model(tiny_config, image_size=16, num_classes=5)
+    np.testing.assert_array_equal(model.predict(random_images(2, 16, 16), verbose=0), 0.0)
+
+
+def test_preprocessing_maps_pixels_0_255_to_minus_one_one(tiny_config):
+    raw = randomize_weights(vit_keras.build_model(tiny_config, image_size=16))
+    normalised = vit_keras.build_model(tiny_config, image_size=16, include_preprocessing=False)
+    normalised.set_weights(raw.get_weights())
+    images = random_images(2, 16, 16)
+    np.testing.assert_allclose(raw.predict(images, verbose=0),
+                               normalised.predict((images - 127.5) / 127.5, verbose=0),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_custom_config_builds_through_the_same_function():
+    config = vit_keras.ViTConfig("ViT-custom", patch_size=2, hidden_size=12, mlp_dim=20,
+                                 num_heads=3, num_layers=3)
+    model = vit_keras.build_model(config, image_size=(6, 8), num_classes=2)
+    assert len(vit_keras.model.transformer_blocks(model)) == 3
+    assert model.get_layer("embedding").kernel.shape == (2, 2, 3, 12)
+
+
+def test_unknown_variant_lists_the_known_ones():
+    with pytest.raises(ValueError, match=r"Unknown variant 'ViT-X/16'.*ViT-Ti/16, ViT-S/16"):
+        vit_keras.build_model("ViT-X/16")
+
+
+def test_image_size_not_divisible_by_patch_is_refused():
+    with pytest.raises(ValueError, match="Image width 230 is not divisible by patch size 16"):
+        vit_keras.build_model("ViT-B/16", image_size=(224, 230))
+
+
+def test_hidden_size_not_divisible_by_heads_is_refused(tiny_config):
+    with pytest.raises(ValueError, match="hidden size 30 is not divisible by the number of heads 4"):
+        vit_keras.build_model({**tiny_config, "hidden_size": 30})
+
+
+def test_unknown_classifier_is_refused(tiny_config):
+    with pytest.raises(ValueError, match="Unknown classifier 'max'"):
+        vit_keras.build_model(tiny_config, image_size=16, classifier="max")
+
+
+def test_wrong_input_image_size_is_named_in_the_error(tiny_config):
+    model = vit_keras.build_model(tiny_config, image_size=16)
+    with pytest.raises(ValueError, match="position embeddings for 17 tokens but got 37 tokens: "
+                                         "the input image size differs"):
+        model.predict(random_images(1, 24, 24), verbose=0)
+
+
+def test_attention_scores_are_row_stochastic_per_block_and_head(tiny_config):
+    model = randomize_weights(vit_keras.build_model(tiny_config, image_size=(16, 12)))
+    scores = vit_keras.attention_scores(model, random_images(3, 16, 12), batch_size=2)
+    assert [s.shape for s in scores] == [(3, 4, 13, 13)] * 2
+    assert all(s.dtype == np.float32 for s in scores)
+    np.testing.assert_allclose(scores[1].sum(-1), 1.0, rtol=1e-5)
+
+
+def test_attention_scores_do_not_change_the_models_own_outputs(tiny_config):
+    model = randomize_weights(vit_keras.build_model(tiny_config, image_size=16))
+    images = random_images(2, 16, 16)
+    before = model.predict(images, verbose=0)
+    vit_keras.attention_scores(model, images)
+    np.testing.assert_array_equal(model.predict(images, verbose=0), before)
+
+
+def _fit_twice_with_zero_learning_rate(model, images, labels):
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile="auto")
+    return [float(model.train_on_batch(images, labels)) for _ in range(2)]
+
+
+@pytest.mark.parametrize("regulariser", ["dropout", "drop_path_rate"])
+def test_dropout_and_stochastic_depth_masks_differ_between_compiled_training_steps(
+        tiny_config, regulariser):
+    # With a zero learning rate the weights never move, so two losses differ only by their masks.
+    model = randomize_weights(vit_keras.build_model(
+        tiny_config, image_size=16, num_classes=3, **{regulariser: 0.5}))
+    images, labels = random_images(8, 16, 16), np.arange(8) % 3
+    first, second = _fit_twice_with_zero_learning_rate(model, images, labels)
+    assert first != second
+    deterministic = randomize_weights(vit_keras.build_model(tiny_config, image_size=16,
+                                                            num_classes=3))
+    first, second = _fit_twice_with_zero_learning_rate(deterministic, images, labels)
+    assert first == pytest.approx(second, rel=1e-6)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_mixed_precision_trains_and_predicts_finite_values(tiny_config, policy):
+    keras.config.set_dtype_policy(policy)
+    model = vit_keras.build_model(tiny_config, image_size=16, num_classes=4, dropout=0.1)
+    assert model.get_layer("encoderblock_0").compute_dtype == policy.split("_")[1]
+    assert model.get_layer("encoder_norm").compute_dtype == "float32"
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    # Raw pixels at full scale, and far beyond it for a model without the rescaling layer.
+    images = random_images(8, 16, 16)
+    history = model.fit(images, np.arange(8) % 4, epochs=3, batch_size=4, verbose=0)
+    assert np.all(np.isfinite(history.history["loss"]))
+    logits = model.predict(images, verbose=0)
+    assert logits.dtype == np.float32 and np.all(np.isfinite(logits))
+    loud = vit_keras.build_model(tiny_config, image_size=16, include_preprocessing=False)
+    randomize_weights(loud, scale=0.5)
+    assert np.all(np.isfinite(loud.predict(random_images(2, 16, 16) * 40, verbose=0)))
+    scores = vit_keras.attention_scores(loud, random_images(2, 16, 16) * 40)
+    assert scores[0].dtype == np.float32 and np.all(np.isfinite(scores[0]))
