@@ -1,0 +1,238 @@
+"""vit_keras.export: SavedModel signatures, LiteRT and ONNX parity with Keras, self-verification.
+
+Exports run under the TensorFlow backend (a `.keras` file loads there whatever backend trained it);
+models trained on JAX and torch are exported in tests/test_export_app.py.
+"""
+
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+from conftest import randomize_weights
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow",
+    reason="exports run under the TensorFlow backend; covered by the tensorflow pytest run "
+           "(which also exports models trained on jax and torch)")
+
+if keras.backend.backend() == "tensorflow":
+    import tensorflow as tf
+
+    import vit_keras
+    from vit_keras import export as vit_export
+
+IMAGE_SIZE = 32
+NUM_CLASSES = 10
+CLASS_NAMES = [f"class_{i}" for i in range(NUM_CLASSES)]
+# Patch 8 on 32x32 images: 16 patches, enough to exercise every layer in well under a second.
+EXPORT_CONFIG = {"name": "tiny", "patch_size": 8, "hidden_size": 32, "mlp_dim": 64, "num_heads": 4,
+                 "num_layers": 2}
+
+
+def _has_flex_ops(ops):
+    return any(op.startswith("Flex") or op == "DELEGATE" for op in ops)
+
+
+@pytest.fixture(scope="module")
+def model():
+    model = vit_keras.build_model(EXPORT_CONFIG, image_size=IMAGE_SIZE, num_classes=NUM_CLASSES)
+    # Weights of scale 0.5 make logits of order 1, so relative differences are meaningful.
+    return randomize_weights(model, seed=1, scale=0.5)
+
+
+@pytest.fixture(scope="module")
+def saved_model(model, tmp_path_factory):
+    path, verifications = vit_export.export(
+        model, "saved_model", str(tmp_path_factory.mktemp("serving")), name="tiny",
+        class_names=CLASS_NAMES, top_k=3)
+    return path, verifications
+
+
+@pytest.fixture(scope="module")
+def litert_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("litert"))
+
+
+@pytest.fixture(scope="module")
+def litert_export(model, litert_dir):
+    return vit_export.export(model, "tflite", litert_dir, name="tiny")
+
+
+def test_saved_model_uses_the_versioned_serving_layout(saved_model):
+    path, _ = saved_model
+    assert path.endswith(os.path.join("tiny", "1"))
+    assert os.path.isfile(os.path.join(path, "saved_model.pb"))
+    assert not os.path.exists(path + ".unverified")
+
+
+def test_saved_model_verifies_both_signatures_within_tolerance(saved_model):
+    _, verifications = saved_model
+    assert [v.entry_point for v in verifications] == ["serving_default", "serving_bytes (PNG)"]
+    for verification in verifications:
+        assert verification.passed, verification.summary()
+        assert verification.max_rel_diff <= 1e-4
+        assert verification.top1_agreement == 1.0
+
+
+def test_saved_model_signatures_have_named_outputs_dtypes_and_dynamic_batch(saved_model, model):
+    loaded = tf.saved_model.load(saved_model[0])
+    assert set(loaded.signatures) == {"serving_default", "serving_bytes"}
+    serving = loaded.signatures["serving_default"]
+    (spec,) = serving.structured_input_signature[1].values()
+    assert (spec.name, spec.dtype, spec.shape.as_list()) == (
+        "images", tf.float32, [None, IMAGE_SIZE, IMAGE_SIZE, 3])
+    bytes_spec = loaded.signatures["serving_bytes"].structured_input_signature[1]["image_bytes"]
+    assert (bytes_spec.dtype, bytes_spec.shape.as_list()) == (tf.string, [None])
+    for batch in (1, 3):
+        images = vit_export.verification_images(model, batch_size=batch)
+        outputs = serving(images=tf.constant(images))
+        assert set(outputs) == {"logits", "probabilities", "top_k_indices", "top_k_names"}
+        assert outputs["logits"].dtype == tf.float32
+        assert outputs["probabilities"].dtype == tf.float32
+        assert outputs["top_k_indices"].dtype == tf.int32
+        assert outputs["top_k_names"].dtype == tf.string
+        assert outputs["logits"].shape == (batch, NUM_CLASSES)
+        assert outputs["top_k_names"].shape == (batch, 3)
+        np.testing.assert_allclose(outputs["probabilities"].numpy().sum(-1), 1.0, rtol=1e-5)
+        top1 = outputs["top_k_indices"].numpy()[:, 0]
+        np.testing.assert_array_equal(top1, outputs["logits"].numpy().argmax(-1))
+        assert [n.decode() for n in outputs["top_k_names"].numpy()[:, 0]] == [
+            CLASS_NAMES[i] for i in top1]
+
+
+def test_saved_model_cli_shows_both_signatures(saved_model):
+    cli = os.path.join(os.path.dirname(sys.executable), "saved_model_cli")
+    result = subprocess.run(
+        [cli, "show", "--dir", saved_model[0], "--all"], capture_output=True, text=True,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}, timeout=120, check=True)
+    shown = result.stdout
+    for expected in ("signature_def['serving_default']", "signature_def['serving_bytes']",
+                     "inputs['images']", f"shape: (-1, {IMAGE_SIZE}, {IMAGE_SIZE}, 3)",
+                     "inputs['image_bytes']", "dtype: DT_STRING", "outputs['logits']",
+                     "outputs['probabilities']", "outputs['top_k_names']",
+                     f"shape: (-1, {NUM_CLASSES})", "Method name is: tensorflow/serving/predict"):
+        assert expected in shown, f"{expected!r} missing from saved_model_cli output:\n{shown}"
+
+
+def test_serving_bytes_decodes_and_resizes_real_photos(saved_model, model):
+    skimage_data = pytest.importorskip("skimage.data")
+    photos = [skimage_data.chelsea(), skimage_data.astronaut()]  # 300x451 and 512x512 RGB
+    encoded = tf.stack([tf.io.encode_png(photos[0]), tf.io.encode_jpeg(photos[1], quality=95)])
+    outputs = tf.saved_model.load(saved_model[0]).signatures["serving_bytes"](
+        image_bytes=encoded)
+    decoded = [photos[0], tf.io.decode_jpeg(tf.io.encode_jpeg(photos[1], quality=95)).numpy()]
+    # The documented preprocessing: bilinear resize to the model's size, then the model.
+    expected = np.concatenate([
+        keras.ops.convert_to_numpy(model(keras.ops.image.resize(
+            photo.astype("float32")[None], (IMAGE_SIZE, IMAGE_SIZE), interpolation="bilinear")))
+        for photo in decoded])
+    np.testing.assert_allclose(outputs["logits"].numpy(), expected, rtol=1e-4, atol=1e-4)
+    assert outputs["top_k_names"].shape == (2, 3)
+
+
+def test_litert_float32_matches_keras_with_builtin_ops_only(litert_export):
+    path, (verification,) = litert_export
+    assert verification.passed and verification.max_rel_diff <= 1e-4, verification.summary()
+    ops = vit_export.litert_ops(path)
+    assert not _has_flex_ops(ops), ops
+    # Exact GELU (x * erfc(-x / sqrt 2) / 2) is fused by the converter into the builtin GELU op.
+    assert "GELU" in ops
+
+
+def test_litert_runs_with_a_dynamic_batch(model, litert_export):
+    runner = vit_export.litert_interpreter(litert_export[0]).get_signature_runner(
+        "serving_default")
+    for batch in (1, 5):
+        images = vit_export.verification_images(model, batch_size=batch, seed=batch)
+        outputs = runner(images=images)
+        assert set(outputs) == {"logits", "probabilities"}
+        assert outputs["logits"].shape == outputs["probabilities"].shape == (batch, NUM_CLASSES)
+        assert outputs["logits"].dtype == outputs["probabilities"].dtype == np.float32
+        expected = keras.ops.convert_to_numpy(model(images))
+        np.testing.assert_allclose(outputs["logits"], expected, rtol=1e-4,
+                                   atol=1e-4 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("quantize", ["dynamic_int8", "float16"])
+def test_litert_quantized_export_reports_top1_agreement(model, litert_dir, quantize):
+    path, (verification,) = vit_export.export(
+        model, "tflite", litert_dir, name="tiny", quantize=quantize)
+    assert path.endswith(f"tiny_{quantize}.tflite")
+    assert verification.tolerance is None and verification.passed
+    assert 0.0 <= verification.top1_agreement <= 1.0
+    assert not _has_flex_ops(vit_export.litert_ops(path))
+    # Quantised weights move logits by about a percent of their scale, not more.
+    assert verification.max_rel_diff < 0.1, verification.summary()
+
+
+@pytest.fixture(scope="module")
+def onnx_export(model, tmp_path_factory):
+    return vit_export.export(model, "onnx", str(tmp_path_factory.mktemp("onnx")), name="tiny")
+
+
+def test_onnx_matches_keras_with_a_dynamic_batch(model, onnx_export):
+    import onnxruntime
+
+    path, (verification,) = onnx_export
+    assert verification.passed and verification.max_rel_diff <= 1e-4, verification.summary()
+    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    (images_input,) = session.get_inputs()
+    assert (images_input.name, images_input.shape, images_input.type) == (
+        "images", ["batch", IMAGE_SIZE, IMAGE_SIZE, 3], "tensor(float)")
+    assert [(o.name, o.type) for o in session.get_outputs()] == [
+        ("logits", "tensor(float)"), ("probabilities", "tensor(float)")]
+    for batch in (1, 4):
+        images = vit_export.verification_images(model, batch_size=batch, seed=batch)
+        logits, probabilities = session.run(None, {"images": images})
+        expected = keras.ops.convert_to_numpy(model(images))
+        assert logits.shape == probabilities.shape == (batch, NUM_CLASSES)
+        np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+def test_onnx_export_computes_exact_gelu_with_erf(onnx_export):
+    import onnx
+
+    op_types = {node.op_type for node in onnx.load(onnx_export[0]).graph.node}
+    # TensorFlow's exact GELU uses Erfc, which ONNX lacks; the exporter writes 1 - Erf instead.
+    assert "Erf" in op_types and "Erfc" not in op_types
+
+
+def test_saved_model_versions_increment_and_never_overwrite(model, tmp_path):
+    for existing in ("1", "7", "backup"):  # TF Serving only loads numeric version folders
+        os.makedirs(tmp_path / "m" / existing)
+    path, _ = vit_export.export(model, "saved_model", str(tmp_path), name="m", verify=False)
+    assert os.path.basename(path) == "8"
+    with pytest.raises(FileExistsError, match="already exists"):
+        vit_export.export(model, "saved_model", str(tmp_path), name="m", version=7)
+
+
+def test_failed_verification_raises_and_leaves_the_artifact_unpublished(model, tmp_path,
+                                                                        monkeypatch):
+    monkeypatch.setattr(vit_export, "RELATIVE_TOLERANCE", -1.0)  # no difference can pass
+    with pytest.raises(vit_export.ExportVerificationError, match="does not reproduce"):
+        vit_export.export(model, "onnx", str(tmp_path), name="tiny")
+    assert not os.path.exists(tmp_path / "tiny.onnx")
+    assert os.path.exists(tmp_path / "tiny.onnx.unverified")
+
+
+def test_quantization_applies_to_tflite_only(model, tmp_path):
+    with pytest.raises(ValueError, match="tflite format only"):
+        vit_export.export(model, "onnx", str(tmp_path), name="tiny", quantize="float16")
+
+
+def test_class_names_must_match_the_number_of_classes(model, tmp_path):
+    with pytest.raises(ValueError, match="3 class names for a model with 10 outputs"):
+        vit_export.export(model, "saved_model", str(tmp_path), name="tiny",
+                          class_names=["a", "b", "c"])
+
+
+def test_class_names_load_from_json_beside_the_model_or_a_text_file(tmp_path):
+    (tmp_path / "class_names.json").write_text('["cat", "dog"]')
+    (tmp_path / "labels.txt").write_text("cat\ndog\n\n")
+    assert vit_export.find_class_names(str(tmp_path / "model.keras")) == ["cat", "dog"]
+    assert vit_export.load_class_names(str(tmp_path / "labels.txt")) == ["cat", "dog"]
+    assert vit_export.find_class_names(str(tmp_path / "elsewhere" / "model.keras")) is None

@@ -1,0 +1,434 @@
+"""Deployment exports of a trained model, each checked against Keras after it is written.
+
+Three formats, all written from the TensorFlow backend (a `.keras` file holds backend-independent
+weights, so a model trained on JAX or torch loads there unchanged; `apps/export.py` does this):
+
+- `saved_model`: a TF Serving SavedModel in the versioned layout `DIR/NAME/VERSION/` with two
+  signatures, `serving_default` (float32 pixels) and `serving_bytes` (encoded JPEG/PNG strings).
+- `tflite`: a LiteRT flatbuffer of builtin ops only (float32, dynamic-range int8 or float16 weights).
+- `onnx`: an ONNX model for onnxruntime.
+
+Every signature takes raw RGB pixels in [0, 255] (or image files) with a dynamic batch dimension;
+preprocessing happens inside the model, as `vit_keras.build_model` puts it there by default. Every
+artifact returns float32 `logits` and `probabilities` `(batch, num_classes)`; a SavedModel of a model
+with class names also returns `top_k_indices` (int32) and `top_k_names` (string) `(batch, k)`.
+
+Class names travel as a `class_names.json` (a JSON list of strings, one per output class) beside the
+`.keras` file, or from any `.json` list or `.txt` file with one name per line (`load_class_names`).
+
+Exact GELU: TensorFlow computes it as `0.5 * x * erfc(-x / sqrt(2))`. The LiteRT converter fuses that
+pattern into its builtin `GELU` op (approximate=False), so no Flex op is needed and the numerics are
+unchanged. tf2onnx has no mapping for `Erfc`; this module maps it to `1 - Erf(x)` with ONNX's own
+`Erf` (absolute error below 1e-7 in float32).
+
+Importing this module imports TensorFlow; `import vit_keras` alone does not.
+"""
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import tempfile
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+FORMATS = ("saved_model", "tflite", "onnx")
+QUANTIZATIONS = ("none", "dynamic_int8", "float16")
+SERVING_SIGNATURE = "serving_default"
+BYTES_SIGNATURE = "serving_bytes"
+CLASS_NAMES_FILE = "class_names.json"
+# Float exports must match Keras' logits to this fraction of their largest magnitude.
+RELATIVE_TOLERANCE = 1e-4
+ONNX_OPSET = 17
+
+
+class ExportVerificationError(RuntimeError):
+    """An exported artifact does not reproduce the Keras model within tolerance."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Verification:
+    """How one exported entry point compares with Keras on the fixed verification batch.
+
+    `max_rel_diff` is `max |exported - keras| / max |keras|` over all logits. `tolerance` is the bound
+    on it (`None` for quantised artifacts, whose agreement is reported but not bounded).
+    """
+
+    artifact: str
+    entry_point: str
+    max_abs_diff: float
+    max_rel_diff: float
+    top1_agreement: float
+    batch_size: int
+    tolerance: float | None
+
+    @property
+    def passed(self):
+        finite = np.isfinite(self.max_abs_diff)
+        return bool(finite and (self.tolerance is None or self.max_rel_diff <= self.tolerance))
+
+    def summary(self):
+        bound = ("not bounded (quantised)" if self.tolerance is None
+                 else f"tolerance {self.tolerance:.0e}")
+        verdict = "OK" if self.passed else "FAILED"
+        return (f"{verdict} {self.artifact} [{self.entry_point}]: max abs diff to Keras logits "
+                f"{self.max_abs_diff:.3e}, max rel diff {self.max_rel_diff:.3e} ({bound}), top-1 "
+                f"agreement {self.top1_agreement:.1%} on {self.batch_size} images")
+
+
+def require_tensorflow_backend():
+    """Raises unless Keras runs on the TensorFlow backend, which every export needs."""
+    if keras.backend.backend() != "tensorflow":
+        raise RuntimeError(
+            f"vit_keras.export needs the TensorFlow backend but Keras runs on "
+            f"{keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow before importing keras and "
+            f"load the .keras file there (weights are backend-independent), or run "
+            f"`python apps/export.py`, which does this for you.")
+
+
+def load_class_names(path):
+    """Class names from a `.json` list of strings or a text file with one name per line."""
+    with open(path, encoding="utf-8") as f:
+        if path.endswith(".json"):
+            names = json.load(f)
+            if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+                raise ValueError(f"{path} must hold a JSON list of strings, one per class.")
+        else:
+            names = [line.strip() for line in f if line.strip()]
+    return names
+
+
+def find_class_names(model_path):
+    """The class names stored as `class_names.json` beside a `.keras` file, or `None`."""
+    path = os.path.join(os.path.dirname(os.path.abspath(model_path)), CLASS_NAMES_FILE)
+    return load_class_names(path) if os.path.exists(path) else None
+
+
+def load_model(model_path):
+    """Loads a `.keras` file (trained on any backend) for export, without its training state."""
+    require_tensorflow_backend()
+    import vit_keras  # noqa: F401  (registers the layers for deserialization)
+
+    return keras.saving.load_model(model_path, compile=False)
+
+
+def image_shape(model):
+    """`(height, width, channels)` of a model with one image input `(batch, H, W, C)`."""
+    shape = tuple(model.input_shape) if not isinstance(model.input_shape, list) else None
+    if shape is None or len(shape) != 4 or None in shape[1:]:
+        raise ValueError(
+            f"Export needs a model with one image input of static shape (batch, height, width, "
+            f"channels); {model.name!r} has input shape {model.input_shape}.")
+    return shape[1:]
+
+
+def verification_images(model, batch_size=8, seed=0):
+    """The fixed verification batch: integer-valued float32 pixels `(batch, H, W, C)` in [0, 255].
+
+    Integer values survive PNG encoding exactly, so `serving_bytes` is checked on the same pixels.
+    """
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, (batch_size, *image_shape(model))).astype("float32")
+
+
+def _check_class_names(model, class_names):
+    num_classes = model.output_shape[-1]
+    if class_names is not None and len(class_names) != num_classes:
+        raise ValueError(
+            f"Got {len(class_names)} class names for a model with {num_classes} outputs; give one "
+            f"name per output class, in class-index order.")
+
+
+def _outputs(model, images, class_names=None, top_k=5):
+    """The signature outputs for a batch of raw pixels."""
+    logits = tf.cast(model(images, training=False), tf.float32)
+    outputs = {"logits": logits, "probabilities": tf.nn.softmax(logits, axis=-1)}
+    if class_names:
+        indices = tf.math.top_k(logits, k=min(top_k, len(class_names))).indices
+        outputs["top_k_indices"] = indices
+        outputs["top_k_names"] = tf.gather(tf.constant(class_names), indices)
+    return outputs
+
+
+def _decode_images(image_bytes, height, width, channels):
+    """A batch of encoded JPEG/PNG/GIF/BMP strings → float32 pixels `(batch, H, W, C)` in [0, 255]."""
+
+    def decode(data):
+        image = tf.io.decode_image(data, channels=channels, expand_animations=False)
+        image = tf.image.resize(image, (height, width), method="bilinear")
+        return tf.ensure_shape(tf.cast(image, tf.float32), (height, width, channels))
+
+    return tf.map_fn(decode, image_bytes,
+                     fn_output_signature=tf.TensorSpec((height, width, channels), tf.float32))
+
+
+def _archive(model, class_names=None, top_k=5, with_bytes=True):
+    """A `keras.export.ExportArchive` holding the serving signatures of `model`."""
+    height, width, channels = image_shape(model)
+    archive = keras.export.ExportArchive()
+    archive.track(model)
+    archive.add_endpoint(
+        SERVING_SIGNATURE, lambda images: _outputs(model, images, class_names, top_k),
+        input_signature=[tf.TensorSpec((None, height, width, channels), tf.float32, name="images")])
+    if with_bytes:
+        archive.add_endpoint(
+            BYTES_SIGNATURE,
+            lambda image_bytes: _outputs(
+                model, _decode_images(image_bytes, height, width, channels), class_names, top_k),
+            input_signature=[tf.TensorSpec((None,), tf.string, name="image_bytes")])
+    return archive
+
+
+def export_saved_model(model, export_dir, class_names=None, top_k=5):
+    """Writes a TF Serving SavedModel to `export_dir` (the `.../NAME/VERSION` folder).
+
+    Signatures:
+      `serving_default`: `images` float32 `(batch, H, W, C)` raw pixels in [0, 255].
+      `serving_bytes`: `image_bytes` string `(batch,)` of encoded images, decoded and resized to
+        `(H, W)` (bilinear) in the graph.
+    Both return `logits`, `probabilities` float32 `(batch, num_classes)`, and with `class_names`
+    `top_k_indices` int32 and `top_k_names` string `(batch, min(top_k, num_classes))`.
+    """
+    require_tensorflow_backend()
+    _check_class_names(model, class_names)
+    _archive(model, class_names, top_k).write_out(export_dir, verbose=False)
+    return export_dir
+
+
+def _litert_converter(saved_model_dir, quantize):
+    converter = tf.lite.TFLiteConverter.from_saved_model(
+        saved_model_dir, signature_keys=[SERVING_SIGNATURE])
+    converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]  # no Flex ops
+    if quantize != "none":
+        converter.optimizations = [tf.lite.Optimize.DEFAULT]  # dynamic-range int8 weights
+    if quantize == "float16":
+        converter.target_spec.supported_types = [tf.float16]
+    return converter
+
+
+def export_litert(model, path, quantize="none"):
+    """Writes a LiteRT (`.tflite`) model of builtin ops only.
+
+    Signature `serving_default`: `images` float32 `(batch, H, W, C)` raw pixels → `logits`,
+    `probabilities` float32 `(batch, num_classes)`. `quantize`: `"none"` (float32),
+    `"dynamic_int8"` (int8 weights, float activations) or `"float16"` (float16 weights).
+    """
+    require_tensorflow_backend()
+    if quantize not in QUANTIZATIONS:
+        raise ValueError(f"Unknown quantization {quantize!r}; expected one of {QUANTIZATIONS}.")
+    with tempfile.TemporaryDirectory() as saved_model_dir:
+        _archive(model, with_bytes=False).write_out(saved_model_dir, verbose=False)
+        try:
+            flatbuffer = _litert_converter(saved_model_dir, quantize).convert()
+        except Exception as error:
+            raise RuntimeError(
+                f"The LiteRT converter could not lower {model.name!r} to builtin ops only (Flex / "
+                f"Select-TF ops are not allowed): {error}") from error
+    with open(path, "wb") as f:
+        f.write(flatbuffer)
+    return path
+
+
+def _erfc_as_one_minus_erf(ctx, node, name, args):
+    """tf2onnx handler: TF's `Erfc(x)` (used by exact GELU) → ONNX `1 - Erf(x)`."""
+    from tf2onnx import utils
+
+    dtype = utils.map_onnx_to_numpy_type(ctx.get_dtype(node.input[0]))
+    erf = ctx.make_node("Erf", [node.input[0]], op_name_scope=node.name)
+    one = ctx.make_const(utils.make_name(f"{node.name}/one"), np.array(1, dtype))
+    node.type = "Sub"
+    ctx.replace_inputs(node, [one.output[0], erf.output[0]])
+
+
+def export_onnx(model, path, opset=ONNX_OPSET):
+    """Writes an ONNX model with a dynamic batch dimension.
+
+    Input `images` float32 `(batch, H, W, C)` raw pixels → `logits`, `probabilities` float32
+    `(batch, num_classes)`. The graph is converted by tf2onnx from the same function the SavedModel
+    serves; `Erfc` (exact GELU) becomes `1 - Erf`.
+    """
+    require_tensorflow_backend()
+    import tf2onnx
+
+    logging.getLogger("tf2onnx").setLevel(logging.ERROR)
+    height, width, channels = image_shape(model)
+    signature = [tf.TensorSpec((None, height, width, channels), tf.float32, name="images")]
+    serve = tf.function(lambda images: _outputs(model, images), input_signature=signature)
+    model_proto, _ = tf2onnx.convert.from_function(
+        serve, input_signature=signature, opset=opset,
+        custom_op_handlers={"Erfc": (_erfc_as_one_minus_erf, [])})
+    for value in (*model_proto.graph.input, *model_proto.graph.output):
+        value.type.tensor_type.shape.dim[0].dim_param = "batch"  # tf2onnx names it "unk__N"
+    with open(path, "wb") as f:
+        f.write(model_proto.SerializeToString())
+    return path
+
+
+def _compare(artifact, entry_point, logits, reference, tolerance):
+    logits, reference = np.asarray(logits), np.asarray(reference)
+    if logits.shape != reference.shape:
+        raise ExportVerificationError(
+            f"{artifact} [{entry_point}] returned logits of shape {logits.shape}; Keras returns "
+            f"{reference.shape}.")
+    max_abs = float(np.max(np.abs(logits - reference)))
+    scale = max(float(np.max(np.abs(reference))), 1e-6)
+    agreement = float(np.mean(np.argmax(logits, -1) == np.argmax(reference, -1)))
+    return Verification(artifact, entry_point, max_abs, max_abs / scale, agreement, len(reference),
+                        tolerance)
+
+
+def _in_two_batches(run, images):
+    """Runs `images` as batches of 1 and of the rest, which also proves the batch is dynamic."""
+    return np.concatenate([run(images[:1]), run(images[1:])])
+
+
+def verify_saved_model(export_dir, model, images=None):
+    """Reloads a SavedModel with `tf.saved_model.load` and checks both signatures against Keras."""
+    images = verification_images(model) if images is None else np.asarray(images, "float32")
+    reference = keras.ops.convert_to_numpy(model(images, training=False))
+    loaded = tf.saved_model.load(export_dir)
+    serving = loaded.signatures[SERVING_SIGNATURE]
+    by_bytes = loaded.signatures[BYTES_SIGNATURE]
+    png = lambda batch: tf.stack([tf.io.encode_png(tf.cast(image, tf.uint8)) for image in batch])
+    return [
+        _compare(export_dir, SERVING_SIGNATURE,
+                 _in_two_batches(lambda x: serving(images=tf.constant(x))["logits"].numpy(), images),
+                 reference, RELATIVE_TOLERANCE),
+        _compare(export_dir, f"{BYTES_SIGNATURE} (PNG)",
+                 _in_two_batches(lambda x: by_bytes(image_bytes=png(x))["logits"].numpy(), images),
+                 reference, RELATIVE_TOLERANCE),
+    ]
+
+
+def litert_interpreter(path):
+    """An `ai_edge_litert` interpreter for a `.tflite` file."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    return Interpreter(model_path=path)
+
+
+def litert_ops(path):
+    """The operator names in a `.tflite` file (Flex ops appear as `Flex...` / `DELEGATE`)."""
+    return sorted({op["op_name"] for op in litert_interpreter(path)._get_ops_details()})
+
+
+def verify_litert(path, model, images=None, quantize="none"):
+    """Runs a `.tflite` file in `ai_edge_litert`'s Interpreter and checks it against Keras."""
+    images = verification_images(model) if images is None else np.asarray(images, "float32")
+    reference = keras.ops.convert_to_numpy(model(images, training=False))
+    runner = litert_interpreter(path).get_signature_runner(SERVING_SIGNATURE)
+    logits = _in_two_batches(lambda x: runner(images=x)["logits"], images)
+    tolerance = RELATIVE_TOLERANCE if quantize == "none" else None
+    return [_compare(path, f"{SERVING_SIGNATURE}, quantize={quantize}", logits, reference,
+                     tolerance)]
+
+
+def verify_onnx(path, model, images=None):
+    """Runs an `.onnx` file in onnxruntime and checks it against Keras."""
+    import onnxruntime
+
+    images = verification_images(model) if images is None else np.asarray(images, "float32")
+    reference = keras.ops.convert_to_numpy(model(images, training=False))
+    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    logits = _in_two_batches(
+        lambda x: session.run(["logits"], {"images": x})[0], images)
+    return [_compare(path, "onnxruntime", logits, reference, RELATIVE_TOLERANCE)]
+
+
+def verify_artifact(path, format, model, images=None, quantize="none"):
+    """Reloads an exported artifact in its own runtime; a list of `Verification`s against Keras."""
+    if format == "saved_model":
+        return verify_saved_model(path, model, images)
+    if format == "tflite":
+        return verify_litert(path, model, images, quantize)
+    return verify_onnx(path, model, images)
+
+
+def _next_version(model_dir):
+    versions = [int(v) for v in os.listdir(model_dir) if v.isdigit()] if os.path.isdir(
+        model_dir) else []
+    return max(versions, default=0) + 1
+
+
+def _write_labels(path, class_names):
+    if class_names:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("".join(f"{name}\n" for name in class_names))
+
+
+def export(model, format, out_dir, *, name, version=None, quantize="none", class_names=None,
+           top_k=5, verify=True, images=None):
+    """Exports `model` in one format under `out_dir`, then reloads and verifies the artifact.
+
+    Args:
+      model: a Keras model (on the TensorFlow backend) with one image input of raw pixels.
+      format: `"saved_model"`, `"tflite"` or `"onnx"`.
+      out_dir: the root folder. `saved_model` writes `out_dir/name/version/`; `tflite` writes
+        `out_dir/name.tflite` (`out_dir/name_{quantize}.tflite` when quantised); `onnx` writes
+        `out_dir/name.onnx`. With class names, `tflite` and `onnx` also write `out_dir/name.labels.txt`.
+      name: the model name (TF Serving's `MODEL_NAME`, and the file stem).
+      version: the SavedModel version folder; by default one more than the highest present.
+      quantize: `"none"`, or for `tflite` `"dynamic_int8"` / `"float16"`.
+      class_names: optional list of `num_classes` names (SavedModel `top_k_names`, labels files).
+      top_k: how many classes `top_k_indices` / `top_k_names` list.
+      verify: reload the artifact in its runtime and compare with Keras (raise beyond tolerance).
+      images: the verification batch; `verification_images(model)` by default.
+
+    Returns:
+      `(path, verifications)`: the artifact's path and a list of `Verification`s (empty if
+      `verify=False`).
+
+    Raises:
+      ExportVerificationError: an artifact differs from Keras beyond `RELATIVE_TOLERANCE`
+        (float exports) or returns non-finite logits.
+    """
+    require_tensorflow_backend()
+    if format not in FORMATS:
+        raise ValueError(f"Unknown export format {format!r}; expected one of {FORMATS}.")
+    if quantize not in QUANTIZATIONS:
+        raise ValueError(f"Unknown quantization {quantize!r}; expected one of {QUANTIZATIONS}.")
+    if quantize != "none" and format != "tflite":
+        raise ValueError(f"Quantization {quantize!r} applies to the tflite format only, not "
+                         f"{format!r}; use --quantize none.")
+    _check_class_names(model, class_names)
+    os.makedirs(out_dir, exist_ok=True)
+    if format == "saved_model":
+        model_dir = os.path.join(out_dir, name)
+        version = _next_version(model_dir) if version is None else int(version)
+        path = os.path.join(model_dir, str(version))
+        if os.path.exists(path):
+            raise FileExistsError(
+                f"{path} already exists; TF Serving versions are immutable. Give a new --version "
+                f"(or leave it out to use {_next_version(model_dir)}), or delete the old one.")
+    else:
+        suffix = "" if quantize == "none" else f"_{quantize}"
+        path = os.path.join(out_dir, f"{name}{suffix}.{'tflite' if format == 'tflite' else 'onnx'}")
+    # Written under a name no runtime picks up (TF Serving loads numeric folders only) and moved
+    # into place once verified, so a model server watching out_dir never sees a bad artifact.
+    staged = path + ".unverified"
+    if os.path.isdir(staged):
+        shutil.rmtree(staged)
+    if format == "saved_model":
+        export_saved_model(model, staged, class_names, top_k)
+    elif format == "tflite":
+        export_litert(model, staged, quantize)
+    else:
+        export_onnx(model, staged)
+    verifications = []
+    if verify:
+        verifications = [dataclasses.replace(v, artifact=path)
+                         for v in verify_artifact(staged, format, model, images, quantize)]
+    failed = [v for v in verifications if not v.passed]
+    if failed:
+        raise ExportVerificationError(
+            "The exported artifact does not reproduce the Keras model:\n"
+            + "\n".join(v.summary() for v in failed)
+            + f"\nFloat exports must match Keras' logits within a relative difference of "
+              f"{RELATIVE_TOLERANCE:.0e}. The artifact was left at {staged} for inspection.")
+    os.replace(staged, path)
+    if format != "saved_model":
+        _write_labels(os.path.join(out_dir, f"{name}.labels.txt"), class_names)
+    return path, verifications
