@@ -1,0 +1,84 @@
+"""Exports a trained `.keras` model for serving and proves the export matches Keras.
+
+    python apps/export.py --model saved_models/RUN/model.keras --format saved_model --out exports
+    python apps/export.py --model saved_models/RUN/model.keras --format tflite \
+        --quantize dynamic_int8 --out exports
+    python apps/export.py --model saved_models/RUN/model.keras --format onnx --format tflite \
+        --out exports
+
+`saved_model` writes the TF Serving layout `OUT/NAME/VERSION/`; `tflite` and `onnx` write
+`OUT/NAME[_QUANTIZE].tflite` and `OUT/NAME.onnx`. After writing, the artifact is reloaded in its own
+runtime, run on a fixed batch and compared with Keras; the program exits with status 1 when a float
+export differs by more than 1e-4 (relative to the largest logit).
+
+The export always runs on the TensorFlow backend, whatever backend trained the model: the weights in
+a `.keras` file are backend-independent. Class names come from `--class_names` or from a
+`class_names.json` beside the model file.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+import _backend  # noqa: E402
+
+_backend.select_backend(["--backend", "tensorflow"])  # before keras is imported
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ info and warning logs
+
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+from absl import logging  # noqa: E402
+
+from vit_keras import export as vit_export  # noqa: E402
+
+flags.DEFINE_string("model", None, "The .keras file to export.", required=True)
+flags.DEFINE_multi_enum("format", None, vit_export.FORMATS,
+                        "Export format; repeat the flag to write several from one load.",
+                        required=True)
+flags.DEFINE_enum("quantize", "none", vit_export.QUANTIZATIONS,
+                  "Weight quantization (tflite only): none (float32), dynamic_int8 or float16.")
+flags.DEFINE_string("out", None, "Root folder of the exports.", required=True)
+flags.DEFINE_string("name", None,
+                    "Model name: the SavedModel folder (TF Serving's MODEL_NAME) and the file stem. "
+                    "Default: the name of the folder that holds the .keras file.")
+flags.DEFINE_integer("version", None,
+                     "SavedModel version folder. Default: one more than the highest present.")
+flags.DEFINE_string("class_names", None,
+                    "Class names: a JSON list or a text file with one name per line. Default: "
+                    "class_names.json beside the .keras file, if present.")
+flags.DEFINE_integer("top_k", 5, "Classes listed by the SavedModel's top_k outputs.")
+flags.DEFINE_enum("backend", "tensorflow", ["tensorflow"],
+                  "Export always runs on TensorFlow, whatever backend trained the model.")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)  # TensorFlow's SavedModel writer logs every step
+    formats = list(dict.fromkeys(FLAGS.format))
+    if FLAGS.version is not None and formats != ["saved_model"]:
+        raise app.UsageError("--version applies to --format saved_model only.")
+    if FLAGS.quantize != "none" and formats != ["tflite"]:
+        raise app.UsageError("--quantize applies to --format tflite only.")
+    if not os.path.isfile(FLAGS.model):
+        raise app.UsageError(f"--model {FLAGS.model} is not a file.")
+    name = FLAGS.name or os.path.basename(os.path.dirname(os.path.abspath(FLAGS.model)))
+    class_names = (vit_export.load_class_names(FLAGS.class_names) if FLAGS.class_names
+                   else vit_export.find_class_names(FLAGS.model))
+    model = vit_export.load_model(FLAGS.model)
+    for export_format in formats:
+        try:
+            path, verifications = vit_export.export(
+                model, export_format, FLAGS.out, name=name, version=FLAGS.version,
+                quantize=FLAGS.quantize, class_names=class_names, top_k=FLAGS.top_k)
+        except vit_export.ExportVerificationError as error:
+            print(f"Export verification failed ({export_format}).\n{error}", file=sys.stderr)
+            return 1
+        for verification in verifications:
+            print(verification.summary())
+        print(f"Wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,160 @@
+"""apps/export.py end to end: models trained on the JAX and torch backends, exported from the
+command line, reproduce the logits of the backend that trained them."""
+
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+from conftest import REPO_ROOT, run_on_backend
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow",
+    reason="exports run under the TensorFlow backend; covered by the tensorflow pytest run, "
+           "which trains its models on jax and torch in subprocesses")
+
+if keras.backend.backend() == "tensorflow":
+    import tensorflow as tf
+
+    import vit_keras
+
+CLASS_NAMES = ["cat", "dog", "bird"]
+EXPORT_CONFIG = {"name": "tiny", "patch_size": 8, "hidden_size": 32, "mlp_dim": 64, "num_heads": 4,
+                 "num_layers": 2}
+
+# Trains a tiny ViT for two epochs on the backend of the subprocess and saves what the training app
+# leaves in saved_models/RUN/: model.keras and class_names.json. Prints the trained model's logits.
+TRAIN = """
+import json, os
+import keras, numpy as np, vit_keras
+keras.utils.set_random_seed(0)
+model = vit_keras.build_model(ARGS["config"], image_size=32, num_classes=3)
+model.compile(keras.optimizers.SGD(0.1),
+              keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+images = np.random.default_rng(0).integers(0, 256, (16, 32, 32, 3)).astype("float32")
+model.fit(images, np.arange(16) % 3, batch_size=8, epochs=2, verbose=0)
+os.makedirs(ARGS["run_dir"], exist_ok=True)
+model.save(os.path.join(ARGS["run_dir"], "model.keras"))
+with open(os.path.join(ARGS["run_dir"], "class_names.json"), "w") as f:
+    json.dump(ARGS["class_names"], f)
+np.save(os.path.join(ARGS["run_dir"], "images.npy"), images)
+np.save(os.path.join(ARGS["run_dir"], "logits.npy"), keras.ops.convert_to_numpy(model(images)))
+print(json.dumps({"backend": keras.backend.backend()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def trained_runs(tmp_path_factory):
+    """`{backend: run_dir}` for tiny models trained on jax and torch (in parallel subprocesses)."""
+    root = tmp_path_factory.mktemp("saved_models")
+    runs = {backend: str(root / f"{backend}_run") for backend in ("jax", "torch")}
+    with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
+        results = pool.map(
+            lambda item: run_on_backend(item[0], TRAIN, config=EXPORT_CONFIG, run_dir=item[1],
+                                        class_names=CLASS_NAMES),
+            runs.items())
+        assert [r["backend"] for r in results] == list(runs)
+    return runs
+
+
+def run_app(*args):
+    # KERAS_BACKEND=jax on purpose: the app must switch to TensorFlow by itself.
+    env = {**os.environ, "KERAS_BACKEND": "jax", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    return subprocess.run([sys.executable, os.path.join("apps", "export.py"), *args],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def broken_model(tmp_path_factory):
+    """A saved model whose logits are NaN, which no export verification can accept."""
+    path = str(tmp_path_factory.mktemp("broken") / "model.keras")
+    model = vit_keras.build_model(EXPORT_CONFIG, image_size=32, num_classes=3)
+    model.get_layer("head").bias.assign(np.full(3, np.nan, "float32"))
+    model.save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def app_runs(trained_runs, broken_model, tmp_path_factory):
+    """The app's command lines under test, run in parallel: `{case: (CompletedProcess, out_dir)}`."""
+    out = {case: str(tmp_path_factory.mktemp(case)) for case in ("jax", "torch", "broken")}
+    labels = os.path.join(out["torch"], "labels.txt")
+    with open(labels, "w") as f:
+        f.write("ant\nbee\ncow\n")
+    command_lines = {
+        "jax": ["--model", os.path.join(trained_runs["jax"], "model.keras"),
+                "--format", "tflite", "--format", "onnx", "--out", out["jax"]],
+        "torch": ["--model", os.path.join(trained_runs["torch"], "model.keras"),
+                  "--format", "saved_model", "--out", os.path.join(out["torch"], "serving"),
+                  "--name", "vit", "--version", "3", "--class_names", labels],
+        "broken": ["--model", broken_model, "--format", "onnx", "--out", out["broken"],
+                   "--name", "broken"],
+    }
+    with concurrent.futures.ThreadPoolExecutor(len(command_lines)) as pool:
+        results = dict(zip(command_lines, pool.map(lambda a: run_app(*a), command_lines.values())))
+    return {case: (results[case], out[case]) for case in command_lines}
+
+
+def _training_logits(run_dir):
+    return (np.load(os.path.join(run_dir, "images.npy")),
+            np.load(os.path.join(run_dir, "logits.npy")))
+
+
+def _assert_matches_training_backend(logits, expected):
+    # The exporter's own bound: 1e-4 of the largest logit (float32 differs across backends by ~1e-7).
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
+    np.testing.assert_array_equal(logits.argmax(-1), expected.argmax(-1))
+
+
+def test_app_exports_a_jax_trained_model_to_litert(trained_runs, app_runs):
+    from ai_edge_litert.interpreter import Interpreter
+
+    result, out = app_runs["jax"]
+    assert result.returncode == 0, result.stderr
+    assert "OK" in result.stdout and "top-1 agreement 100.0%" in result.stdout, result.stdout
+    assert os.path.exists(os.path.join(out, "jax_run.tflite"))
+    with open(os.path.join(out, "jax_run.labels.txt")) as f:
+        assert f.read().split() == CLASS_NAMES  # from class_names.json beside the model
+    images, expected = _training_logits(trained_runs["jax"])
+    runner = Interpreter(model_path=os.path.join(out, "jax_run.tflite")).get_signature_runner(
+        "serving_default")
+    _assert_matches_training_backend(runner(images=images)["logits"], expected)
+
+
+def test_app_exports_a_jax_trained_model_to_onnx(trained_runs, app_runs):
+    import onnxruntime
+
+    result, out = app_runs["jax"]
+    assert result.returncode == 0, result.stderr
+    assert "[onnxruntime]" in result.stdout, result.stdout
+    images, expected = _training_logits(trained_runs["jax"])
+    session = onnxruntime.InferenceSession(os.path.join(out, "jax_run.onnx"),
+                                           providers=["CPUExecutionProvider"])
+    _assert_matches_training_backend(session.run(["logits"], {"images": images})[0], expected)
+
+
+def test_app_exports_a_torch_trained_model_for_tf_serving(trained_runs, app_runs):
+    result, out = app_runs["torch"]
+    assert result.returncode == 0, result.stderr
+    assert "[serving_default]" in result.stdout and "[serving_bytes (PNG)]" in result.stdout
+    path = os.path.join(out, "serving", "vit", "3")
+    assert f"Wrote {path}" in result.stdout
+    images, expected = _training_logits(trained_runs["torch"])
+    outputs = tf.saved_model.load(path).signatures["serving_default"](images=tf.constant(images))
+    _assert_matches_training_backend(outputs["logits"].numpy(), expected)
+    # --class_names wins over the class_names.json beside the model.
+    names = [["ant", "bee", "cow"][i] for i in expected.argmax(-1)]
+    assert [n.decode() for n in outputs["top_k_names"].numpy()[:, 0]] == names
+
+
+def test_app_exits_non_zero_when_the_export_does_not_match_keras(app_runs):
+    result, out = app_runs["broken"]
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Export verification failed (onnx)" in result.stderr
+    assert "does not reproduce the Keras model" in result.stderr
+    assert not os.path.exists(os.path.join(out, "broken.onnx"))
