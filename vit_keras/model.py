@@ -18,7 +18,7 @@ def image_size_pair(image_size):
 def build_model(variant, *, image_size=224, num_classes=1000, include_top=True,
                 include_preprocessing=True, classifier="token", representation_size=None,
                 dropout=0.0, attention_dropout=0.0, drop_path_rate=0.0, channels=3,
-                layer_norm_epsilon=1e-6, approximate_gelu=False, name=None):
+                layer_norm_epsilon=1e-6, approximate_gelu=False, name=None, weights=None):
     """Builds a Vision Transformer as a functional `keras.Model`.
 
     Args:
@@ -38,6 +38,9 @@ def build_model(variant, *, image_size=224, num_classes=1000, include_top=True,
       channels: number of input channels.
       layer_norm_epsilon: 1e-6 as in the original models.
       approximate_gelu: the tanh GELU of Flax (exact erf GELU, as in timm and Hugging Face, if False).
+      weights: optional checkpoint (vit_jax/big_vision `.npz`, timm or Hugging Face state dict or
+        folder) loaded after building with `vit_keras.load_pretrained` (strict, position
+        embeddings resampled, a head of another class count zero-initialised).
 
     Returns:
       A `keras.Model` mapping `(batch, height, width, channels)` to logits `(batch, num_classes)`
@@ -79,7 +82,11 @@ def build_model(variant, *, image_size=224, num_classes=1000, include_top=True,
     if include_top:
         x = keras.layers.Dense(num_classes, kernel_initializer="zeros", dtype=head_dtype,
                                name="head")(x)
-    return keras.Model(images, x, name=name or config.name.replace("/", "_"))
+    model = keras.Model(images, x, name=name or config.name.replace("/", "_"))
+    if weights is not None:
+        from vit_keras.checkpoints import loader  # pylint: disable=import-outside-toplevel
+        loader.load_pretrained(model, weights)
+    return model
 
 
 def transformer_blocks(model):

@@ -1,0 +1,98 @@
+"""Reading checkpoint files without ever executing code from them.
+
+`sniff` tells the container from the file's first bytes (not its extension); `.npz` is read with
+`allow_pickle=False`, PyTorch files with `torch.load(weights_only=True)`, safetensors without torch.
+"""
+
+import os
+import zipfile
+
+import numpy as np
+
+NPZ, TORCH, SAFETENSORS = "npz", "torch", "safetensors"
+_SUPPORTED = ("a vit_jax or big_vision .npz, a PyTorch state dict (.pth/.bin), a .safetensors file, "
+              "or a Hugging Face model folder")
+
+
+def sniff(path):
+    """`"npz"`, `"torch"` or `"safetensors"` for the file at `path`, from its content."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    size = os.path.getsize(path)
+    if head[:4] == b"PK\x03\x04":
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+        if names and all(name.endswith(".npy") for name in names):
+            return NPZ
+        if any(name.endswith("data.pkl") for name in names):
+            return TORCH
+    elif head[:1] == b"\x80":  # a pickle: PyTorch's legacy format (or any pickle: refused later)
+        return TORCH
+    elif len(head) == 9 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") < size:
+        return SAFETENSORS
+    raise ValueError(f"Unrecognised checkpoint format: {path!r} is none of {_SUPPORTED}.")
+
+
+def read_npz(path):
+    """All arrays of an `.npz` file as a dict; refuses pickled object arrays."""
+    arrays = {}
+    with np.load(path, allow_pickle=False) as archive:
+        for key in archive.files:
+            try:
+                arrays[key] = archive[key]
+            except ValueError as error:
+                raise ValueError(
+                    f"Refusing to load {path!r}: array {key!r} is a pickled object array, and "
+                    f"unpickling can execute code. Checkpoints must hold numeric arrays only.") from error
+    return arrays
+
+
+def _to_numpy(tensor):
+    import torch  # pylint: disable=import-outside-toplevel
+
+    tensor = tensor.detach().cpu()
+    if tensor.dtype in (torch.bfloat16, torch.float16):
+        tensor = tensor.float()
+    return tensor.numpy()
+
+
+def read_torch(path):
+    """A PyTorch state dict (`torch.save`) as NumPy arrays; only tensors and containers are allowed.
+
+    Training checkpoints that wrap the weights (`{"model": ...}`, `{"state_dict": ...}`) are
+    unwrapped and a DataParallel `module.` prefix is removed.
+    """
+    import pickle  # pylint: disable=import-outside-toplevel
+
+    import torch  # pylint: disable=import-outside-toplevel
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, AttributeError) as error:
+        raise ValueError(
+            f"Refusing to load {path!r}: it is not a plain PyTorch state dict (torch.load with "
+            f"weights_only=True rejected it; loading it fully could execute code). Details: "
+            f"{str(error).splitlines()[0]}") from error
+    for wrapper in ("model", "state_dict"):
+        if isinstance(state, dict) and isinstance(state.get(wrapper), dict):
+            state = state[wrapper]
+    if not isinstance(state, dict):
+        raise ValueError(f"{path!r} holds a {type(state).__name__}, not a state dict.")
+    arrays = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            arrays[key[len("module."):] if key.startswith("module.") else key] = _to_numpy(value)
+    return arrays
+
+
+def read_safetensors(paths):
+    """One or more (sharded) `.safetensors` files as one dict of NumPy arrays (no torch needed)."""
+    from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
+
+    arrays = {}
+    for path in [paths] if isinstance(paths, (str, os.PathLike)) else paths:
+        for key, value in load_file(path).items():
+            # bfloat16 (an ml_dtypes type) and float16 are widened to float32.
+            arrays[key] = value.astype(np.float32) if value.dtype.name in (
+                "bfloat16", "float16") else value
+    return arrays

@@ -1,0 +1,351 @@
+"""`load_pretrained`, `save_npz` and `build_model_from_checkpoint`: checkpoints in and out of models.
+
+Every format is first read into the canonical vit_jax layout (`names.py`); from there one code path
+resamples position embeddings, reconciles heads, checks every key and shape, and only then assigns.
+"""
+
+import dataclasses
+import logging
+import os
+
+import keras
+import numpy as np
+
+from vit_keras import configs
+from vit_keras import layers
+from vit_keras import posemb
+from vit_keras.checkpoints import files
+from vit_keras.checkpoints import huggingface
+from vit_keras.checkpoints import names
+from vit_keras.checkpoints import npz
+from vit_keras.checkpoints import timm
+
+logger = logging.getLogger("vit_keras")
+
+_HEAD = (names.HEAD + "kernel", names.HEAD + "bias")
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    """A checkpoint read into the canonical vit_jax layout.
+
+    `format` is `"vit_jax"`, `"big_vision"`, `"timm"` or `"huggingface"`; `interpolation` and
+    `antialias` are the format's own position-embedding resampling; `hints` holds what the weights
+    alone do not say (`num_heads`, `layer_norm_epsilon`, `approximate_gelu`, `grid`).
+    """
+
+    path: str
+    format: str
+    params: dict
+    interpolation: str
+    antialias: bool
+    hints: dict
+
+
+def read_checkpoint(path, *, num_heads=None):
+    """Reads any supported checkpoint into a `Checkpoint`; never executes code from the file.
+
+    Args:
+      path: a vit_jax or big_vision `.npz`; a timm or Hugging Face state dict (`.safetensors`,
+        `.pth`, `.bin`); or a Hugging Face `save_pretrained` folder. The format is told from the
+        content, not the extension.
+      num_heads: attention heads, needed to lay out fused PyTorch projections when the file does not
+        say (timm files; default: the paper's variant of that hidden size).
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"No checkpoint at {path!r}.")
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    paths = huggingface.weight_files(path) if os.path.isdir(path) else [path]
+    kind = files.sniff(paths[0])
+    if kind == files.NPZ:
+        params, info = npz.read(paths[0])
+    else:
+        if kind == files.SAFETENSORS:
+            state_dict = files.read_safetensors(paths)
+        else:
+            state_dict = {k: v for p in paths for k, v in files.read_torch(p).items()}
+        if timm.matches(state_dict):
+            params, info = timm.convert(state_dict, num_heads)
+        elif huggingface.matches(state_dict):
+            params, info = huggingface.convert(state_dict, huggingface.read_config(folder), num_heads)
+        else:
+            raise ValueError(
+                f"{path!r} is a state dict but neither a timm nor a Hugging Face ViT (no "
+                f"`patch_embed.proj.weight` or `embeddings.patch_embeddings.projection.weight`). "
+                f"First keys: {sorted(state_dict)[:5]}.")
+    info = dict(info)
+    return Checkpoint(path, info.pop("format"), params, info.pop("interpolation"),
+                      info.pop("antialias"), info)
+
+
+def _patch_grid(model):
+    """The model's `(rows, cols)` patch grid, from its `PatchEmbedding` layer."""
+    for layer in model.layers:
+        if isinstance(layer, layers.PatchEmbedding):
+            _, height, width, _ = layer.input.shape
+            return height // layer.patch_size, width // layer.patch_size
+    raise ValueError(f"Model {model.name!r} has no PatchEmbedding layer; is it a vit_keras model?")
+
+
+def _fit_position_embeddings(checkpoint, params, weights, grid, interpolation, antialias,
+                             checkpoint_grid):
+    """Resamples the checkpoint's position embeddings in `params` to the model's grid if needed."""
+    if names.POSEMB not in params or names.POSEMB not in weights:
+        return
+    old, target = params[names.POSEMB], tuple(weights[names.POSEMB].shape)
+    old_grid = checkpoint_grid or checkpoint.hints.get("grid")
+    same_grid = old_grid is None or posemb.grid_pair(old_grid) == grid
+    if old.ndim != 3 or old.shape[-1] != target[-1] or (old.shape[1] == target[1] and same_grid):
+        return  # same size (an exact no-op), or a mismatch reported with the others
+    prefix = 1 if names.CLS in params else 0
+    interpolation = interpolation or checkpoint.interpolation
+    antialias = checkpoint.antialias if antialias is None else antialias
+    if interpolation == "vit_jax":
+        antialias = False
+    new = posemb.resample_position_embeddings(
+        old, grid, num_prefix_tokens=prefix, old_grid=old_grid, interpolation=interpolation,
+        antialias=antialias)
+    model_prefix = 1 if names.CLS in weights else 0
+    if prefix > model_prefix:  # only reachable with strict=False: the class token is unexpected
+        new = new[:, prefix:]
+    elif prefix < model_prefix:
+        new = np.concatenate([np.zeros_like(new[:, :1]), new], axis=1)
+    side = int(round((old.shape[1] - prefix) ** 0.5))
+    old_rows, old_cols = posemb.grid_pair(old_grid) if old_grid else (side, side)
+    logger.info("Resampled position embeddings from %dx%d to %dx%d (%s%s).", old_rows, old_cols,
+                *grid, interpolation, ", antialias" if antialias else "")
+    params[names.POSEMB] = new
+
+
+def _reconcile_heads(params, weights):
+    """Applies the fine-tuning conventions to `params`; returns the model keys to zero-initialise."""
+    pre_logits = [k for k in params if k.startswith(names.PRE_LOGITS)]
+    dropped = bool(pre_logits) and names.PRE_LOGITS + "kernel" not in weights
+    if dropped:
+        width = np.shape(params.get(names.PRE_LOGITS + "kernel", np.zeros((0, 0))))[-1]
+        for key in pre_logits:
+            del params[key]
+        logger.warning("Model has no representation layer: the checkpoint's pre_logits (%d units) "
+                       "is dropped, as vit_jax does when fine-tuning.", width)
+    found = {key: params.pop(key) for key in _HEAD if key in params}
+    if _HEAD[0] not in weights:
+        if found:
+            logger.info("Model has no classification head: the checkpoint's head is not loaded.")
+        return []
+    model_head = tuple(weights[_HEAD[0]].shape)
+    if _HEAD[0] not in found:
+        reason = "Checkpoint has no classification head"
+    elif found[_HEAD[0]].shape[-1] != model_head[-1]:
+        reason = f"Checkpoint head has {found[_HEAD[0]].shape[-1]} classes, the model {model_head[-1]}"
+    elif dropped and tuple(found[_HEAD[0]].shape) != model_head:
+        reason = "The checkpoint's head reads the dropped representation layer"
+    else:
+        params.update(found)
+        return []
+    logger.warning("%s: the model's %d-class head is zero-initialised (the fine-tuning "
+                   "convention).", reason, model_head[-1])
+    return [k for k in _HEAD if k in weights]
+
+
+def _fits(array, shape):
+    """`array` reshaped to `shape` if it equals it up to unit axes (e.g. GroupNorm's (1, 1, 1, C))."""
+    if tuple(array.shape) == tuple(shape):
+        return array
+    squeeze = lambda s: tuple(d for d in s if d != 1)  # pylint: disable=unnecessary-lambda-assignment
+    if squeeze(array.shape) == squeeze(shape):
+        return array.reshape(shape)
+    return None
+
+
+def load_pretrained(model, path, *, strict=True, interpolation=None, antialias=None,
+                    checkpoint_grid=None):
+    """Loads a checkpoint of any supported format into a vit_keras model, in place.
+
+    Args:
+      model: a model from `build_model` (any image size, classes, `include_top`).
+      path: a checkpoint file or Hugging Face folder (see `read_checkpoint`), or a `Checkpoint`.
+      strict: `True`: any missing key, unexpected key or shape mismatch raises one `ValueError`
+        listing them all, before anything is assigned. `False`: those are logged and skipped.
+      interpolation: position-embedding resampling when the grids differ: `"vit_jax"`,
+        `"bilinear"` or `"bicubic"` (see `resample_position_embeddings`). Default: the format's own
+        (`"vit_jax"` for `.npz`, `"bicubic"` for timm and Hugging Face).
+      antialias: PyTorch-style antialiasing for `"bilinear"`/`"bicubic"`. Default: the format's own
+        (on for timm state dicts, as timm's `checkpoint_filter_fn`; off otherwise).
+      checkpoint_grid: the checkpoint's patch grid `(rows, cols)` when it is not square and the file
+        does not say (Hugging Face's `config.json` does).
+
+    Returns:
+      The model. A head with another class count (or none in the file) is zero-initialised, and a
+      `pre_logits` layer the model lacks is dropped; each says so in one log line.
+    """
+    checkpoint = path if isinstance(path, Checkpoint) else None
+    weights = {names.keras_to_canonical(w.path): w for w in model.weights}
+    query = names.QUERY_KERNEL.format(0)
+    if checkpoint is None:
+        checkpoint = read_checkpoint(
+            path, num_heads=weights[query].shape[1] if query in weights else None)
+    params = dict(checkpoint.params)
+    _fit_position_embeddings(checkpoint, params, weights, _patch_grid(model), interpolation,
+                             antialias, checkpoint_grid)
+    zeroed = _reconcile_heads(params, weights)
+
+    missing, mismatched, assignments = [], [], []
+    for key, weight in weights.items():
+        if key in zeroed:
+            assignments.append((weight, np.zeros(weight.shape, weight.dtype)))
+        elif key not in params:
+            missing.append(f"  missing from the checkpoint: {key} (model weight {weight.path}, "
+                           f"shape {tuple(weight.shape)})")
+        else:
+            array = _fits(np.asarray(params[key]), weight.shape)
+            if array is None:
+                mismatched.append(f"  shape mismatch: {key}: model {tuple(weight.shape)}, "
+                                  f"checkpoint {tuple(params[key].shape)}")
+            else:
+                assignments.append((weight, array.astype(weight.dtype)))
+    unexpected = [f"  unexpected in the checkpoint: {key} (shape {tuple(np.shape(params[key]))})"
+                  for key in sorted(set(params) - set(weights))]
+    problems = missing + unexpected + mismatched
+    if problems:
+        message = (f"Checkpoint {checkpoint.path!r} ({checkpoint.format}) does not fit model "
+                   f"{model.name!r}:\n" + "\n".join(problems))
+        if strict:
+            raise ValueError(
+                message + "\nBuild the model with the checkpoint's architecture "
+                "(vit_keras.build_model_from_checkpoint reads it from the file), or pass "
+                "strict=False to load only the arrays that fit.")
+        logger.warning("%s\nstrict=False: loading the %d arrays that fit.", message,
+                       len(assignments))
+    for weight, array in assignments:
+        weight.assign(array)
+    logger.info("Loaded %d arrays from %s (%s) into %s.", len(assignments) - len(zeroed),
+                checkpoint.path, checkpoint.format, model.name)
+    return model
+
+
+def save_npz(model, path):
+    """Writes a vit_keras model's weights as an official vit_jax `.npz` (loadable by vit_jax and by
+    timm's `_load_weights`). Returns `path`."""
+    params = {}
+    for weight in model.weights:
+        key = names.keras_to_canonical(weight.path)
+        if key in params:
+            raise ValueError(f"Two weights of {model.name!r} map to {key!r}; save_npz expects a "
+                             f"model from vit_keras.build_model.")
+        params[key] = np.asarray(keras.ops.convert_to_numpy(weight), dtype=np.float32)
+    npz.write(path, params)
+    return path
+
+
+def architecture(checkpoint):
+    """The architecture stored in a `Checkpoint`: a dict of `ViTConfig` fields (`config`) and the
+    `build_model` arguments the file determines (`classifier`, `representation_size`,
+    `num_classes`, `channels`, `grid`, `layer_norm_epsilon`, `approximate_gelu`)."""
+    params = checkpoint.params
+    if "conv_root/kernel" in params:
+        raise ValueError(f"{checkpoint.path!r} is a hybrid (ResNet + ViT) checkpoint; build the "
+                         f"hybrid model and call vit_keras.load_pretrained on it.")
+    kernel = params.get(names.EMBEDDING_KERNEL)
+    if kernel is None or kernel.ndim != 4 or kernel.shape[0] != kernel.shape[1]:
+        raise ValueError(f"{checkpoint.path!r}: expected a square patch-embedding kernel "
+                         f"(patch, patch, channels, hidden); got "
+                         f"{None if kernel is None else kernel.shape}.")
+    num_layers = 0
+    while names.QUERY_KERNEL.format(num_layers) in params:
+        num_layers += 1
+    if not num_layers:
+        raise ValueError(f"{checkpoint.path!r} has no encoder blocks "
+                         f"({names.QUERY_KERNEL.format(0)!r} is missing).")
+    query = params[names.QUERY_KERNEL.format(0)]
+    config = {"patch_size": kernel.shape[0], "hidden_size": kernel.shape[3],
+              "mlp_dim": params[names.MLP_KERNEL.format(0)].shape[1], "num_heads": query.shape[1],
+              "num_layers": num_layers}
+    classifier = "token" if names.CLS in params else "gap"
+    grid = checkpoint.hints.get("grid")
+    if grid is None:
+        tokens = params[names.POSEMB].shape[1] - (classifier == "token")
+        side = int(round(tokens ** 0.5))
+        grid = (side, side) if side * side == tokens else None
+    head = params.get(names.HEAD + "kernel")
+    pre_logits = params.get(names.PRE_LOGITS + "kernel")
+    return {
+        "config": {k: int(v) for k, v in config.items()},
+        "classifier": classifier,
+        "representation_size": None if pre_logits is None else int(pre_logits.shape[1]),
+        "num_classes": None if head is None else int(head.shape[1]),
+        "channels": int(kernel.shape[2]),
+        "grid": grid,
+        "layer_norm_epsilon": checkpoint.hints.get("layer_norm_epsilon", 1e-6),
+        "approximate_gelu": checkpoint.hints.get("approximate_gelu", False),
+    }
+
+
+def _variant_for(fields, variant, path):
+    """The `ViTConfig` for the checkpoint's fields: `variant` if it agrees, else the paper's
+    variant with those fields, else a custom config."""
+    names_ = ("patch_size", "hidden_size", "mlp_dim", "num_heads", "num_layers")
+    if variant is not None:
+        config = configs.get_config(variant)
+        wanted = {n: getattr(config, n) for n in names_}
+        if wanted != fields:
+            differ = ", ".join(f"{n} {fields[n]} (variant: {wanted[n]})" for n in names_
+                               if wanted[n] != fields[n])
+            raise ValueError(f"Checkpoint {path!r} does not hold a {config.name}: {differ}. Leave "
+                             f"the variant out to build the checkpoint's own architecture.")
+        return config
+    for config in configs.VARIANTS.values():
+        if {n: getattr(config, n) for n in names_} == fields:
+            return config
+    return configs.ViTConfig(name="custom", **fields)
+
+
+def build_model_from_checkpoint(path, *, variant=None, image_size=None, num_classes=None,
+                                include_top=None, num_heads=None, strict=True, interpolation=None,
+                                antialias=None, **build_kwargs):
+    """Builds the model a checkpoint describes and loads it.
+
+    The file determines patch size, width, depth, MLP size, heads, class token or GAP, the
+    representation layer, channels and (for Hugging Face) LayerNorm epsilon and GELU variant.
+
+    Args:
+      path: any checkpoint `read_checkpoint` accepts.
+      variant: optional variant name; an error if the checkpoint holds another architecture.
+      image_size: `int` or `(height, width)`; default: the checkpoint's own resolution. Position
+        embeddings are resampled when it differs (see `load_pretrained`).
+      num_classes: default: the checkpoint's head; another count gets a zero-initialised head.
+      include_top: default: `True` when the checkpoint has a head or `num_classes` is given.
+      num_heads: for timm files of non-standard width (the file does not store it).
+      strict, interpolation, antialias: as in `load_pretrained`.
+      **build_kwargs: any other `build_model` argument (e.g. `include_preprocessing`, `dropout`),
+        overriding what the checkpoint says.
+
+    Returns:
+      The loaded `keras.Model`.
+    """
+    from vit_keras import model as model_lib  # pylint: disable=import-outside-toplevel
+
+    if variant is not None and num_heads is None:
+        num_heads = configs.get_config(variant).num_heads
+    checkpoint = read_checkpoint(path, num_heads=num_heads)
+    arch = architecture(checkpoint)
+    config = _variant_for(arch["config"], variant, checkpoint.path)
+    if image_size is None:
+        if arch["grid"] is None:
+            raise ValueError(f"Cannot tell the image size of {checkpoint.path!r} (its position "
+                             f"grid is not square); pass image_size=(height, width).")
+        image_size = tuple(g * config.patch_size for g in arch["grid"])
+    if include_top is None:
+        include_top = num_classes is not None or arch["num_classes"] is not None
+    num_classes = num_classes or arch["num_classes"]
+    if include_top and num_classes is None:
+        raise ValueError(f"{checkpoint.path!r} has no classification head; pass num_classes=... "
+                         f"for a new (zero-initialised) head, or include_top=False.")
+    kwargs = {"image_size": image_size, "num_classes": num_classes or 1000,
+              "include_top": include_top, "classifier": arch["classifier"],
+              "representation_size": arch["representation_size"], "channels": arch["channels"],
+              "layer_norm_epsilon": arch["layer_norm_epsilon"],
+              "approximate_gelu": arch["approximate_gelu"], **build_kwargs}
+    model = model_lib.build_model(config, **kwargs)
+    return load_pretrained(model, checkpoint, strict=strict, interpolation=interpolation,
+                           antialias=antialias)

@@ -1,0 +1,247 @@
+"""The one place that knows checkpoint key names: every format ↔ the canonical vit_jax layout.
+
+The canonical layout is the official vit_jax `.npz` (pre-Linen names, no prefix), as NumPy arrays:
+
+    embedding/kernel                                  (patch, patch, channels, hidden)  HWIO
+    embedding/bias                                    (hidden,)
+    cls                                               (1, 1, hidden)      token models only
+    Transformer/posembed_input/pos_embedding          (1, tokens, hidden)
+    Transformer/encoderblock_{i}/LayerNorm_0/scale|bias                     (hidden,)
+    Transformer/encoderblock_{i}/MultiHeadDotProductAttention_1/{query,key,value}/kernel
+                                                      (hidden, heads, head_dim), bias (heads, head_dim)
+    Transformer/encoderblock_{i}/MultiHeadDotProductAttention_1/out/kernel  (heads, head_dim, hidden)
+    Transformer/encoderblock_{i}/LayerNorm_2/scale|bias
+    Transformer/encoderblock_{i}/MlpBlock_3/Dense_0/kernel (hidden, mlp), Dense_1/kernel (mlp, hidden)
+    Transformer/encoder_norm/scale|bias
+    pre_logits/kernel|bias                            representation layer (Dense + tanh), optional
+    head/kernel|bias                                  (features, classes)
+
+Keras weight paths equal these keys up to `Transformer/` and `gamma|beta` (see `keras_to_canonical`).
+Keys a converter does not recognise are passed through under their own name, so that a strict load
+reports them as unexpected.
+"""
+
+import re
+
+import numpy as np
+
+POSEMB = "Transformer/posembed_input/pos_embedding"
+CLS = "cls"
+EMBEDDING_KERNEL = "embedding/kernel"
+ENCODER_NORM = "Transformer/encoder_norm/"
+BLOCK = "Transformer/encoderblock_{}/"
+ATTENTION = "MultiHeadDotProductAttention_1/"
+QUERY_KERNEL = BLOCK + ATTENTION + "query/kernel"
+MLP_KERNEL = BLOCK + "MlpBlock_3/Dense_0/kernel"
+PRE_LOGITS = "pre_logits/"
+HEAD = "head/"
+
+_TRANSFORMER_PARTS = re.compile(r"^(encoderblock_\d+|encoder_norm|posembed_input)/")
+
+
+# --- Keras model weights --------------------------------------------------------------------------
+
+def keras_to_canonical(path):
+    """A vit_keras weight path → its canonical key, e.g. `encoder_norm/gamma` →
+    `Transformer/encoder_norm/scale`, `cls/cls` → `cls`."""
+    if path == "cls/cls":
+        return CLS
+    key = re.sub(r"/gamma$", "/scale", re.sub(r"/beta$", "/bias", path))
+    if _TRANSFORMER_PARTS.match(key):
+        key = "Transformer/" + key
+    return key
+
+
+# --- vit_jax and big_vision .npz ------------------------------------------------------------------
+
+NPZ_PREFIXES = ("opt/target/", "params/img/", "params/")
+# Flax Linen numbers submodules per type; the pre-Linen names (the published files) count globally.
+_LINEN_TO_PRE_LINEN = {"MultiHeadDotProductAttention_0": "MultiHeadDotProductAttention_1",
+                       "LayerNorm_1": "LayerNorm_2", "MlpBlock_0": "MlpBlock_3"}
+_STACKED_BLOCK = "Transformer/encoderblock/"
+
+
+def from_npz(arrays):
+    """vit_jax (pre-Linen or Linen names, optional `opt/target/`) or big_vision (`params/`, top-level
+    `pos_embedding`, blocks possibly stacked along a leading axis) → `(canonical dict, format)`."""
+    prefix = next((p for p in NPZ_PREFIXES if p + EMBEDDING_KERNEL in arrays), "")
+    arrays = {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)} if prefix else (
+        dict(arrays))
+    big_vision = prefix.startswith("params/") or "pos_embedding" in arrays or any(
+        k.startswith(_STACKED_BLOCK) for k in arrays)
+    out = {}
+    for key, value in arrays.items():
+        if key == "pos_embedding":
+            out[POSEMB] = value
+        elif key.startswith(_STACKED_BLOCK):  # big_vision's scanned blocks: (layers, ...)
+            for index, layer_value in enumerate(value):
+                out[BLOCK.format(index) + key[len(_STACKED_BLOCK):]] = layer_value
+        else:
+            out[key] = value
+    blocks = {}
+    for key in out:
+        match = re.match(r"^(Transformer/encoderblock_\d+/)", key)
+        if match:
+            blocks.setdefault(match.group(1), set()).add(key[match.end():].split("/")[0])
+    for block, modules in blocks.items():
+        if not {"MultiHeadDotProductAttention_0", "MlpBlock_0"} & modules:
+            continue  # pre-Linen names already
+        for key in [k for k in out if k.startswith(block)]:
+            module, rest = key[len(block):].split("/", 1)
+            out[block + _LINEN_TO_PRE_LINEN.get(module, module) + "/" + rest] = out.pop(key)
+    return out, "big_vision" if big_vision else "vit_jax"
+
+
+# --- PyTorch state dicts: timm and Hugging Face ---------------------------------------------------
+
+def _linear(weight):
+    """torch `Linear.weight` (out, in) → Dense kernel (in, out)."""
+    return np.ascontiguousarray(weight.T)
+
+
+def _heads_in(weight, num_heads):
+    """(out, in) projection → (in, heads, head_dim)."""
+    kernel = _linear(weight)
+    return kernel.reshape(kernel.shape[0], num_heads, -1)
+
+
+def _heads_out(weight, num_heads):
+    """(out, in) output projection → (heads, head_dim, out)."""
+    kernel = _linear(weight)
+    return kernel.reshape(num_heads, -1, kernel.shape[1])
+
+
+def _check_heads(hidden, num_heads):
+    if not num_heads or hidden % num_heads:
+        raise ValueError(f"Cannot split hidden size {hidden} into {num_heads} attention heads; pass "
+                         f"the checkpoint's number of heads (num_heads=...).")
+
+
+def _conv(weight):
+    """torch Conv2d weight (out, in, h, w) → HWIO."""
+    return np.ascontiguousarray(weight.transpose(2, 3, 1, 0))
+
+
+def _convert(state_dict, rules):
+    """Applies `rules` [(regex, function(match, value) → {canonical: array})] to each key."""
+    out = {}
+    for key, value in state_dict.items():
+        for pattern, convert in rules:
+            match = re.fullmatch(pattern, key)
+            if match:
+                out.update(convert(match, value))
+                break
+        else:
+            out[key] = value  # unknown: reported as unexpected by a strict load
+    return out
+
+
+def _to(template, transform=lambda v: v):
+    """One tensor → one canonical key (the regex groups fill the template)."""
+    return lambda match, value: {template.format(*match.groups()): transform(value)}
+
+
+def _ln(template):
+    """A torch LayerNorm `weight|bias` → canonical `scale|bias`."""
+    def convert(match, value):
+        *indices, which = match.groups()
+        return {template.format(*indices) + ("scale" if which == "weight" else "bias"): value}
+    return convert
+
+
+def _dense(template):
+    """A torch Linear `weight|bias` → canonical `kernel|bias` (the weight transposed)."""
+    def convert(match, value):
+        *indices, which = match.groups()
+        if which == "weight":
+            return {template.format(*indices) + "kernel": _linear(value)}
+        return {template.format(*indices) + "bias": value}
+    return convert
+
+
+def from_timm(state_dict, num_heads):
+    """A timm `VisionTransformer` state dict (NumPy values) → canonical dict."""
+    if "fc_norm.weight" in state_dict:
+        raise ValueError(
+            "This timm checkpoint applies its final LayerNorm after pooling (fc_norm); vit_keras, "
+            "like vit_jax, normalises before pooling (encoder_norm), so it cannot hold this model. "
+            "Only timm ViTs with `norm` (fc_norm=False) are supported.")
+    hidden = state_dict["patch_embed.proj.weight"].shape[0]
+    _check_heads(hidden, num_heads)
+
+    def qkv(match, value):
+        block = BLOCK.format(match.group(1)) + ATTENTION
+        parts = np.split(value, 3, axis=0)
+        if match.group(2) == "weight":
+            return {f"{block}{n}/kernel": _heads_in(p, num_heads)
+                    for n, p in zip(("query", "key", "value"), parts)}
+        return {f"{block}{n}/bias": p.reshape(num_heads, -1)
+                for n, p in zip(("query", "key", "value"), parts)}
+
+    def proj(match, value):
+        block = BLOCK.format(match.group(1)) + ATTENTION
+        if match.group(2) == "weight":
+            return {block + "out/kernel": _heads_out(value, num_heads)}
+        return {block + "out/bias": value}
+
+    return _convert(state_dict, [
+        (r"patch_embed\.proj\.weight", _to(EMBEDDING_KERNEL, _conv)),
+        (r"patch_embed\.proj\.bias", _to("embedding/bias")),
+        (r"cls_token", _to(CLS)),
+        (r"pos_embed", _to(POSEMB)),
+        (r"blocks\.(\d+)\.norm1\.(weight|bias)", _ln(BLOCK + "LayerNorm_0/")),
+        (r"blocks\.(\d+)\.attn\.qkv\.(weight|bias)", qkv),
+        (r"blocks\.(\d+)\.attn\.proj\.(weight|bias)", proj),
+        (r"blocks\.(\d+)\.norm2\.(weight|bias)", _ln(BLOCK + "LayerNorm_2/")),
+        (r"blocks\.(\d+)\.mlp\.fc1\.(weight|bias)", _dense(BLOCK + "MlpBlock_3/Dense_0/")),
+        (r"blocks\.(\d+)\.mlp\.fc2\.(weight|bias)", _dense(BLOCK + "MlpBlock_3/Dense_1/")),
+        (r"norm\.(weight|bias)", _ln(ENCODER_NORM)),
+        (r"pre_logits\.fc\.(weight|bias)", _dense(PRE_LOGITS)),  # timm < 0.6
+        (r"head\.(weight|bias)", _dense(HEAD)),
+    ])
+
+
+def from_huggingface(state_dict, num_heads):
+    """A Hugging Face `ViTModel` / `ViTForImageClassification` state dict → canonical dict.
+
+    Accepts the names `save_pretrained` writes (`encoder.layer.{i}.attention.attention.query`) and
+    the in-memory names of transformers >= 5 (`layers.{i}.attention.q_proj`), with or without the
+    `vit.` prefix. `ViTModel`'s pooler (Dense + tanh on the class token after the final LayerNorm)
+    is the representation layer `pre_logits`.
+    """
+    state_dict = {k[len("vit."):] if k.startswith("vit.") else k: v for k, v in state_dict.items()}
+    hidden = state_dict["embeddings.patch_embeddings.projection.weight"].shape[0]
+    _check_heads(hidden, num_heads)
+    layer = r"(?:encoder\.layer|layers)\.(\d+)\."
+    projections = {"query": "query", "key": "key", "value": "value", "q_proj": "query",
+                   "k_proj": "key", "v_proj": "value"}
+
+    def qkv(match, value):
+        block = BLOCK.format(match.group(1)) + ATTENTION + projections[match.group(2)] + "/"
+        if match.group(3) == "weight":
+            return {block + "kernel": _heads_in(value, num_heads)}
+        return {block + "bias": value.reshape(num_heads, -1)}
+
+    def out(match, value):
+        block = BLOCK.format(match.group(1)) + ATTENTION
+        if match.group(2) == "weight":
+            return {block + "out/kernel": _heads_out(value, num_heads)}
+        return {block + "out/bias": value}
+
+    return _convert(state_dict, [
+        (r"embeddings\.patch_embeddings\.projection\.weight", _to(EMBEDDING_KERNEL, _conv)),
+        (r"embeddings\.patch_embeddings\.projection\.bias", _to("embedding/bias")),
+        (r"embeddings\.cls_token", _to(CLS)),
+        (r"embeddings\.position_embeddings", _to(POSEMB)),
+        (layer + r"layernorm_before\.(weight|bias)", _ln(BLOCK + "LayerNorm_0/")),
+        (layer + r"attention\.(?:attention\.)?(query|key|value|q_proj|k_proj|v_proj)\.(weight|bias)",
+         qkv),
+        (layer + r"attention\.(?:output\.dense|o_proj)\.(weight|bias)", out),
+        (layer + r"layernorm_after\.(weight|bias)", _ln(BLOCK + "LayerNorm_2/")),
+        (layer + r"(?:intermediate\.dense|mlp\.fc1)\.(weight|bias)",
+         _dense(BLOCK + "MlpBlock_3/Dense_0/")),
+        (layer + r"(?:output\.dense|mlp\.fc2)\.(weight|bias)", _dense(BLOCK + "MlpBlock_3/Dense_1/")),
+        (r"layernorm\.(weight|bias)", _ln(ENCODER_NORM)),
+        (r"pooler\.dense\.(weight|bias)", _dense(PRE_LOGITS)),
+        (r"classifier\.(weight|bias)", _dense(HEAD)),
+    ])
