@@ -55,26 +55,39 @@ def load_model(spec):
                      f"({', '.join(vit_keras.VARIANTS)}).")
 
 
-def load_images(paths, height, width, channels):
-    """Image files → `(n, height, width, channels)` float32 pixels in [0, 255], resized bilinearly."""
+def read_images(paths):
+    """Decodes every image file (before the slow model load, so a bad file fails at once).
+
+    Returns: a list of PIL images. Raises: ValueError naming a missing or unreadable file.
+    """
     from PIL import Image, UnidentifiedImageError
 
-    mode = {1: "L", 3: "RGB"}.get(channels)
-    if mode is None:
-        raise ValueError(f"The model takes {channels}-channel inputs; only 1 (grey) or 3 (RGB) "
-                         f"channel images can be loaded.")
     images = []
     for path in paths:
         if not os.path.isfile(path):
             raise ValueError(f"Image file {path!r} does not exist.")
         try:
             with Image.open(path) as image:
-                image = image.convert(mode).resize((width, height), Image.BILINEAR)
+                image.load()
+                images.append(image.copy())
         except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as error:
             raise ValueError(f"Cannot read image file {path!r}: it is not a valid image "
                              f"({type(error).__name__}: {error}).") from None
-        images.append(np.asarray(image, dtype=np.float32).reshape(height, width, channels))
-    return np.stack(images)
+    return images
+
+
+def resize_images(images, height, width, channels):
+    """PIL images → `(n, height, width, channels)` float32 pixels in [0, 255], resized
+    bilinearly (aspect ratio not kept)."""
+    from PIL import Image
+
+    mode = {1: "L", 3: "RGB"}.get(channels)
+    if mode is None:
+        raise ValueError(f"The model takes {channels}-channel inputs; only 1 (grey) or 3 (RGB) "
+                         f"channel images can be shown.")
+    return np.stack([
+        np.asarray(image.convert(mode).resize((width, height), Image.BILINEAR),
+                   dtype=np.float32).reshape(height, width, channels) for image in images])
 
 
 def model_inputs(model, images):
@@ -84,31 +97,49 @@ def model_inputs(model, images):
     return images if "rescale" in names else images / 127.5 - 1.0
 
 
+def image_titles(model, inputs, paths):
+    """File names, with the predicted class and its probability when the model has a head."""
+    names = [os.path.basename(path) for path in paths]
+    has_head = "head" in {layer.name for layer in model.layers}
+    if not has_head or model.outputs[0].shape[-1] in (None, 1):
+        return names
+    logits = np.asarray(model.predict(inputs, batch_size=FLAGS.batch_size, verbose=0), np.float64)
+    probabilities = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    probabilities /= probabilities.sum(axis=-1, keepdims=True)
+    return [f"{name}: class {p.argmax()} ({100 * p.max():.0f}%)"
+            for name, p in zip(names, probabilities)]
+
+
 def main(argv):
-    import vit_keras
+    paths = list(FLAGS.images) + list(argv[1:])
+    try:
+        pictures = read_images(paths)
+    except ValueError as error:
+        sys.exit(f"visualize.py: error: {error}")
+
+    import vit_keras  # Keras, after the images are known to be readable
     from vit_keras import analysis, plots
 
-    paths = list(FLAGS.images) + [arg for arg in argv[1:]]
     try:
         model = load_model(FLAGS.model)
         _, height, width, channels = model.inputs[0].shape
-        images = load_images(paths, height, width, channels) if paths else None
+        grid = analysis.token_grid(model)
+        token_size = analysis.token_size_pixels(model)
+        images = resize_images(pictures, height, width, channels) if paths else None
     except ValueError as error:
         sys.exit(f"visualize.py: error: {error}")
     os.makedirs(FLAGS.out, exist_ok=True)
-    grid = analysis.token_grid(model)
-    token_size = analysis.token_size_pixels(model)
     summary = {"model": FLAGS.model, "image_size": [height, width], "grid": list(grid),
                "token_size_pixels": list(token_size), "images": paths}
     written = []
 
     if images is not None:
-        attentions = vit_keras.attention_scores(model, model_inputs(model, images),
-                                                batch_size=FLAGS.batch_size)
+        inputs = model_inputs(model, images)
+        attentions = vit_keras.attention_scores(model, inputs, batch_size=FLAGS.batch_size)
         rollout = analysis.attention_rollout(attentions, grid)
         written.append(plots.rollout_figure(
             images, rollout, os.path.join(FLAGS.out, "rollout.png"),
-            titles=[os.path.basename(path) for path in paths]))
+            titles=image_titles(model, inputs, paths)))
         distances = analysis.mean_attention_distance(attentions, grid, token_size)
         written.append(plots.attention_distance_figure(
             distances, os.path.join(FLAGS.out, "attention_distance.png"),
@@ -128,7 +159,8 @@ def main(argv):
         components, explained = analysis.embedding_filter_components(kernel, FLAGS.num_components)
         written.append(plots.filter_components_figure(
             components, os.path.join(FLAGS.out, "embedding_filters.png"), explained=explained,
-            title=f"{model.name}: embedding filters (first {len(components)} principal components)"))
+            title=f"{model.name}: embedding filters "
+                  f"(first {len(components)} principal components)"))
         summary["filter_explained_variance"] = explained.round(5).tolist()
     else:
         logging.warning("The patch embedding sees %d channels (a hybrid's feature map), not "
@@ -136,7 +168,8 @@ def main(argv):
 
     written.append(os.path.join(FLAGS.out, "analysis.json"))
     with open(written[-1], "w") as file:
-        json.dump(summary, file, indent=1)
+        file.write("{\n" + ",\n".join(f" {json.dumps(key)}: {json.dumps(value)}"
+                                       for key, value in summary.items()) + "\n}\n")
     for path in written:
         print(path)
 

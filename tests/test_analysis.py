@@ -97,7 +97,8 @@ def test_identity_attention_has_distance_zero():
 def test_attention_k_patches_away_gives_k_times_the_patch_size(k):
     rows, cols, patch = 3, 7, 16
     # Patch (r, c) looks k columns right, or k left where that would leave the grid.
-    targets = [r * cols + (c + k if c + k < cols else c - k) for r in range(rows) for c in range(cols)]
+    targets = [r * cols + (c + k if c + k < cols else c - k)
+               for r in range(rows) for c in range(cols)]
     patches = one_hot_attention(targets, rows * cols)
     attention = np.zeros((rows * cols + 1,) * 2)
     attention[1:, 1:] = 0.7 * patches  # 30% to the class token: left out and renormalised away
@@ -217,7 +218,8 @@ def test_analysis_of_a_model_gives_well_formed_maps(tiny_config, classifier):
     assert rollout.shape == (2, 4, 6) and np.all(rollout > 0)
     total = rollout.sum(axis=(1, 2))
     if classifier == "gap":
-        np.testing.assert_allclose(total, 1.0, rtol=1e-5)  # rows of a product of stochastic matrices
+        # Rows of a product of row-stochastic matrices; float32 attention, hence 1e-5.
+        np.testing.assert_allclose(total, 1.0, rtol=1e-5)
     else:
         assert np.all(total < 1.0)  # the rest stays on the class token
     distance = analysis.mean_attention_distance(attentions, grid, analysis.token_size_pixels(model))

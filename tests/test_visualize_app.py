@@ -1,5 +1,5 @@
-"""`apps/visualize.py` end to end (a model saved on this backend, read on another), and the figures of
-`vit_keras.plots`: valid PNGs of the stated sizes."""
+"""`apps/visualize.py` end to end (a model saved on this backend, read on another), and the
+figures of `vit_keras.plots`: valid PNGs of the stated sizes."""
 
 import json
 import os
@@ -50,7 +50,8 @@ def write_images(directory):
 
 
 def test_app_writes_every_figure_for_a_model_saved_on_another_backend(tmp_path, tiny_config):
-    model = randomize_weights(vit_keras.build_model(tiny_config, image_size=(16, 24), num_classes=3))
+    model = randomize_weights(
+        vit_keras.build_model(tiny_config, image_size=(16, 24), num_classes=3))
     model.save(tmp_path / "tiny.keras")
     images = write_images(tmp_path)
     out = tmp_path / "figures"

@@ -11,10 +11,10 @@ Pure NumPy on arrays, plus a few thin functions that pull those arrays out of a 
   (Fig. 7, left).
 
 Attention probabilities come from `vit_keras.attention_scores(model, images)`: a list with one
-`(batch, heads, tokens, tokens)` array per block. Tokens are any prefix tokens (the class token)
-followed by the patch tokens in row-major order on a `(rows, cols)` grid; the number of prefix tokens
-is `tokens - rows * cols`. The grid is the model's token grid (`token_grid(model)`), which for hybrid
-models is the ResNet feature map's grid, not the raw image's.
+`(batch, heads, tokens, tokens)` array per block. Tokens are any prefix tokens (the class
+token) followed by the patch tokens in row-major order on a `(rows, cols)` grid; the number of
+prefix tokens is `tokens - rows * cols`. The grid is the model's token grid (`token_grid(model)`),
+which for hybrid models is the ResNet feature map's grid, not the raw image's.
 
 This module imports neither Keras' backends nor matplotlib; `vit_keras.plots` draws the figures.
 """
@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Pure NumPy.
 
 
@@ -79,13 +79,15 @@ def attention_rollout(attentions, grid):
     """Attention rollout (Abnar & Zuidema, 2020), the paper's Figure 6.
 
     For each layer the heads' attention matrices are averaged, the identity is added for the
-    residual connection and each row is renormalised to sum to 1, giving `A_l = (mean_h(attn) + I) / 2`.
+    residual connection and each row is renormalised to sum to 1:
+    `A_l = (mean_h(attention_l) + I) / 2`.
     The rollout is the product through the layers, `A_L @ ... @ A_1`: row `q` says how much the last
     layer's token `q` draws on each input token.
 
     Args:
       attentions: a list with one `(batch, heads, tokens, tokens)` array per layer, in order (as
-        `vit_keras.attention_scores` returns), or one `(layers, batch, heads, tokens, tokens)` array.
+        `vit_keras.attention_scores` returns), or one `(layers, batch, heads, tokens, tokens)`
+        array.
       grid: the patch grid `(rows, cols)` (or one int for a square grid); `tokens - rows * cols`
         prefix tokens come first.
 
@@ -211,7 +213,7 @@ def embedding_filter_components(kernel, num_components=28):
     return components.reshape(count, patch_h, patch_w, channels), ratio
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Arrays out of a model (a `build_model` model or a loaded one; hybrids included).
 
 
@@ -245,7 +247,8 @@ def token_grid(model):
     _num_prefix_tokens(tokens, grid)
     if tokens - grid[0] * grid[1] > 1:
         raise ValueError(f"Model {model.name!r} has {tokens} position embeddings for a "
-                         f"{grid[0]}x{grid[1]} patch grid; expected {grid[0] * grid[1]} or one more.")
+                         f"{grid[0]}x{grid[1]} patch grid; expected {grid[0] * grid[1]} or one "
+                         f"more.")
     return grid
 
 

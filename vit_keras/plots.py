@@ -149,7 +149,7 @@ def position_similarity_figure(similarity, path, title=None):
     mosaic = _mosaic(similarity.reshape(rows * cols, rows, cols), cols)
     figure = _figure(6.0, 5.0)
     axes = figure.add_subplot()
-    figure.subplots_adjust(left=0.1, right=0.9, bottom=0.1, top=0.92)
+    figure.subplots_adjust(left=0.1, right=0.86, bottom=0.1, top=0.92)
     image = axes.imshow(mosaic, cmap="viridis", vmin=-1, vmax=1, interpolation="nearest")
     step_y, step_x = rows + 1, cols + 1
     label_every_y, label_every_x = max(1, rows // 8), max(1, cols // 8)
@@ -163,7 +163,7 @@ def position_similarity_figure(similarity, path, title=None):
     axes.set_ylabel("Input patch row")
     axes.set_xlabel("Input patch column")
     axes.set_title(title or "Position embedding similarity", fontsize=10)
-    colorbar = figure.colorbar(image, ax=axes, fraction=0.04, pad=0.03)
+    colorbar = figure.colorbar(image, ax=axes, fraction=0.046, pad=0.03, shrink=0.9)
     colorbar.set_label("Cosine similarity")
     return _save(figure, path)
 
