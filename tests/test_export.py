@@ -236,3 +236,13 @@ def test_class_names_load_from_json_beside_the_model_or_a_text_file(tmp_path):
     assert vit_export.find_class_names(str(tmp_path / "model.keras")) == ["cat", "dog"]
     assert vit_export.load_class_names(str(tmp_path / "labels.txt")) == ["cat", "dog"]
     assert vit_export.find_class_names(str(tmp_path / "elsewhere" / "model.keras")) is None
+
+
+def test_mixed_precision_model_exports_in_float32_with_builtin_ops(tmp_path):
+    keras.config.set_dtype_policy("mixed_float16")
+    mixed = vit_keras.build_model(EXPORT_CONFIG, image_size=IMAGE_SIZE, num_classes=NUM_CLASSES)
+    keras.config.set_dtype_policy("float32")
+    randomize_weights(mixed, seed=2, scale=0.5)
+    path, (verification,) = vit_export.export(mixed, "tflite", str(tmp_path), name="mixed")
+    assert verification.passed and verification.max_rel_diff <= 1e-4, verification.summary()
+    assert not _has_flex_ops(vit_export.litert_ops(path))

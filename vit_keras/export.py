@@ -53,8 +53,9 @@ class ExportVerificationError(RuntimeError):
 class Verification:
     """How one exported entry point compares with Keras on the fixed verification batch.
 
-    `max_rel_diff` is `max |exported - keras| / max |keras|` over all logits. `tolerance` is the bound
-    on it (`None` for quantised artifacts, whose agreement is reported but not bounded).
+    `max_rel_diff` is `max |exported - keras| / max |keras|` over all logits (`max_abs_logit` is the
+    denominator). `tolerance` is the bound on it (`None` for quantised artifacts, whose agreement is
+    reported but not bounded).
     """
 
     artifact: str
@@ -64,6 +65,7 @@ class Verification:
     top1_agreement: float
     batch_size: int
     tolerance: float | None
+    max_abs_logit: float
 
     @property
     def passed(self):
@@ -74,9 +76,12 @@ class Verification:
         bound = ("not bounded (quantised)" if self.tolerance is None
                  else f"tolerance {self.tolerance:.0e}")
         verdict = "OK" if self.passed else "FAILED"
+        note = ("" if self.max_abs_logit > 0 else
+                " (Keras' logits are all zero, e.g. an untrained zero-initialised head: this "
+                "comparison proves little)")
         return (f"{verdict} {self.artifact} [{self.entry_point}]: max abs diff to Keras logits "
                 f"{self.max_abs_diff:.3e}, max rel diff {self.max_rel_diff:.3e} ({bound}), top-1 "
-                f"agreement {self.top1_agreement:.1%} on {self.batch_size} images")
+                f"agreement {self.top1_agreement:.1%} on {self.batch_size} images{note}")
 
 
 def require_tensorflow_backend():
@@ -113,6 +118,21 @@ def load_model(model_path):
     import vit_keras  # noqa: F401  (registers the layers for deserialization)
 
     return keras.saving.load_model(model_path, compile=False)
+
+
+def float32_model(model):
+    """`model` itself, or a float32 copy if any of its layers computes in another dtype.
+
+    A model trained under mixed precision holds float32 weights; it is exported, and verified, in
+    float32 (LiteRT cannot lower float16 6-D transposes, and float16 compute cannot meet the 1e-4
+    tolerance). Serving precision is chosen by `quantize` instead.
+    """
+    if all(layer.dtype_policy.name == "float32" for layer in model.layers):
+        return model
+    clone = keras.models.clone_model(model, clone_function=lambda layer: layer.__class__.from_config(
+        {**layer.get_config(), "dtype": "float32"}))
+    clone.set_weights(model.get_weights())
+    return clone
 
 
 def image_shape(model):
@@ -274,10 +294,10 @@ def _compare(artifact, entry_point, logits, reference, tolerance):
             f"{artifact} [{entry_point}] returned logits of shape {logits.shape}; Keras returns "
             f"{reference.shape}.")
     max_abs = float(np.max(np.abs(logits - reference)))
-    scale = max(float(np.max(np.abs(reference))), 1e-6)
+    max_logit = float(np.max(np.abs(reference)))
     agreement = float(np.mean(np.argmax(logits, -1) == np.argmax(reference, -1)))
-    return Verification(artifact, entry_point, max_abs, max_abs / scale, agreement, len(reference),
-                        tolerance)
+    return Verification(artifact, entry_point, max_abs, max_abs / max(max_logit, 1e-6), agreement,
+                        len(reference), tolerance, max_logit)
 
 
 def _in_two_batches(run, images):
@@ -364,7 +384,8 @@ def export(model, format, out_dir, *, name, version=None, quantize="none", class
     """Exports `model` in one format under `out_dir`, then reloads and verifies the artifact.
 
     Args:
-      model: a Keras model (on the TensorFlow backend) with one image input of raw pixels.
+      model: a Keras model (on the TensorFlow backend) with one image input of raw pixels; a
+        mixed-precision model is exported in float32 (`float32_model`).
       format: `"saved_model"`, `"tflite"` or `"onnx"`.
       out_dir: the root folder. `saved_model` writes `out_dir/name/version/`; `tflite` writes
         `out_dir/name.tflite` (`out_dir/name_{quantize}.tflite` when quantised); `onnx` writes
@@ -394,6 +415,7 @@ def export(model, format, out_dir, *, name, version=None, quantize="none", class
         raise ValueError(f"Quantization {quantize!r} applies to the tflite format only, not "
                          f"{format!r}; use --quantize none.")
     _check_class_names(model, class_names)
+    model = float32_model(model)
     os.makedirs(out_dir, exist_ok=True)
     if format == "saved_model":
         model_dir = os.path.join(out_dir, name)
