@@ -19,8 +19,17 @@ class ViTConfig:
     mlp_dim: int
     num_heads: int
     num_layers: int
+    # Hybrids only: units per ResNet stage (`()`: the root alone) and its width multiplier.
+    resnet_layers: tuple | None = None
+    resnet_width: int = 1
+
+    @property
+    def is_hybrid(self):
+        return self.resnet_layers is not None
 
     def __post_init__(self):
+        if self.resnet_layers is not None:
+            object.__setattr__(self, "resnet_layers", tuple(self.resnet_layers))
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"{self.name}: hidden size {self.hidden_size} is not divisible by the number of "
@@ -35,8 +44,14 @@ def _vit(size, patch, hidden, mlp, heads, layers):
     return ViTConfig(f"ViT-{size}/{patch}", patch, hidden, mlp, heads, layers)
 
 
+def _hybrid(resnet, vit, patch_size, resnet_layers):
+    """A ResNet stem feeding `vit`'s Transformer with `patch_size` patches of its feature map."""
+    return dataclasses.replace(vit, name=f"{resnet}+{vit.name}", patch_size=patch_size,
+                               resnet_layers=resnet_layers)
+
+
 # Sizes from Table 1 of the paper (Ti and S from "How to train your ViT").
-VARIANTS = types.MappingProxyType({config.name: config for config in (
+_VITS = (
     _vit("Ti", 16, 192, 768, 3, 12),
     _vit("S", 16, 384, 1536, 6, 12),
     _vit("S", 32, 384, 1536, 6, 12),
@@ -46,7 +61,21 @@ VARIANTS = types.MappingProxyType({config.name: config for config in (
     _vit("L", 16, 1024, 4096, 16, 24),
     _vit("L", 32, 1024, 4096, 16, 24),
     _vit("H", 14, 1280, 5120, 16, 32),
-)})
+)
+_BY_NAME = {config.name: config for config in _VITS}
+
+# vit_jax's hybrids (configs/models.py). The stem strides by 4 (root) and 2 per stage after the
+# first, so the names' "/16" and "/32" are the effective pixels per token; R+ViT-Ti/16 is named
+# after its Transformer (its 8x8 patches on the stride-4 root map make 32-pixel tokens).
+_HYBRIDS = (
+    _hybrid("R50", _BY_NAME["ViT-B/16"], 1, (3, 4, 9)),
+    _hybrid("R26", _BY_NAME["ViT-S/32"], 1, (2, 2, 2, 2)),
+    _hybrid("R26", _BY_NAME["ViT-B/32"], 1, (2, 2, 2, 2)),
+    _hybrid("R50", _BY_NAME["ViT-L/32"], 1, (3, 4, 6, 3)),
+    _hybrid("R", _BY_NAME["ViT-Ti/16"], 8, ()),
+)
+
+VARIANTS = types.MappingProxyType({config.name: config for config in _VITS + _HYBRIDS})
 
 
 def get_config(variant):

@@ -5,6 +5,7 @@ import numpy as np
 
 from vit_keras import configs
 from vit_keras import layers
+from vit_keras import resnet
 
 
 def image_size_pair(image_size):
@@ -18,7 +19,8 @@ def image_size_pair(image_size):
 def build_model(variant, *, image_size=224, num_classes=1000, include_top=True,
                 include_preprocessing=True, classifier="token", representation_size=None,
                 dropout=0.0, attention_dropout=0.0, drop_path_rate=0.0, channels=3,
-                layer_norm_epsilon=1e-6, approximate_gelu=False, name=None, weights=None):
+                layer_norm_epsilon=1e-6, approximate_gelu=False, hybrid_numerics="vit_jax",
+                name=None, weights=None):
     """Builds a Vision Transformer as a functional `keras.Model`.
 
     Args:
@@ -38,6 +40,8 @@ def build_model(variant, *, image_size=224, num_classes=1000, include_top=True,
       channels: number of input channels.
       layer_norm_epsilon: 1e-6 as in the original models.
       approximate_gelu: the tanh GELU of Flax (exact erf GELU, as in timm and Hugging Face, if False).
+      hybrid_numerics: hybrids only: the weight-standardisation and GroupNorm epsilons of
+        `"vit_jax"` (the original models) or `"timm"` (see `vit_keras.resnet.NUMERICS`).
       weights: optional checkpoint (vit_jax/big_vision `.npz`, timm or Hugging Face state dict or
         folder) loaded after building with `vit_keras.load_pretrained` (strict, position
         embeddings resampled, a head of another class count zero-initialised).
@@ -48,19 +52,27 @@ def build_model(variant, *, image_size=224, num_classes=1000, include_top=True,
     """
     config = configs.get_config(variant)
     height, width = image_size_pair(image_size)
-    for side, size in (("height", height), ("width", width)):
-        if size % config.patch_size:
-            raise ValueError(
-                f"Image {side} {size} is not divisible by patch size {config.patch_size} of "
-                f"{config.name}; use an image size that is a multiple of {config.patch_size}.")
     if classifier not in layers.TokenPooling.MODES:
         raise ValueError(f"Unknown classifier {classifier!r}; expected one of "
                          f"{layers.TokenPooling.MODES}.")
+    if hybrid_numerics not in resnet.NUMERICS:
+        raise ValueError(f"Unknown hybrid_numerics {hybrid_numerics!r}; expected one of "
+                         f"{list(resnet.NUMERICS)}.")
 
     images = keras.Input((height, width, channels), name="images")
     x = images
     if include_preprocessing:
         x = keras.layers.Rescaling(1 / 127.5, offset=-1.0, dtype="float32", name="rescale")(x)
+    if config.is_hybrid:
+        x = resnet.ResNetStem(config.resnet_layers, config.resnet_width, name="resnet",
+                              **resnet.NUMERICS[hybrid_numerics])(x)
+    for side, size, grid in (("height", height, x.shape[1]), ("width", width, x.shape[2])):
+        if grid % config.patch_size:
+            feature_map = f" (a feature map of {grid})" if config.is_hybrid else ""
+            raise ValueError(
+                f"Image {side} {size}{feature_map} is not divisible by patch size "
+                f"{config.patch_size} of {config.name}; use an image size that is a multiple of "
+                f"{config.patch_size * size // grid}.")
     x = layers.PatchEmbedding(config.patch_size, config.hidden_size, name="embedding")(x)
     if classifier == "token":
         x = layers.ClassToken(name="cls")(x)
