@@ -23,6 +23,7 @@ from vit_keras.layers import (
     TransformerBlock,
 )
 from vit_keras.model import attention_scores, build_model
+from vit_keras.resnet import ResidualUnit, ResNetStage, ResNetStem, StdConv2D
 from vit_keras.posemb import resample_position_embeddings
 from vit_keras.checkpoints import build_model_from_checkpoint, load_pretrained, save_npz
 
