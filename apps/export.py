@@ -19,7 +19,8 @@ a `.keras` file are backend-independent. Class names come from `--class_names` o
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+# Runs from a checkout without installing the package.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _backend  # noqa: E402
 
 _backend.select_backend(["--backend", "tensorflow"])  # before keras is imported
@@ -39,7 +40,7 @@ flags.DEFINE_enum("quantize", "none", vit_export.QUANTIZATIONS,
                   "Weight quantization (tflite only): none (float32), dynamic_int8 or float16.")
 flags.DEFINE_string("out", None, "Root folder of the exports.", required=True)
 flags.DEFINE_string("name", None,
-                    "Model name: the SavedModel folder (TF Serving's MODEL_NAME) and the file stem. "
+                    "Model name: the SavedModel folder (TF Serving's MODEL_NAME) and file stem. "
                     "Default: the name of the folder that holds the .keras file.")
 flags.DEFINE_integer("version", None,
                      "SavedModel version folder. Default: one more than the highest present.")

@@ -81,7 +81,7 @@ def broken_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def app_runs(trained_runs, broken_model, tmp_path_factory):
-    """The app's command lines under test, run in parallel: `{case: (CompletedProcess, out_dir)}`."""
+    """The command lines under test, run in parallel: `{case: (CompletedProcess, out_dir)}`."""
     out = {case: str(tmp_path_factory.mktemp(case)) for case in ("jax", "torch", "broken")}
     labels = os.path.join(out["torch"], "labels.txt")
     with open(labels, "w") as f:
@@ -106,7 +106,7 @@ def _training_logits(run_dir):
 
 
 def _assert_matches_training_backend(logits, expected):
-    # The exporter's own bound: 1e-4 of the largest logit (float32 differs across backends by ~1e-7).
+    # The exporter's bound: 1e-4 of the largest logit (backends differ by ~1e-7 in float32).
     np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
     np.testing.assert_array_equal(logits.argmax(-1), expected.argmax(-1))
 

@@ -5,21 +5,22 @@ weights, so a model trained on JAX or torch loads there unchanged; `apps/export.
 
 - `saved_model`: a TF Serving SavedModel in the versioned layout `DIR/NAME/VERSION/` with two
   signatures, `serving_default` (float32 pixels) and `serving_bytes` (encoded JPEG/PNG strings).
-- `tflite`: a LiteRT flatbuffer of builtin ops only (float32, dynamic-range int8 or float16 weights).
+- `tflite`: a LiteRT flatbuffer of builtin ops only (float32, dynamic-range int8 or float16
+  weights).
 - `onnx`: an ONNX model for onnxruntime.
 
 Every signature takes raw RGB pixels in [0, 255] (or image files) with a dynamic batch dimension;
 preprocessing happens inside the model, as `vit_keras.build_model` puts it there by default. Every
-artifact returns float32 `logits` and `probabilities` `(batch, num_classes)`; a SavedModel of a model
-with class names also returns `top_k_indices` (int32) and `top_k_names` (string) `(batch, k)`.
+artifact returns float32 `logits` and `probabilities` `(batch, num_classes)`; a SavedModel of a
+model with class names also returns `top_k_indices` (int32) and `top_k_names` (string) `(batch, k)`.
 
 Class names travel as a `class_names.json` (a JSON list of strings, one per output class) beside the
 `.keras` file, or from any `.json` list or `.txt` file with one name per line (`load_class_names`).
 
-Exact GELU: TensorFlow computes it as `0.5 * x * erfc(-x / sqrt(2))`. The LiteRT converter fuses that
-pattern into its builtin `GELU` op (approximate=False), so no Flex op is needed and the numerics are
-unchanged. tf2onnx has no mapping for `Erfc`; this module maps it to `1 - Erf(x)` with ONNX's own
-`Erf` (absolute error below 1e-7 in float32).
+Exact GELU: TensorFlow computes it as `0.5 * x * erfc(-x / sqrt(2))`. The LiteRT converter fuses
+that pattern into its builtin `GELU` op (approximate=False), so no Flex op is needed and the
+numerics are unchanged. tf2onnx has no mapping for `Erfc`; this module maps it to `1 - Erf(x)` with
+ONNX's own `Erf` (the only difference is float32 rounding of `1 - erf`, about 6e-8 absolute).
 
 Importing this module imports TensorFlow; `import vit_keras` alone does not.
 """
@@ -129,7 +130,7 @@ def float32_model(model):
     """
     if all(layer.dtype_policy.name == "float32" for layer in model.layers):
         return model
-    clone = keras.models.clone_model(model, clone_function=lambda layer: layer.__class__.from_config(
+    clone = keras.models.clone_model(model, clone_function=lambda layer: type(layer).from_config(
         {**layer.get_config(), "dtype": "float32"}))
     clone.set_weights(model.get_weights())
     return clone
@@ -174,7 +175,7 @@ def _outputs(model, images, class_names=None, top_k=5):
 
 
 def _decode_images(image_bytes, height, width, channels):
-    """A batch of encoded JPEG/PNG/GIF/BMP strings → float32 pixels `(batch, H, W, C)` in [0, 255]."""
+    """Encoded JPEG/PNG/GIF/BMP strings `(batch,)` → float32 pixels `(batch, H, W, C)`, 0..255."""
 
     def decode(data):
         image = tf.io.decode_image(data, channels=channels, expand_animations=False)
@@ -253,7 +254,11 @@ def export_litert(model, path, quantize="none"):
 
 
 def _erfc_as_one_minus_erf(ctx, node, name, args):
-    """tf2onnx handler: TF's `Erfc(x)` (used by exact GELU) → ONNX `1 - Erf(x)`."""
+    """tf2onnx handler: TF's `Erfc(x)` (used by exact GELU) → ONNX `1 - Erf(x)`.
+
+    tf2onnx calls custom handlers as `(graph, node, node_name, extra_args)`; the node is rewritten
+    in place into `Sub(1, Erf(x))`.
+    """
     from tf2onnx import utils
 
     dtype = utils.map_onnx_to_numpy_type(ctx.get_dtype(node.input[0]))
@@ -302,6 +307,8 @@ def _compare(artifact, entry_point, logits, reference, tolerance):
 
 def _in_two_batches(run, images):
     """Runs `images` as batches of 1 and of the rest, which also proves the batch is dynamic."""
+    if len(images) < 2:
+        return run(images)
     return np.concatenate([run(images[:1]), run(images[1:])])
 
 
@@ -313,12 +320,12 @@ def verify_saved_model(export_dir, model, images=None):
     serving = loaded.signatures[SERVING_SIGNATURE]
     by_bytes = loaded.signatures[BYTES_SIGNATURE]
     png = lambda batch: tf.stack([tf.io.encode_png(tf.cast(image, tf.uint8)) for image in batch])
+    from_pixels = lambda x: serving(images=tf.constant(x))["logits"].numpy()
+    from_png = lambda x: by_bytes(image_bytes=png(x))["logits"].numpy()
     return [
-        _compare(export_dir, SERVING_SIGNATURE,
-                 _in_two_batches(lambda x: serving(images=tf.constant(x))["logits"].numpy(), images),
-                 reference, RELATIVE_TOLERANCE),
-        _compare(export_dir, f"{BYTES_SIGNATURE} (PNG)",
-                 _in_two_batches(lambda x: by_bytes(image_bytes=png(x))["logits"].numpy(), images),
+        _compare(export_dir, SERVING_SIGNATURE, _in_two_batches(from_pixels, images), reference,
+                 RELATIVE_TOLERANCE),
+        _compare(export_dir, f"{BYTES_SIGNATURE} (PNG)", _in_two_batches(from_png, images),
                  reference, RELATIVE_TOLERANCE),
     ]
 
@@ -332,6 +339,7 @@ def litert_interpreter(path):
 
 def litert_ops(path):
     """The operator names in a `.tflite` file (Flex ops appear as `Flex...` / `DELEGATE`)."""
+    # ai_edge_litert exposes no public op listing; `_get_ops_details` is the interpreter's own.
     return sorted({op["op_name"] for op in litert_interpreter(path)._get_ops_details()})
 
 
@@ -389,7 +397,8 @@ def export(model, format, out_dir, *, name, version=None, quantize="none", class
       format: `"saved_model"`, `"tflite"` or `"onnx"`.
       out_dir: the root folder. `saved_model` writes `out_dir/name/version/`; `tflite` writes
         `out_dir/name.tflite` (`out_dir/name_{quantize}.tflite` when quantised); `onnx` writes
-        `out_dir/name.onnx`. With class names, `tflite` and `onnx` also write `out_dir/name.labels.txt`.
+        `out_dir/name.onnx`. With class names, `tflite` and `onnx` also write
+        `out_dir/name.labels.txt`.
       name: the model name (TF Serving's `MODEL_NAME`, and the file stem).
       version: the SavedModel version folder; by default one more than the highest present.
       quantize: `"none"`, or for `tflite` `"dynamic_int8"` / `"float16"`.
