@@ -246,3 +246,18 @@ def test_mixed_precision_model_exports_in_float32_with_builtin_ops(tmp_path):
     path, (verification,) = vit_export.export(mixed, "tflite", str(tmp_path), name="mixed")
     assert verification.passed and verification.max_rel_diff <= 1e-4, verification.summary()
     assert not _has_flex_ops(vit_export.litert_ops(path))
+
+
+def test_hybrid_model_exports_to_every_format(tmp_path):
+    # A ResNet stem (root + one stage, stride 4) before the patch embedding: 8x8 feature map.
+    hybrid = vit_keras.build_model(
+        {**EXPORT_CONFIG, "name": "tiny-hybrid", "patch_size": 2, "resnet_layers": (1,)},
+        image_size=IMAGE_SIZE, num_classes=NUM_CLASSES)
+    randomize_weights(hybrid, seed=3, scale=0.1)
+    for export_format in vit_export.FORMATS:
+        path, verifications = vit_export.export(hybrid, export_format, str(tmp_path), name="hybrid")
+        for verification in verifications:
+            assert verification.passed and verification.max_rel_diff <= 1e-4, (
+                verification.summary())
+        if export_format == "tflite":
+            assert not _has_flex_ops(vit_export.litert_ops(path))
