@@ -141,11 +141,15 @@ def main(argv):
             images, rollout, os.path.join(FLAGS.out, "rollout.png"),
             titles=image_titles(model, inputs, paths)))
         distances = analysis.mean_attention_distance(attentions, grid, token_size)
+        patches = grid[0] * grid[1]
+        uniform = analysis.mean_attention_distance(
+            np.full((1, 1, 1, patches, patches), 1.0 / patches), grid, token_size)[0, 0]
         written.append(plots.attention_distance_figure(
             distances, os.path.join(FLAGS.out, "attention_distance.png"),
-            max_distance=float(np.hypot(height, width)) / 2,
+            max_distance=float(np.hypot(height, width)) / 2, uniform_distance=uniform,
             title=f"{model.name}: mean attention distance ({len(images)} images)"))
         summary["mean_attention_distance"] = distances.round(3).tolist()
+        summary["uniform_attention_distance"] = round(float(uniform), 3)
     else:
         logging.info("No --images: skipping the rollout and attention-distance figures.")
 

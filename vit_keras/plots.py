@@ -88,7 +88,8 @@ def rollout_figure(images, rollouts, path, titles=None):
     return _save(figure, path)
 
 
-def attention_distance_figure(distances, path, max_distance=None, title=None):
+def attention_distance_figure(distances, path, max_distance=None, uniform_distance=None,
+                              title=None):
     """Mean attention distance (Figure 7, right): one dot per head at each layer.
 
     Args:
@@ -96,6 +97,8 @@ def attention_distance_figure(distances, path, max_distance=None, title=None):
       path: where the PNG goes.
       max_distance: the y-axis limit in pixels (e.g. the image's diagonal); default: 10% above the
         largest distance.
+      uniform_distance: optional distance of a head that attends uniformly, drawn as a dashed line
+        (heads below it look locally).
       title: the plot title.
 
     Returns:
@@ -111,7 +114,10 @@ def attention_distance_figure(distances, path, max_distance=None, title=None):
     for head in range(heads):
         axes.scatter(depth, distances[:, head], s=14, color=colours[head], label=f"Head {head + 1}",
                      edgecolors="none")
-    top = max_distance or 1.1 * max(np.nanmax(distances), 1e-6)
+    if uniform_distance is not None:
+        axes.axhline(uniform_distance, color="0.5", linestyle="--", linewidth=1,
+                     label="Uniform attention")
+    top = max_distance or 1.1 * max(np.nanmax(distances), uniform_distance or 0, 1e-6)
     axes.set_ylim(0, top)
     axes.set_xlim(0.5, layers + 0.5)
     axes.set_xticks(depth if layers <= 12 else np.unique(np.linspace(1, layers, 7).round()))
