@@ -172,13 +172,15 @@ def test_npz_matches_timm_at_checkpoint_resolution(tmp_path):
     assert relative(keras_logits(model, images()), torch_logits(reference, images())) < RTOL
 
 
-def test_npz_matches_timm_at_resampled_rectangular_resolution(tmp_path):
+@pytest.mark.parametrize("classifier", ["token", "gap"])
+def test_npz_matches_timm_at_resampled_rectangular_resolution(tmp_path, classifier):
     # timm's _load_weights resamples .npz position embeddings with F.interpolate(bilinear,
     # align_corners=False); asking vit_keras for the same interpolation compares like with like.
-    path = write_npz(tmp_path / "vit.npz", official_params(grid=4))
-    reference = timm_vit(24, 20)
+    path = write_npz(tmp_path / "vit.npz", official_params(grid=4, classifier=classifier))
+    reference = timm_vit(24, 20, classifier=classifier)
     _load_weights(reference, path)
-    model = vit_keras.load_pretrained(keras_vit(24, 20), path, interpolation="bilinear")
+    model = vit_keras.load_pretrained(keras_vit(24, 20, classifier=classifier), path,
+                                      interpolation="bilinear")
     x = images(24, 20)
     assert relative(keras_logits(model, x), torch_logits(reference, x)) < RTOL
 
@@ -234,6 +236,18 @@ def test_npz_layouts_give_the_same_logits(tmp_path):
         vit_keras.load_pretrained(model, path)
         assert relative(keras_logits(model, images()), torch_logits(reference, images())) < RTOL, (
             layout)
+
+
+def test_bfloat16_npz_loads_as_float32(tmp_path):
+    # big_vision may store bfloat16, which NumPy writes as 2-byte voids.
+    import ml_dtypes  # pylint: disable=import-outside-toplevel
+
+    params = official_params()
+    half = {k: v.astype(ml_dtypes.bfloat16) for k, v in in_layout(params, "big_vision").items()}
+    model = vit_keras.load_pretrained(keras_vit(), write_npz(tmp_path / "bf16.npz", half))
+    kernel = keras.ops.convert_to_numpy(model.get_layer("embedding").kernel)
+    assert kernel.dtype == np.float32
+    np.testing.assert_allclose(kernel, params["embedding/kernel"], rtol=2 ** -8)
 
 
 def test_same_size_load_is_exact(tmp_path):
@@ -441,6 +455,16 @@ def test_wrong_architecture_lists_each_mismatch_and_loads_nothing(tmp_path):
     assert message.count("shape mismatch") == 3 * L
     for old, new in zip(before, _weights(wide)):
         np.testing.assert_array_equal(old, new)  # never a partial load
+
+
+def test_huggingface_heads_come_from_config_json(hf_folder):
+    # A model with other heads but the same width must not take a silently re-split attention.
+    folder, _ = hf_folder
+    two_heads = vit_keras.build_model({**TINY, "num_heads": 2}, image_size=16,
+                                      num_classes=CLASSES, layer_norm_epsilon=1e-12)
+    with pytest.raises(ValueError, match=r"shape mismatch: .*query/kernel: model \(32, 2, 16\), "
+                                         r"checkpoint \(32, 4, 8\)"):
+        vit_keras.load_pretrained(two_heads, folder)
 
 
 def test_missing_key_is_an_error(tmp_path):

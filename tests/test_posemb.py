@@ -119,12 +119,15 @@ def test_errors_name_the_problem():
         resample_position_embeddings(_posemb(4, 4), 5, antialias=True)
 
 
+POSEMB_FILE = os.path.join(REPO_ROOT, "vit_keras", "posemb.py")
+
+
 def test_module_is_pure_numpy():
     # posemb.py loaded on its own, with SciPy and torch made unimportable.
     code = (
         "import importlib.util, sys\n"
         "sys.modules['scipy'] = None; sys.modules['torch'] = None\n"
-        f"spec = importlib.util.spec_from_file_location('p', {os.path.join(REPO_ROOT, 'vit_keras', 'posemb.py')!r})\n"
+        f"spec = importlib.util.spec_from_file_location('p', {POSEMB_FILE!r})\n"
         "p = importlib.util.module_from_spec(spec); spec.loader.exec_module(p)\n"
         "import numpy as np\n"
         "for m in p.INTERPOLATIONS:\n"

@@ -34,16 +34,23 @@ def sniff(path):
 
 
 def read_npz(path):
-    """All arrays of an `.npz` file as a dict; refuses pickled object arrays."""
+    """All arrays of an `.npz` file as a dict; refuses pickled object arrays.
+
+    bfloat16 arrays (big_vision writes them; NumPy stores them as 2-byte voids) come back as float32.
+    """
     arrays = {}
     with np.load(path, allow_pickle=False) as archive:
         for key in archive.files:
             try:
-                arrays[key] = archive[key]
+                array = archive[key]
             except ValueError as error:
                 raise ValueError(
                     f"Refusing to load {path!r}: array {key!r} is a pickled object array, and "
                     f"unpickling can execute code. Checkpoints must hold numeric arrays only.") from error
+            if array.dtype.kind == "V" and array.dtype.itemsize == 2:
+                import ml_dtypes  # pylint: disable=import-outside-toplevel
+                array = array.view(ml_dtypes.bfloat16).astype(np.float32)
+            arrays[key] = array
     return arrays
 
 

@@ -64,11 +64,11 @@ def hints(config):
 
 
 def convert(state_dict, config=None, num_heads=None):
-    """`(canonical params, info)`. Without `config.json` the heads come from `num_heads` or the
-    paper's variant of that width, and LayerNorm epsilon defaults to Hugging Face's 1e-12."""
+    """`(canonical params, info)`. The heads come from `config.json`, else from `num_heads`, else
+    from the paper's variant of that width; LayerNorm epsilon defaults to Hugging Face's 1e-12."""
     info = {"format": "huggingface", "interpolation": "bicubic", "antialias": False,
             "layer_norm_epsilon": 1e-12, **hints(config)}
-    if num_heads:
+    if num_heads and "num_heads" not in info:  # config.json knows better than the caller
         info["num_heads"] = num_heads
     if "num_heads" not in info:
         hidden = next(v for k, v in state_dict.items() if k.endswith(_ANCHOR)).shape[0]

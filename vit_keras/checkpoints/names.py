@@ -65,8 +65,8 @@ def from_npz(arrays):
     """vit_jax (pre-Linen or Linen names, optional `opt/target/`) or big_vision (`params/`, top-level
     `pos_embedding`, blocks possibly stacked along a leading axis) → `(canonical dict, format)`."""
     prefix = next((p for p in NPZ_PREFIXES if p + EMBEDDING_KERNEL in arrays), "")
-    arrays = {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)} if prefix else (
-        dict(arrays))
+    if prefix:  # keys outside it (e.g. optimizer state beside `opt/target/`) are not parameters
+        arrays = {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
     big_vision = prefix.startswith("params/") or "pos_embedding" in arrays or any(
         k.startswith(_STACKED_BLOCK) for k in arrays)
     out = {}
