@@ -106,8 +106,11 @@ def image_titles(model, inputs, paths):
     logits = np.asarray(model.predict(inputs, batch_size=FLAGS.batch_size, verbose=0), np.float64)
     probabilities = np.exp(logits - logits.max(axis=-1, keepdims=True))
     probabilities /= probabilities.sum(axis=-1, keepdims=True)
-    return [f"{name}: class {p.argmax()} ({100 * p.max():.0f}%)"
-            for name, p in zip(names, probabilities)]
+    titles = []
+    for name, p in zip(names, probabilities):
+        percent = 100 * p.max()  # one decimal below 10%, so that 1/1000 does not read "0%"
+        titles.append(f"{name}: class {p.argmax()} ({percent:.{0 if percent >= 10 else 1}f}%)")
+    return titles
 
 
 def main(argv):
