@@ -1,4 +1,4 @@
-"""Fine-tunes (or, without --weights, trains) a Vision Transformer with model.fit on any backend.
+r"""Fine-tunes (or, without --weights, trains) a Vision Transformer with model.fit on any backend.
 
     python apps/finetune.py --backend jax                  # the offline default: digits, from scratch
     python apps/finetune.py --backend torch --dataset cifar10 --data_dir ~/tensorflow_datasets \

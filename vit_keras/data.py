@@ -54,7 +54,7 @@ class Splits:
         return self.sources[split]()
 
 
-def load_splits(dataset=DIGITS, *, data_dir=None, val_fraction=0.1, download=True, seed=0,
+def load_splits(dataset=DIGITS, *, data_dir=None, val_fraction=None, download=True, seed=0,
                 log=print):
     """Resolves a `--dataset` value to its `Splits`.
 
@@ -64,7 +64,7 @@ def load_splits(dataset=DIGITS, *, data_dir=None, val_fraction=0.1, download=Tru
         (`"cifar10"`, `"oxford_iiit_pet"`, `"imagenet2012"`, ...).
       data_dir: tfds data directory (tfds' default `~/tensorflow_datasets` when None).
       val_fraction: fraction of the training images held out for validation where the dataset has
-        no validation split of its own.
+        no validation split of its own (default 0.1 for folders, 0.02 for tfds as vit_jax).
       download: whether a tfds dataset that is not prepared may be downloaded (needs the network).
       seed: seed of the held-out splits.
       log: where notes (skipped files, split choices) are printed.
@@ -72,9 +72,10 @@ def load_splits(dataset=DIGITS, *, data_dir=None, val_fraction=0.1, download=Tru
     if dataset == DIGITS:
         splits = digits_splits(seed=seed)
     elif dataset.startswith("folder:"):
-        splits = folder_splits(dataset[len("folder:"):], val_fraction=val_fraction, seed=seed)
+        splits = folder_splits(dataset[len("folder:"):], val_fraction=val_fraction or 0.1,
+                               seed=seed)
     else:
-        splits = tfds_splits(dataset, data_dir=data_dir, val_fraction=val_fraction,
+        splits = tfds_splits(dataset, data_dir=data_dir, val_fraction=val_fraction or 0.02,
                              download=download)
     for note in splits.notes:
         log(note)
@@ -266,7 +267,7 @@ def tfds_splits(name, data_dir=None, val_fraction=0.02, download=True):
         how = (f"Prepare it on a machine with network access with\n"
                f"    python -c \"import tensorflow_datasets as tfds; "
                f"tfds.builder('{name}', data_dir='{where}').download_and_prepare()\"\n"
-               f"(or `tfds build {name} --data_dir {where}`) and copy {where}/{name} here")
+               f"(or `tfds build {name} --data_dir DIR`) and copy DIR/{name} into {where}")
         if getattr(builder, "MANUAL_DOWNLOAD_INSTRUCTIONS", None):
             how += (f"; {name} needs a manual download first: put its files in "
                     f"{where}/downloads/manual (see the tfds catalog page for {name})")
@@ -375,6 +376,7 @@ def make_pipeline(splits, split, *, image_size, batch_size, training=False, augm
                 image = tf.image.random_flip_left_right(image)
         else:
             image = resize(image, image_size)
+        image = tf.ensure_shape(image, (image_size, image_size, 3))
         return image, tf.one_hot(label, num_classes, dtype=tf.float32)
 
     ds = ds.map(preprocess, num_parallel_calls=tf.data.AUTOTUNE)

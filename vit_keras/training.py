@@ -609,8 +609,7 @@ def run(config, app="finetune", log=print, started=None):
 
     _rng_seed(config.seed)
     splits = data.load_splits(config.dataset, data_dir=config.data_dir,
-                              val_fraction=config.val_fraction or
-                              (0.1 if config.dataset.startswith("folder:") else 0.02),
+                              val_fraction=config.val_fraction,
                               download=config.download, seed=config.seed, log=log)
     atomic_write_json(splits.class_names, os.path.join(run_dir, "class_names.json"))
 
@@ -758,3 +757,44 @@ def metrics_table(metrics):
     lines = [f"| {'metric'.ljust(width)} | value |", f"|{'-' * (width + 2)}|-------|"]
     lines += [f"| {name.ljust(width)} | {value} |" for name, value in rows]
     return "\n".join(lines)
+
+
+# --- evaluation and prediction ------------------------------------------------------------------
+
+def softmax(logits):
+    logits = np.asarray(logits, dtype="float64")
+    exp = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return exp / exp.sum(axis=-1, keepdims=True)
+
+
+def classification_report(logits, labels, class_names):
+    """Top-1, top-5 and per-class accuracy from logits `(n, classes)` and int labels `(n,)`."""
+    logits, labels = np.asarray(logits), np.asarray(labels)
+    ranked = np.argsort(-logits, axis=-1, kind="stable")
+    correct = ranked[:, 0] == labels
+    top5 = (ranked[:, :5] == labels[:, None]).any(axis=-1)
+    per_class = {}
+    for index, name in enumerate(class_names):
+        members = labels == index
+        per_class[name] = {"accuracy": float(correct[members].mean()) if members.any() else None,
+                           "count": int(members.sum())}
+    return {"accuracy": float(correct.mean()), "top5_accuracy": float(top5.mean()),
+            "count": int(len(labels)), "per_class": per_class}
+
+
+def evaluate_model(model, dataset):
+    """Runs `model` over a `make_pipeline` dataset; returns `(logits, int labels)` as NumPy."""
+    logits, labels = [], []
+    for images, one_hot in dataset.as_numpy_iterator():
+        logits.append(keras.ops.convert_to_numpy(model(images, training=False)))
+        labels.append(one_hot.argmax(-1))
+    return np.concatenate(logits).astype("float32"), np.concatenate(labels)
+
+
+def top_k_predictions(logits, class_names, k=5):
+    """`[[(class name, probability), ...] per image]`, best first."""
+    probabilities = softmax(logits)
+    k = min(k, probabilities.shape[-1])
+    ranked = np.argsort(-probabilities, axis=-1, kind="stable")[:, :k]
+    return [[(class_names[i] if i < len(class_names) else str(i), float(p[i])) for i in row]
+            for row, p in zip(ranked, probabilities)]

@@ -1,0 +1,99 @@
+r"""Evaluates a trained .keras model on a dataset split: accuracy, top-5 and per-class accuracy.
+
+    python apps/evaluate.py --backend jax --model saved_models/finetune_digits_ViT-digits/model.keras
+    python apps/evaluate.py --model run/model.keras --dataset cifar10 --data_dir ~/tensorflow_datasets \
+        --split test --json results.json
+
+The model's own input size sets the resolution (evaluation preprocessing: resize). When the model
+sits in a run folder, the run's metrics.json supplies the dataset, data_dir, seed and val_fraction
+that were used for training, so the same held-out split is evaluated; flags override it.
+"""
+
+import json
+import os
+import sys
+
+_APPS = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(_APPS))
+sys.path.insert(0, _APPS)
+import _backend  # noqa: E402
+
+_backend.select_backend()  # before keras is imported
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see apps/finetune.py
+
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+
+flags.DEFINE_enum("backend", None, _backend.BACKENDS,
+                  "Keras backend, chosen before Keras is imported (default: KERAS_BACKEND).")
+flags.DEFINE_string("model", None, "The .keras file to evaluate.", required=True)
+flags.DEFINE_string("dataset", None, "digits, folder:PATH or a tfds name (default: the run's "
+                    "dataset from metrics.json beside the model, else digits).")
+flags.DEFINE_string("data_dir", None, "tfds data directory (default: the run's).")
+flags.DEFINE_enum("split", "test", ["train", "val", "test"], "Split to evaluate.")
+flags.DEFINE_float("val_fraction", None, "Held-out fraction for val (default: the run's).")
+flags.DEFINE_integer("seed", None, "Seed of the held-out splits (default: the run's, else 0).")
+flags.DEFINE_integer("batch_size", 256, "Evaluation batch size.")
+flags.DEFINE_string("json", None, "Also write the results as JSON to this path.")
+FLAGS = flags.FLAGS
+
+
+def run_settings(model_path):
+    """dataset, data_dir, seed and val_fraction of the run that wrote `model_path`, if known."""
+    path = os.path.join(os.path.dirname(os.path.abspath(model_path)), "metrics.json")
+    try:
+        with open(path) as f:
+            run = json.load(f)["config"]["run"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    return {key: run.get(key) for key in ("dataset", "data_dir", "seed", "val_fraction")}
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+    import keras
+
+    import vit_keras  # noqa: F401  (registers the layers for loading)
+    from vit_keras import data
+    from vit_keras import training
+
+    settings = run_settings(FLAGS.model)
+    dataset = FLAGS.dataset or settings.get("dataset") or "digits"
+    same_run = dataset == settings.get("dataset")
+    seed = FLAGS.seed if FLAGS.seed is not None else (settings.get("seed") if same_run else 0) or 0
+    val_fraction = FLAGS.val_fraction or (settings.get("val_fraction") if same_run else None)
+    data_dir = FLAGS.data_dir or (settings.get("data_dir") if same_run else None)
+    try:
+        splits = data.load_splits(dataset, data_dir=data_dir, val_fraction=val_fraction,
+                                  seed=seed)
+    except data.DatasetNotPreparedError as error:
+        print(f"ERROR: {error}", file=sys.stderr)
+        return 2
+    model = keras.saving.load_model(FLAGS.model, compile=False)
+    image_size = model.input_shape[1]
+    if model.output_shape[-1] != splits.num_classes:
+        print(f"ERROR: {FLAGS.model} predicts {model.output_shape[-1]} classes but {dataset} has "
+              f"{splits.num_classes}; evaluate on the dataset the model was trained for.",
+              file=sys.stderr)
+        return 2
+    pipeline = data.make_pipeline(splits, FLAGS.split, image_size=image_size,
+                                  batch_size=FLAGS.batch_size)
+    logits, labels = training.evaluate_model(model, pipeline)
+    report = training.classification_report(logits, labels, splits.class_names)
+    report.update(model=os.path.abspath(FLAGS.model), dataset=dataset, split=FLAGS.split,
+                  backend=keras.backend.backend())
+    print(f"{dataset} {FLAGS.split}: {report['count']} images, accuracy "
+          f"{100 * report['accuracy']:.2f}%, top-5 {100 * report['top5_accuracy']:.2f}%")
+    print("\n| class | images | accuracy |\n|---|---|---|")
+    for name, row in report["per_class"].items():
+        accuracy = "-" if row["accuracy"] is None else f"{100 * row['accuracy']:.2f}%"
+        print(f"| {name} | {row['count']} | {accuracy} |")
+    if FLAGS.json:
+        training.atomic_write_json(report, FLAGS.json)
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,81 @@
+r"""Classifies image files with a trained .keras model and prints the top-k classes.
+
+    python apps/predict.py --backend jax --model saved_models/finetune_digits_ViT-digits/model.keras \
+        digit.png other.jpg --top_k 3
+
+Images are read with their own size, converted to RGB and resized to the model's input size (the
+evaluation preprocessing). Class names come from --class_names or from class_names.json beside the
+model (written by apps/finetune.py and apps/train.py); otherwise classes are numbered.
+"""
+
+import json
+import os
+import sys
+
+_APPS = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(_APPS))
+sys.path.insert(0, _APPS)
+import _backend  # noqa: E402
+
+_backend.select_backend()  # before keras is imported
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see apps/finetune.py
+
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+
+flags.DEFINE_enum("backend", None, _backend.BACKENDS,
+                  "Keras backend, chosen before Keras is imported (default: KERAS_BACKEND).")
+flags.DEFINE_string("model", None, "The .keras file.", required=True)
+flags.DEFINE_integer("top_k", 5, "Classes listed per image.")
+flags.DEFINE_string("class_names", None,
+                    "A JSON list or a text file with one class name per line (default: "
+                    "class_names.json beside the model).")
+flags.DEFINE_string("json", None, "Also write the predictions as JSON to this path.")
+FLAGS = flags.FLAGS
+
+
+def read_class_names(path, model_path):
+    path = path or os.path.join(os.path.dirname(os.path.abspath(model_path)), "class_names.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        text = f.read()
+    try:
+        return [str(name) for name in json.loads(text)]
+    except ValueError:
+        return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def main(argv):
+    files = argv[1:]
+    if not files:
+        raise app.UsageError("Give one or more image files after the flags.")
+    import keras
+
+    import vit_keras  # noqa: F401  (registers the layers for loading)
+    from vit_keras import data
+    from vit_keras import training
+
+    model = keras.saving.load_model(FLAGS.model, compile=False)
+    try:
+        images = data.load_image_files(files, model.input_shape[1])
+    except ValueError as error:
+        print(f"ERROR: {error}", file=sys.stderr)
+        return 2
+    logits = keras.ops.convert_to_numpy(model.predict(images, verbose=0))
+    class_names = read_class_names(FLAGS.class_names, FLAGS.model)
+    predictions = training.top_k_predictions(logits, class_names, FLAGS.top_k)
+    for file, ranked in zip(files, predictions):
+        print(file)
+        for rank, (name, probability) in enumerate(ranked, 1):
+            print(f"  {rank}. {name}  {100 * probability:.2f}%")
+    if FLAGS.json:
+        training.atomic_write_json(
+            {file: [{"class": n, "probability": p} for n, p in ranked]
+             for file, ranked in zip(files, predictions)}, FLAGS.json)
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,170 @@
+"""vit_keras.data: the digits split, image folders with bad files, tfds (offline), pipelines."""
+
+import os
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vit_keras import data
+
+
+def test_digits_split_is_fixed_stratified_and_disjoint():
+    first, second = data.digits_arrays(), data.digits_arrays()
+    sizes = {split: len(first[split][1]) for split in data.SPLITS}
+    all_labels = np.concatenate([first[split][1] for split in data.SPLITS])
+    assert sizes == {"train": 1257, "val": 180, "test": 360}  # 1,797 real digits, 70/10/20
+    for split in data.SPLITS:
+        np.testing.assert_array_equal(first[split][0], second[split][0])
+        # Stratified: each class's share of the split is its share of all digits, +- 2 images.
+        counts = np.bincount(first[split][1], minlength=10)
+        expected = np.bincount(all_labels, minlength=10) * sizes[split] / len(all_labels)
+        assert np.abs(counts - expected).max() <= 2
+    images = first["train"][0]
+    assert images.dtype == np.uint8 and images.shape[1:] == (8, 8, 3) and images.max() == 255
+    flat = {split: {row.tobytes() for row in first[split][0]} for split in data.SPLITS}
+    assert not (flat["train"] & flat["test"])  # (real duplicates in digits would show up here)
+
+
+def test_pipeline_gives_pixels_in_0_255_and_one_hot_labels():
+    splits = data.load_splits("digits", log=lambda _: None)
+    train = data.make_pipeline(splits, "train", image_size=16, batch_size=8, training=True)
+    images, labels = next(iter(train))
+    assert images.shape == (8, 16, 16, 3) and labels.shape == (8, 10)
+    assert float(images.numpy().min()) >= 0 and 128 < float(images.numpy().max()) <= 255
+    np.testing.assert_array_equal(labels.numpy().sum(-1), np.ones(8))
+    test = data.make_pipeline(splits, "test", image_size=16, batch_size=100)
+    assert sum(int(x.shape[0]) for x, _ in test) == 360  # evaluation keeps every example once
+
+
+def test_evaluation_resize_matches_bilinear_upsampling_and_is_deterministic():
+    splits = data.load_splits("digits", log=lambda _: None)
+    a = next(iter(data.make_pipeline(splits, "val", image_size=16, batch_size=4)))[0].numpy()
+    b = next(iter(data.make_pipeline(splits, "val", image_size=16, batch_size=4)))[0].numpy()
+    np.testing.assert_array_equal(a, b)
+    raw = data.digits_arrays()["val"][0][:4].astype("float32")
+    np.testing.assert_allclose(a[:, ::2, ::2].mean(), raw.mean(), rtol=0.1)
+
+
+def test_inception_crop_respects_the_area_range():
+    image = np.zeros((64, 64, 3), np.uint8)
+    image[:32] = 255  # top half white: a crop's mean shows where it came from
+    means = [float(data.inception_crop(image, 8, area_range=(0.05, 0.1)).numpy().mean())
+             for _ in range(30)]
+    assert all(0 <= m <= 255 for m in means)
+    # Small crops (<= 10% of the area) mostly fall wholly inside one half.
+    assert sum(m in (0.0, 255.0) for m in means) >= 10
+    full = data.inception_crop(image, 64, area_range=(1.0, 1.0), aspect_ratio_range=(1.0, 1.0))
+    np.testing.assert_allclose(full.numpy(), image.astype("float32"), atol=1e-3)
+
+
+def test_mixup_and_cutmix_give_soft_labels_that_sum_to_one():
+    splits = data.load_splits("digits", log=lambda _: None)
+    augmentation = data.Augmentation(crop_area=(0.8, 1.0), flip=False, randaugment=(2, 0.5),
+                                     mixup=0.8, cutmix=1.0)
+    images, labels = next(iter(data.make_pipeline(
+        splits, "train", image_size=16, batch_size=16, training=True, augmentation=augmentation)))
+    labels = labels.numpy()
+    np.testing.assert_allclose(labels.sum(-1), np.ones(16), atol=1e-5)
+    assert (labels.max(-1) < 1).any()  # some labels are mixed
+    assert images.shape == (16, 16, 16, 3) and float(images.numpy().max()) <= 255
+
+
+def _write_folder(root, classes=("cat", "dog"), per_class=4, size=12):
+    rng = np.random.default_rng(0)
+    for name in classes:
+        os.makedirs(os.path.join(root, name), exist_ok=True)
+        for index in range(per_class):
+            pixels = rng.integers(0, 255, (size, size + index, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(os.path.join(root, name, f"{index}.png"))
+
+
+def test_image_folder_reports_and_skips_corrupt_and_non_image_files(tmp_path):
+    _write_folder(str(tmp_path))
+    (tmp_path / "cat" / "broken.jpg").write_bytes(np.random.default_rng(1).bytes(300))
+    (tmp_path / "dog" / "notes.txt").write_text("not an image")
+    notes = []
+    splits = data.load_splits(f"folder:{tmp_path}", val_fraction=0.25, log=notes.append)
+    text = "\n".join(notes)
+    assert "Skipped 2 unreadable file(s)" in text
+    assert "broken.jpg" in text and "notes.txt" in text
+    assert splits.class_names == ["cat", "dog"]
+    assert splits.num_examples["train"] + splits.num_examples["val"] == 8
+    assert splits.num_examples["val"] == 2  # one per class (stratified 25%)
+    # A whole epoch reads without error: the bad files never reach the pipeline.
+    train = data.make_pipeline(splits, "train", image_size=8, batch_size=3, repeat=False,
+                               training=True)
+    assert sum(int(x.shape[0]) for x, _ in train) == 6
+
+
+def test_image_folder_with_train_and_val_subfolders(tmp_path):
+    _write_folder(str(tmp_path / "train"), per_class=3)
+    _write_folder(str(tmp_path / "val"), per_class=2)
+    notes = []
+    splits = data.load_splits(f"folder:{tmp_path}", log=notes.append)
+    assert splits.num_examples == {"train": 6, "val": 4, "test": 4}
+    assert any("test metrics are computed on val" in note for note in notes)
+
+
+def test_missing_folder_error_says_what_layout_is_expected(tmp_path):
+    with pytest.raises(FileNotFoundError, match="one sub-folder per class"):
+        data.load_splits(f"folder:{tmp_path / 'nope'}")
+
+
+def test_unprepared_tfds_dataset_without_network_fails_fast_with_instructions(tmp_path,
+                                                                             monkeypatch):
+    monkeypatch.setattr(data, "network_reachable", lambda *args, **kwargs: False)
+    started = time.perf_counter()
+    with pytest.raises(data.DatasetNotPreparedError) as error:
+        data.load_splits("cifar10", data_dir=str(tmp_path))
+    assert time.perf_counter() - started < 10
+    message = str(error.value)
+    assert "not prepared" in message and "network is unreachable" in message
+    assert "download_and_prepare" in message and str(tmp_path) in message
+
+
+def test_unprepared_tfds_dataset_with_download_off_fails_fast(tmp_path):
+    started = time.perf_counter()
+    with pytest.raises(data.DatasetNotPreparedError, match="downloading is off"):
+        data.load_splits("cifar10", data_dir=str(tmp_path), download=False)
+    assert time.perf_counter() - started < 10
+
+
+def test_network_probe_gives_up_within_its_timeout():
+    started = time.perf_counter()
+    # 192.0.2.0/24 is TEST-NET-1 (RFC 5737): never routed, so the connection cannot open.
+    assert data.network_reachable("192.0.2.1", 9, timeout=1.0) is False
+    assert time.perf_counter() - started < 3
+
+
+def test_prepared_tfds_dataset_loads_with_vit_jax_splits(tmp_path):
+    import tensorflow_datasets as tfds
+
+    class VitKerasTinyImages(tfds.core.GeneratorBasedBuilder):
+        """Six 10x10 images in 3 classes, written to a temporary data_dir (no network)."""
+
+        VERSION = tfds.core.Version("1.0.0")
+
+        def _info(self):
+            return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
+                "image": tfds.features.Image(shape=(10, 10, 3)),
+                "label": tfds.features.ClassLabel(names=["a", "b", "c"])}),
+                supervised_keys=("image", "label"))
+
+        def _split_generators(self, dl_manager):
+            return {"train": self._generate_examples(50), "test": self._generate_examples(6)}
+
+        def _generate_examples(self, count):
+            rng = np.random.default_rng(count)
+            for index in range(count):
+                yield index, {"image": rng.integers(0, 255, (10, 10, 3), dtype=np.uint8),
+                              "label": index % 3}
+
+    VitKerasTinyImages(data_dir=str(tmp_path)).download_and_prepare()
+    splits = data.load_splits("vit_keras_tiny_images", data_dir=str(tmp_path),
+                              log=lambda _: None)
+    assert splits.class_names == ["a", "b", "c"]
+    assert splits.num_examples == {"train": 49, "val": 1, "test": 6}  # train[:98%] / train[98%:]
+    images, labels = next(iter(data.make_pipeline(splits, "test", image_size=8, batch_size=6)))
+    assert images.shape == (6, 8, 8, 3) and labels.shape == (6, 3)
