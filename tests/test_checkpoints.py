@@ -11,6 +11,7 @@ Tolerance: fp32 with exact GELU on both sides, max|a - b| / max|b| <= 1e-4 (seen
 import logging
 import os
 import sys
+from functools import partial
 
 # On the TensorFlow backend conftest has imported TensorFlow; loading triton (the GPU compiler that
 # torch and torchvision import when it is installed) after it segfaults the process. These CPU-only
@@ -381,6 +382,36 @@ def test_save_npz_round_trips_through_timm(tmp_path, classifier):
     reference = timm_vit(classifier=classifier)
     _load_weights(reference, path)
     assert relative(torch_logits(reference, images()), keras_logits(model, images())) < RTOL
+
+
+def test_hybrid_npz_matches_timm(tmp_path):
+    # R+ViT with the ResNet root alone (vit_jax's R+ViT-Ti/16 shape, tiny): published hybrid files
+    # store GroupNorm parameters as (1, 1, 1, C). timm standardises weights its own way, so the
+    # model uses timm's numerics here.
+    from vit_keras.configs import ViTConfig  # pylint: disable=import-outside-toplevel
+    from timm.models.vision_transformer_hybrid import HybridEmbed, _resnetv2
+
+    config = ViTConfig(name="R+tiny", resnet_layers=(), **{**TINY, "patch_size": 4})
+    source = vit_keras.build_model(config, image_size=32, num_classes=CLASSES)
+    rng = np.random.default_rng(0)
+    for weight in source.weights:
+        fan_in = int(np.prod(weight.shape[:-1])) if len(weight.shape) > 1 else 0
+        scale = fan_in ** -0.5 if fan_in else 0.05
+        offset = 1.0 if weight.path.endswith("gamma") else 0.0
+        weight.assign(offset + rng.normal(0, scale, weight.shape))
+    params = dict(np.load(vit_keras.save_npz(source, str(tmp_path / "saved.npz"))))
+    assert "conv_root/kernel" in params and "gn_root/scale" in params
+    params.update({k: v.reshape(1, 1, 1, -1) for k, v in params.items() if k.startswith("gn_")})
+    path = write_npz(tmp_path / "hybrid.npz", params)
+    reference = VisionTransformer(img_size=32, patch_size=4, embed_dim=D, depth=L, num_heads=H,
+                                  mlp_ratio=M / D, num_classes=CLASSES,
+                                  embed_layer=partial(HybridEmbed, backbone=_resnetv2(layers=())))
+    _load_weights(reference, path)
+    model = vit_keras.build_model_from_checkpoint(path, include_preprocessing=False,
+                                                  hybrid_numerics="timm")
+    assert model.input_shape == (None, 32, 32, 3)  # 2x2 tokens of 4x4 patches on a stride-4 root
+    x = images(32, 32)
+    assert relative(keras_logits(model, x), torch_logits(reference, x)) < RTOL
 
 
 # --- heads ----------------------------------------------------------------------------------------

@@ -243,9 +243,6 @@ def architecture(checkpoint):
     `build_model` arguments the file determines (`classifier`, `representation_size`,
     `num_classes`, `channels`, `grid`, `layer_norm_epsilon`, `approximate_gelu`)."""
     params = checkpoint.params
-    if "conv_root/kernel" in params:
-        raise ValueError(f"{checkpoint.path!r} is a hybrid (ResNet + ViT) checkpoint; build the "
-                         f"hybrid model and call vit_keras.load_pretrained on it.")
     kernel = params.get(names.EMBEDDING_KERNEL)
     if kernel is None or kernel.ndim != 4 or kernel.shape[0] != kernel.shape[1]:
         raise ValueError(f"{checkpoint.path!r}: expected a square patch-embedding kernel "
@@ -258,9 +255,21 @@ def architecture(checkpoint):
         raise ValueError(f"{checkpoint.path!r} has no encoder blocks "
                          f"({names.QUERY_KERNEL.format(0)!r} is missing).")
     query = params[names.QUERY_KERNEL.format(0)]
-    config = {"patch_size": kernel.shape[0], "hidden_size": kernel.shape[3],
-              "mlp_dim": params[names.MLP_KERNEL.format(0)].shape[1], "num_heads": query.shape[1],
-              "num_layers": num_layers}
+    config = {"patch_size": int(kernel.shape[0]), "hidden_size": int(kernel.shape[3]),
+              "mlp_dim": int(params[names.MLP_KERNEL.format(0)].shape[1]),
+              "num_heads": int(query.shape[1]), "num_layers": num_layers}
+    channels = kernel.shape[2]
+    root = params.get(names.RESNET_ROOT)
+    if root is not None:  # a hybrid: count the units of each ResNet stage
+        units = []
+        while f"block{len(units) + 1}/unit1/conv1/kernel" in params:
+            stage, count = len(units) + 1, 0
+            while f"block{stage}/unit{count + 1}/conv1/kernel" in params:
+                count += 1
+            units.append(count)
+        config["resnet_layers"] = tuple(units)
+        config["resnet_width"] = root.shape[-1] // 64
+        channels = root.shape[2]
     classifier = "token" if names.CLS in params else "gap"
     grid = checkpoint.hints.get("grid")
     if grid is None:
@@ -270,11 +279,11 @@ def architecture(checkpoint):
     head = params.get(names.HEAD + "kernel")
     pre_logits = params.get(names.PRE_LOGITS + "kernel")
     return {
-        "config": {k: int(v) for k, v in config.items()},
+        "config": config,
         "classifier": classifier,
         "representation_size": None if pre_logits is None else int(pre_logits.shape[1]),
         "num_classes": None if head is None else int(head.shape[1]),
-        "channels": int(kernel.shape[2]),
+        "channels": int(channels),
         "grid": grid,
         "layer_norm_epsilon": checkpoint.hints.get("layer_norm_epsilon", 1e-6),
         "approximate_gelu": checkpoint.hints.get("approximate_gelu", False),
@@ -284,7 +293,8 @@ def architecture(checkpoint):
 def _variant_for(fields, variant, path):
     """The `ViTConfig` for the checkpoint's fields: `variant` if it agrees, else the paper's
     variant with those fields, else a custom config."""
-    names_ = ("patch_size", "hidden_size", "mlp_dim", "num_heads", "num_layers")
+    fields = {"resnet_layers": None, "resnet_width": 1, **fields}
+    names_ = tuple(fields)
     if variant is not None:
         config = configs.get_config(variant)
         wanted = {n: getattr(config, n) for n in names_}
@@ -334,7 +344,10 @@ def build_model_from_checkpoint(path, *, variant=None, image_size=None, num_clas
         if arch["grid"] is None:
             raise ValueError(f"Cannot tell the image size of {checkpoint.path!r} (its position "
                              f"grid is not square); pass image_size=(height, width).")
-        image_size = tuple(g * config.patch_size for g in arch["grid"])
+        # Pixels per token: the patch, times the hybrid ResNet's stride (4 for the root, then 2
+        # per stage after the first; see configs.py).
+        stride = 4 * 2 ** max(len(config.resnet_layers) - 1, 0) if config.is_hybrid else 1
+        image_size = tuple(g * config.patch_size * stride for g in arch["grid"])
     if include_top is None:
         include_top = num_classes is not None or arch["num_classes"] is not None
     num_classes = num_classes or arch["num_classes"]

@@ -15,6 +15,7 @@ The canonical layout is the official vit_jax `.npz` (pre-Linen names, no prefix)
     Transformer/encoder_norm/scale|bias
     pre_logits/kernel|bias                            representation layer (Dense + tanh), optional
     head/kernel|bias                                  (features, classes)
+    conv_root/kernel, gn_root/scale, block{s}/unit{u}/{conv,gn}{1,2,3,_proj}/...   hybrids only
 
 Keras weight paths equal these keys up to `Transformer/` and `gamma|beta` (see `keras_to_canonical`).
 Keys a converter does not recognise are passed through under their own name, so that a strict load
@@ -34,8 +35,12 @@ ATTENTION = "MultiHeadDotProductAttention_1/"
 QUERY_KERNEL = BLOCK + ATTENTION + "query/kernel"
 MLP_KERNEL = BLOCK + "MlpBlock_3/Dense_0/kernel"
 PRE_LOGITS = "pre_logits/"
+# Hybrids (.npz): the ResNet's keys (`conv_root`, `gn_root`, `block{s}/unit{u}/conv1`, ...) are
+# canonical as they are; vit_keras keeps them under `resnet/`.
+RESNET_ROOT = "conv_root/kernel"
 HEAD = "head/"
 
+_RESNET = "resnet/"
 _TRANSFORMER_PARTS = re.compile(r"^(encoderblock_\d+|encoder_norm|posembed_input)/")
 
 
@@ -43,9 +48,12 @@ _TRANSFORMER_PARTS = re.compile(r"^(encoderblock_\d+|encoder_norm|posembed_input
 
 def keras_to_canonical(path):
     """A vit_keras weight path → its canonical key, e.g. `encoder_norm/gamma` →
-    `Transformer/encoder_norm/scale`, `cls/cls` → `cls`."""
+    `Transformer/encoder_norm/scale`, `cls/cls` → `cls`, and for hybrids
+    `resnet/block1/unit1/gn1/gamma` → `block1/unit1/gn1/scale` (the ResNet sits at the top level)."""
     if path == "cls/cls":
         return CLS
+    if path.startswith(_RESNET):
+        path = path[len(_RESNET):]
     key = re.sub(r"/gamma$", "/scale", re.sub(r"/beta$", "/bias", path))
     if _TRANSFORMER_PARTS.match(key):
         key = "Transformer/" + key
