@@ -635,8 +635,7 @@ def run(config, app="finetune", log=print, started=None):
                                   augmentation=augmentation, seed=config.seed)
     eval_batch = config.eval_batch_size - config.eval_batch_size % replicas or replicas
     eval_sets = {split: data.make_pipeline(splits, split, image_size=recipe.image_size,
-                                           batch_size=eval_batch,
-                                           drop_remainder=replicas > 1)
+                                           batch_size=eval_batch)
                  for split in ("val", "test")}
 
     with scope:
