@@ -7,7 +7,11 @@ import subprocess
 import sys
 import textwrap
 
-import keras
+# The test oracles (torch, timm, transformers) pull in triton when it is installed; importing triton
+# after TensorFlow segfaults the process on the TensorFlow backend. No test needs triton (CPU only).
+sys.modules.setdefault("triton", None)
+
+import keras  # noqa: E402
 import numpy as np
 import pytest
 
@@ -23,7 +27,8 @@ TINY_CONFIG = {"name": "tiny", "patch_size": 4, "hidden_size": 32, "mlp_dim": 64
 def _fresh_keras_state():
     """Each test starts with a clean graph, float32 policy and a fixed seed."""
     keras.config.set_dtype_policy("float32")
-    keras.utils.clear_session()
+    # free_memory=False: its gc.collect() costs about a second per test once torch is imported.
+    keras.utils.clear_session(free_memory=False)
     keras.utils.set_random_seed(0)
     yield
     keras.config.set_dtype_policy("float32")

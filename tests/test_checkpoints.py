@@ -13,12 +13,7 @@ import os
 import sys
 from functools import partial
 
-# On the TensorFlow backend conftest has imported TensorFlow; loading triton (the GPU compiler that
-# torch and torchvision import when it is installed) after it segfaults the process. These CPU-only
-# tests need no triton, so it is made unimportable before torch is imported.
-sys.modules.setdefault("triton", None)
-
-import keras  # noqa: E402
+import keras
 import numpy as np
 import pytest
 import safetensors.torch
@@ -34,17 +29,6 @@ P, D, H, M, L = 4, 32, 4, 64, 2  # patch, hidden, heads, MLP, layers
 TINY = {"patch_size": P, "hidden_size": D, "mlp_dim": M, "num_heads": H, "num_layers": L}
 CLASSES = 5
 RTOL = 1e-4
-
-
-@pytest.fixture(autouse=True)
-def _fresh_keras_state():
-    """Overrides conftest's fixture without its gc.collect(), which costs about a second per test
-    once torch, timm and transformers are imported; these tests build a few tiny models each."""
-    keras.config.set_dtype_policy("float32")
-    keras.utils.clear_session(free_memory=False)
-    keras.utils.set_random_seed(0)
-    yield
-    keras.config.set_dtype_policy("float32")
 
 
 # --- synthetic checkpoints in the official layouts ------------------------------------------------

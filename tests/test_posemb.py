@@ -4,11 +4,6 @@ import os
 import subprocess
 import sys
 
-# On the TensorFlow backend conftest has imported TensorFlow; loading triton (the GPU compiler that
-# torch and torchvision import when it is installed) after it segfaults the process. These CPU-only
-# tests need no triton, so it is made unimportable before torch is imported.
-sys.modules.setdefault("triton", None)
-
 import numpy as np
 import pytest
 import scipy.ndimage
