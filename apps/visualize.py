@@ -103,7 +103,11 @@ def image_titles(model, inputs, paths):
     has_head = "head" in {layer.name for layer in model.layers}
     if not has_head or model.outputs[0].shape[-1] in (None, 1):
         return names
-    logits = np.asarray(model.predict(inputs, batch_size=FLAGS.batch_size, verbose=0), np.float64)
+    import keras
+
+    logits = np.concatenate([  # eager calls: no compilation for a handful of images
+        keras.ops.convert_to_numpy(model(inputs[start:start + FLAGS.batch_size], training=False))
+        for start in range(0, len(inputs), FLAGS.batch_size)]).astype(np.float64)
     probabilities = np.exp(logits - logits.max(axis=-1, keepdims=True))
     probabilities /= probabilities.sum(axis=-1, keepdims=True)
     titles = []

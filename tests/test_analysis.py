@@ -234,3 +234,17 @@ def test_model_without_a_patch_embedding_is_refused():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)], name="mlp")
     with pytest.raises(ValueError, match="no layer named 'embedding'"):
         analysis.token_grid(model)
+
+
+def test_attention_arrays_of_mixed_shapes_are_refused():
+    with pytest.raises(ValueError, match="all of one shape"):
+        analysis.mean_attention_distance([np.ones((1, 2, 5, 5)), np.ones((1, 2, 4, 4))], 2, 16)
+
+
+def test_one_stacked_array_gives_the_same_answers_as_a_list_of_layers():
+    attentions = [np.random.default_rng(seed).dirichlet(np.ones(5), size=(2, 3, 5))
+                  for seed in (0, 1)]
+    np.testing.assert_array_equal(analysis.attention_rollout(np.stack(attentions), 2),
+                                  analysis.attention_rollout(attentions, 2))
+    np.testing.assert_array_equal(analysis.mean_attention_distance(np.stack(attentions), 2, 16),
+                                  analysis.mean_attention_distance(attentions, 2, 16))

@@ -34,9 +34,11 @@ def other_backend():
     return BACKENDS[(BACKENDS.index(keras.backend.backend()) + 1) % len(BACKENDS)]
 
 
-def run_app(*args):
+def run_app(*args, backend=None):
+    """Runs the app on `backend` (default: this process's one) and returns the finished process."""
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    return subprocess.run([sys.executable, APP, "--backend", other_backend(), *args], env=env,
+    backend = backend or keras.backend.backend()
+    return subprocess.run([sys.executable, APP, "--backend", backend, *args], env=env,
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
 
 
@@ -57,7 +59,7 @@ def test_app_writes_every_figure_for_a_model_saved_on_another_backend(tmp_path, 
     out = tmp_path / "figures"
     # `--images a.png b.jpg`: the second image is a positional argument after the flag.
     result = run_app("--model", str(tmp_path / "tiny.keras"), "--images", images[0], images[1],
-                     "--out", str(out), "--num_components", "12")
+                     "--out", str(out), "--num_components", "12", backend=other_backend())
     assert result.returncode == 0, result.stderr
     assert png_size(out / "rollout.png") == (750, 500)
     assert png_size(out / "attention_distance.png") == (500, 400)

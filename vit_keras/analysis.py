@@ -55,23 +55,29 @@ def _num_prefix_tokens(tokens, grid):
     return prefix
 
 
-def _stack_attentions(attentions):
+def _attention_layers(attentions):
     """A list of `(batch, heads, tokens, tokens)` arrays, or one `(layers, batch, heads, tokens,
-    tokens)` array → a float64 array `(layers, batch, heads, tokens, tokens)`."""
-    if isinstance(attentions, (list, tuple)):
-        if not attentions:
-            raise ValueError("Expected attention probabilities of at least one layer; got none.")
-        shapes = {np.shape(a) for a in attentions}
-        if len(shapes) != 1:
-            raise ValueError(f"All layers' attention probabilities must have one shape; got "
-                             f"{sorted(shapes)}.")
-        attentions = np.stack([np.asarray(a, dtype=np.float64) for a in attentions])
-    attentions = np.asarray(attentions, dtype=np.float64)
-    if attentions.ndim != 5 or attentions.shape[-1] != attentions.shape[-2]:
+    tokens)` array → a list of per-layer arrays, checked to share one square shape.
+
+    Layers are converted to float64 one at a time by the callers, so a large model's attention
+    (ViT-L/16 at 384 px: 24 x 16 x 577 x 577 floats per image) is never copied whole.
+    """
+    if not isinstance(attentions, (list, tuple)):
+        attentions = np.asarray(attentions)
+        if attentions.ndim != 5:
+            raise ValueError(
+                f"Expected attention probabilities of shape (layers, batch, heads, tokens, tokens) "
+                f"or a list of (batch, heads, tokens, tokens) arrays, one per layer; got shape "
+                f"{attentions.shape}.")
+        attentions = list(attentions)
+    if not attentions:
+        raise ValueError("Expected attention probabilities of at least one layer; got none.")
+    shapes = {np.shape(a) for a in attentions}
+    shape = next(iter(shapes))
+    if len(shapes) != 1 or len(shape) != 4 or shape[-1] != shape[-2]:
         raise ValueError(
-            f"Expected attention probabilities of shape (layers, batch, heads, tokens, tokens) or "
-            f"a list of (batch, heads, tokens, tokens) arrays, one per layer; got shape "
-            f"{attentions.shape}.")
+            f"Expected one (batch, heads, tokens, tokens) array per layer, all of one shape; got "
+            f"shapes {sorted(shapes)}.")
     return attentions
 
 
@@ -98,14 +104,14 @@ def attention_rollout(attentions, grid):
       for display.
     """
     grid = _grid_pair(grid)
-    attentions = _stack_attentions(attentions)
-    tokens = attentions.shape[-1]
+    attentions = _attention_layers(attentions)
+    batch, _, tokens, _ = np.shape(attentions[0])
     prefix = _num_prefix_tokens(tokens, grid)
     identity = np.eye(tokens)
-    per_layer = attentions.mean(axis=2) + identity  # (layers, batch, tokens, tokens)
-    per_layer /= per_layer.sum(axis=-1, keepdims=True)
-    rollout = np.broadcast_to(identity, per_layer.shape[1:]).copy()
-    for layer in per_layer:
+    rollout = np.broadcast_to(identity, (batch, tokens, tokens)).copy()
+    for attention in attentions:
+        layer = np.asarray(attention, dtype=np.float64).mean(axis=1) + identity
+        layer /= layer.sum(axis=-1, keepdims=True)
         rollout = layer @ rollout
     weights = rollout[:, 0, prefix:] if prefix else rollout.mean(axis=1)
     return weights.reshape(-1, *grid)
@@ -143,16 +149,20 @@ def mean_attention_distance(attentions, grid, token_size):
       A float array `(layers, heads)` of distances in pixels.
     """
     grid = _grid_pair(grid)
-    attentions = _stack_attentions(attentions)
-    prefix = _num_prefix_tokens(attentions.shape[-1], grid)
-    weights = attentions[..., prefix:, prefix:]
-    totals = weights.sum(axis=-1)  # (layers, batch, heads, queries)
-    per_query = (weights * _patch_distances(grid, token_size)).sum(axis=-1)
-    valid = totals > 0
-    per_query = np.where(valid, per_query / np.where(valid, totals, 1.0), 0.0)
-    counts = valid.sum(axis=(1, 3))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(counts > 0, per_query.sum(axis=(1, 3)) / counts, np.nan)
+    attentions = _attention_layers(attentions)
+    prefix = _num_prefix_tokens(np.shape(attentions[0])[-1], grid)
+    distances = _patch_distances(grid, token_size)
+    result = []
+    for attention in attentions:
+        weights = np.asarray(attention, dtype=np.float64)[..., prefix:, prefix:]
+        totals = weights.sum(axis=-1)  # (batch, heads, queries)
+        per_query = (weights * distances).sum(axis=-1)
+        valid = totals > 0
+        per_query = np.where(valid, per_query / np.where(valid, totals, 1.0), 0.0)
+        counts = valid.sum(axis=(0, 2))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            result.append(np.where(counts > 0, per_query.sum(axis=(0, 2)) / counts, np.nan))
+    return np.stack(result)
 
 
 def position_embedding_similarity(pos_embedding, grid):
