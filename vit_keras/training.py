@@ -297,6 +297,7 @@ class Throughput(keras.callbacks.Callback):
 # --- distribution -------------------------------------------------------------------------------
 
 DISTRIBUTIONS = ("none", "data_parallel", "model_parallel")
+_mirrored_strategy = None  # the last MirroredStrategy distribution_scope made (TensorFlow)
 
 
 def model_parallel_layout_map(device_mesh):
@@ -348,7 +349,9 @@ def distribution_scope(kind="none", model_parallel_size=None):
     if backend == "tensorflow" and kind == "data_parallel":
         import tensorflow as tf
 
-        return tf.distribute.MirroredStrategy().scope()
+        global _mirrored_strategy
+        _mirrored_strategy = tf.distribute.MirroredStrategy()
+        return _mirrored_strategy.scope()
     if backend == "tensorflow":
         raise ValueError("--distribution model_parallel needs the JAX backend: Keras' ModelParallel "
                          "is implemented for JAX only, and TensorFlow's DTensor path is not "
@@ -366,9 +369,7 @@ def num_replicas(kind="none"):
         from keras import distribution
 
         return len(distribution.list_devices())
-    import tensorflow as tf
-
-    return tf.distribute.get_strategy().num_replicas_in_sync
+    return _mirrored_strategy.num_replicas_in_sync if _mirrored_strategy else 1
 
 
 # --- one training run ---------------------------------------------------------------------------
@@ -638,10 +639,18 @@ def run(config, app="finetune", log=print, started=None):
                                            batch_size=eval_batch)
                  for split in ("val", "test")}
 
+    jit_compile = config.jit_compile
+    if (jit_compile is None and config.distribution == "data_parallel"
+            and keras.backend.backend() == "tensorflow"):
+        # XLA cannot use MirroredStrategy's per-device variables ("Trying to access resource ...
+        # located in device CPU:1 from device CPU:0", tensorflow.org/xla/known_issues).
+        jit_compile = False
+        log("MirroredStrategy: XLA compilation off (TensorFlow's XLA cannot place mirrored "
+            "variables).")
     with scope:
         model = build_run_model(config, recipe, splits.num_classes, log=log)
         optimizer = make_optimizer(recipe, total_updates, accum)
-        compile_model(model, optimizer, recipe.label_smoothing, config.jit_compile)
+        compile_model(model, optimizer, recipe.label_smoothing, jit_compile)
 
     nan_guard = StopOnNaN()
     backup = AtomicBackupAndRestore(os.path.join(run_dir, "backup"))
