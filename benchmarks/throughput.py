@@ -1,0 +1,240 @@
+"""Images/s of vit_keras against timm and keras-hub, measured side by side in one run.
+
+    python benchmarks/throughput.py                                  # everything (~25-40 min on 2 cores)
+    python benchmarks/throughput.py --models ViT-Ti/16 --implementations vit_keras-jax timm
+    python benchmarks/throughput.py --modes train --rounds 3 --batch_size 8 --json out.json
+
+Each implementation (vit_keras and keras-hub's ViTBackbone on each Keras backend, timm eager and
+with torch.compile) runs in its own process, and the processes alternate A B C A B C ... over
+`--rounds` rounds so that drift in the machine's load hits all alike. Every process first measures
+the fp32 matrix-multiply peak (a 2048³ matmul) through its own library, then times inference and a
+training step (forward, loss, backward, SGD update) of each model on random images.
+
+Reported per row: the median images/s over rounds, min-max, the ratio to timm eager, and the
+achieved FLOP/s as a fraction of the peak measured in the same process, with the forward pass's
+analytic FLOPs (see `forward_flops`) and x3 for a training step. Peers are optional
+(`pip install .[bench]`): a missing one is reported, not fatal. Writes a markdown table to stdout
+and all measurements to `--json`. Not part of the test suite's pass/fail.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BACKENDS = ("jax", "tensorflow", "torch")
+# name -> (worker implementation, Keras backend or None, package it needs)
+IMPLEMENTATIONS = {
+    **{f"vit_keras-{b}": ("vit_keras", b, "keras") for b in BACKENDS},
+    "timm": ("timm", None, "timm"),
+    "timm-compile": ("timm_compile", None, "timm"),
+    **{f"keras_hub-{b}": ("keras_hub", b, "keras_hub") for b in BACKENDS},
+}
+BASELINE = "timm"
+# The ViT sizes of the paper (Ti and S from "How to train your ViT"), as vit_keras' variant table.
+MODELS = {
+    "ViT-Ti/16": dict(patch_size=16, hidden_size=192, mlp_dim=768, num_heads=3, num_layers=12),
+    "ViT-S/16": dict(patch_size=16, hidden_size=384, mlp_dim=1536, num_heads=6, num_layers=12),
+    "ViT-B/16": dict(patch_size=16, hidden_size=768, mlp_dim=3072, num_heads=12, num_layers=12),
+}
+
+
+def forward_flops(config, image_size, num_classes=1000, channels=3):
+    """Multiply-add FLOPs (2 per MAC) of one image's forward pass; elementwise ops not counted.
+
+    With N = (image_size / patch)², T = N + 1 tokens, D hidden, M mlp_dim, L layers:
+        2·N·p²·C·D                       patch embedding
+      + L·(2·T·4·D² + 2·2·T²·D + 2·2·T·D·M)   q, k, v, out projections; QKᵀ and AV; the MLP
+      + 2·D·classes                      head
+    """
+    p, d, m = config["patch_size"], config["hidden_size"], config["mlp_dim"]
+    n = (image_size // p) ** 2
+    t = n + 1
+    per_layer = 2 * t * 4 * d * d + 2 * 2 * t * t * d + 2 * 2 * t * d * m
+    return 2 * n * p * p * channels * d + config["num_layers"] * per_layer + 2 * d * num_classes
+
+
+def parse_model(text):
+    """A variant name from MODELS, or a JSON dict of ViTConfig fields with a "name"."""
+    if text in MODELS:
+        return {"name": text, **MODELS[text]}
+    config = json.loads(text)
+    return {"name": config.get("name", "custom"), **{k: config[k] for k in MODELS["ViT-Ti/16"]}}
+
+
+def missing_package(implementation):
+    package = IMPLEMENTATIONS[implementation][2]
+    return None if importlib.util.find_spec(package) else package
+
+
+def run_worker(implementation, configs, args):
+    worker, backend, _ = IMPLEMENTATIONS[implementation]
+    command = [sys.executable, os.path.join(REPO, "benchmarks", "throughput_worker.py"),
+               "--implementation", worker, "--configs", json.dumps(configs),
+               "--batch_size", str(args.batch_size), "--image_size", str(args.image_size),
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--dtype", args.dtype,
+               "--modes", *args.modes] + (["--torch_jit"] if args.torch_jit else [])
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": REPO}
+    if backend:
+        env["KERAS_BACKEND"] = backend
+    load = os.getloadavg()[0]
+    started = time.perf_counter()
+    try:
+        result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True,
+                                timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.timeout} s"}
+    sys.stderr.write(result.stderr if args.verbose else "".join(
+        line + "\n" for line in result.stderr.splitlines() if line.startswith("  ")))
+    if result.returncode:
+        return {"error": f"exit {result.returncode}: " + result.stderr.strip()[-1500:]}
+    output = json.loads(result.stdout.strip().splitlines()[-1])
+    output.update(load_before=load, load_after=os.getloadavg()[0],
+                  process_s=time.perf_counter() - started)
+    return output
+
+
+def summarize(rounds, configs, args):
+    """One row per (model, mode, implementation) with medians over rounds."""
+    flops = {c["name"]: forward_flops(c, args.image_size) for c in configs}
+    rows = []
+    for config in configs:
+        for mode in args.modes:
+            for implementation in args.implementations:
+                rates, fractions, firsts, errors = [], [], [], []
+                for outputs in rounds:
+                    output = outputs.get(implementation)
+                    if output is None:
+                        continue
+                    if "error" in output:
+                        errors.append(output["error"])
+                        continue
+                    for run in output["runs"]:
+                        if run["model"] == config["name"] and run["mode"] == mode:
+                            rates.append(run["images_per_s"])
+                            achieved = run["images_per_s"] * flops[config["name"]] * (
+                                3 if mode == "train" else 1)
+                            fractions.append(achieved / output["peak_flops"])
+                            firsts.append(run["first_call_s"])
+                row = {"model": config["name"], "mode": mode, "implementation": implementation,
+                       "batch_size": args.batch_size, "images_per_s": rates,
+                       "fraction_of_peak": fractions, "first_call_s": firsts, "errors": errors}
+                if rates:
+                    row.update(median=statistics.median(rates), min=min(rates), max=max(rates),
+                               median_fraction_of_peak=statistics.median(fractions))
+                rows.append(row)
+    for row in rows:
+        baseline = next((r for r in rows if r["model"] == row["model"] and r["mode"] == row["mode"]
+                         and r["implementation"] == BASELINE and "median" in r), None)
+        if baseline and "median" in row:
+            row["ratio_to_timm"] = row["median"] / baseline["median"]
+    return rows
+
+
+def markdown(rows, peaks, missing, args):
+    lines = [f"Batch {args.batch_size}, {args.image_size}x{args.image_size}, {args.dtype}, "
+             f"{args.rounds} round(s) x {args.steps} timed steps (after {args.warmup} warm-up).",
+             "", "| model | mode | implementation | images/s (median) | min-max | x timm eager "
+             "| % of GEMM peak | first call (s) |", "|---|---|---|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        if "median" not in row:
+            reason = row["errors"][0].splitlines()[-1][:80] if row["errors"] else "not run"
+            lines.append(f"| {row['model']} | {row['mode']} | {row['implementation']} | "
+                         f"failed: {reason} | | | | |")
+            continue
+        ratio = f"{row['ratio_to_timm']:.2f}" if "ratio_to_timm" in row else "-"
+        lines.append(
+            f"| {row['model']} | {row['mode']} | {row['implementation']} | {row['median']:.2f} | "
+            f"{row['min']:.2f}-{row['max']:.2f} | {ratio} | "
+            f"{100 * row['median_fraction_of_peak']:.0f}% | "
+            f"{statistics.median(row['first_call_s']):.0f} |")
+    lines.append("")
+    lines.append("fp32 GEMM peak (2048³, best of 5, median over processes): " + ", ".join(
+        f"{lib} {statistics.median(v) / 1e9:.0f} GFLOP/s" for lib, v in sorted(peaks.items())))
+    for implementation, package in missing.items():
+        lines.append(f"{implementation}: not measured, `{package}` is not installed "
+                     f"(`pip install .[bench]`).")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=list(MODELS),
+                        help=f"names from {list(MODELS)} or JSON dicts of ViTConfig fields")
+    parser.add_argument("--implementations", nargs="+", default=list(IMPLEMENTATIONS),
+                        help=f"any of {list(IMPLEMENTATIONS)}; 'vit_keras' and 'keras_hub' "
+                             "expand to every backend")
+    parser.add_argument("--modes", nargs="+", default=["inference", "train"],
+                        choices=["inference", "train"])
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--image_size", type=int, default=224)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per measurement")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps (compile included)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "mixed_bfloat16"],
+                        help="Keras dtype policy; timm uses torch.autocast for mixed_bfloat16")
+    parser.add_argument("--torch_jit", action="store_true",
+                        help="jit_compile=True for Keras on torch too (slow to compile)")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per process")
+    parser.add_argument("--json", default="throughput.json", help="where to write all results")
+    parser.add_argument("--verbose", action="store_true", help="show the workers' stderr")
+    args = parser.parse_args()
+
+    expanded = []
+    for name in args.implementations:
+        names = [f"{name}-{b}" for b in BACKENDS] if name in ("vit_keras", "keras_hub") else [name]
+        for item in names:
+            if item not in IMPLEMENTATIONS:
+                parser.error(f"Unknown implementation {item!r}; expected {list(IMPLEMENTATIONS)}.")
+            expanded.append(item)
+    args.implementations = expanded
+    configs = [parse_model(text) for text in args.models]
+    missing = {i: missing_package(i) for i in args.implementations if missing_package(i)}
+    runnable = [i for i in args.implementations if i not in missing]
+
+    rounds = []
+    for index in range(args.rounds):
+        outputs = {}
+        for implementation in runnable:
+            print(f"round {index + 1}/{args.rounds}: {implementation}", file=sys.stderr, flush=True)
+            outputs[implementation] = run_worker(implementation, configs, args)
+            if "error" in outputs[implementation]:
+                print(f"  failed: {outputs[implementation]['error'][-300:]}", file=sys.stderr)
+        rounds.append(outputs)
+
+    rows = summarize(rounds, configs, args)
+    peaks = {}
+    for outputs in rounds:
+        for output in outputs.values():
+            if "peak_flops" in output:
+                peaks.setdefault(output["library"], []).append(output["peak_flops"])
+    table = markdown(rows, peaks, missing, args)
+    print(table)
+    loads = [o[key] for outputs in rounds for o in outputs.values()
+             for key in ("load_before", "load_after") if key in o]
+    report = {
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "load_average_1min": [min(loads), max(loads)] if loads else None},
+        "settings": {k: v for k, v in vars(args).items() if k != "json"},
+        "flops_formula": forward_flops.__doc__.strip(),
+        "forward_gflops_per_image": {c["name"]: forward_flops(c, args.image_size) / 1e9
+                                     for c in configs},
+        "gemm_peak_flops": peaks, "missing": missing, "rows": rows, "rounds": rounds,
+        "markdown": table,
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
