@@ -683,7 +683,8 @@ def run(config, app="finetune", log=print, started=None):
         f"{recipe.learning_rate:g}, backend {keras.backend.backend()}.")
     fit_started = time.perf_counter()
     model.fit(train_ds, epochs=epochs, steps_per_epoch=steps_per_epoch,
-              validation_data=eval_sets["val"], callbacks=callbacks, verbose=config.verbose)
+              validation_data=eval_sets["val"], callbacks=callbacks, verbose=config.verbose,
+              shuffle=False)  # tf.data shuffles
     fit_seconds = time.perf_counter() - fit_started
     if nan_guard.bad_step:
         epoch, batch, loss = nan_guard.bad_step
