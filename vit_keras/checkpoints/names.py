@@ -150,7 +150,7 @@ def _to(template, transform=lambda v: v):
 
 
 def _ln(template):
-    """A torch LayerNorm `weight|bias` → canonical `scale|bias`."""
+    """A torch LayerNorm or GroupNorm `weight|bias` → canonical `scale|bias`."""
     def convert(match, value):
         *indices, which = match.groups()
         return {template.format(*indices) + ("scale" if which == "weight" else "bias"): value}
@@ -167,8 +167,33 @@ def _dense(template):
     return convert
 
 
+def _unit(part):
+    """timm ResNetV2 `stages.{s}.blocks.{u}.<part>` (0-based) → vit_jax `block{s+1}/unit{u+1}/`."""
+    def convert(match, value):
+        stage, unit, *rest = match.groups()
+        prefix = f"block{int(stage) + 1}/unit{int(unit) + 1}/"
+        if part == "conv":  # conv{1,2,3} or the projection shortcut's conv
+            return {prefix + f"conv{rest[0] or '_proj'}/kernel": _conv(value)}
+        return {prefix + f"gn{rest[0] or '_proj'}/" + ("scale" if rest[1] == "weight" else "bias"):
+                value}
+    return convert
+
+
+# timm hybrids (`vision_transformer_hybrid.py`): the ResNetV2 backbone sits in `patch_embed.backbone`
+# (its root in `.stem`; a root-only model's backbone is the root itself), torch convs are OIHW.
+_BACKBONE = r"patch_embed\.backbone\."
+_STAGE_UNIT = _BACKBONE + r"stages\.(\d+)\.blocks\.(\d+)\."
+_TIMM_RESNET = [
+    (_BACKBONE + r"(?:stem\.)?conv\.weight", _to(RESNET_ROOT, _conv)),
+    (_BACKBONE + r"(?:stem\.)?norm\.(weight|bias)", _ln("gn_root/")),
+    (_STAGE_UNIT + r"(?:conv([123])|downsample\.conv)\.weight", _unit("conv")),
+    (_STAGE_UNIT + r"(?:norm([123])|downsample\.norm)\.(weight|bias)", _unit("norm")),
+]
+
+
 def from_timm(state_dict, num_heads):
-    """A timm `VisionTransformer` state dict (NumPy values) → canonical dict."""
+    """A timm `VisionTransformer` state dict (NumPy values) → canonical dict; hybrids
+    (`vit_base_r50_s16_384`, `vit_tiny_r_s16_p8_224`, ...) included."""
     if "fc_norm.weight" in state_dict:
         raise ValueError(
             "This timm checkpoint applies its final LayerNorm after pooling (fc_norm); vit_keras, "
@@ -192,7 +217,7 @@ def from_timm(state_dict, num_heads):
             return {block + "out/kernel": _heads_out(value, num_heads)}
         return {block + "out/bias": value}
 
-    return _convert(state_dict, [
+    return _convert(state_dict, _TIMM_RESNET + [
         (r"patch_embed\.proj\.weight", _to(EMBEDDING_KERNEL, _conv)),
         (r"patch_embed\.proj\.bias", _to("embedding/bias")),
         (r"cls_token", _to(CLS)),
