@@ -262,3 +262,26 @@ def test_classification_report_and_top_k():
     top = training.top_k_predictions(logits[:1], ["a", "b", "c"], k=2)
     assert [name for name, _ in top[0]] == ["a", "b"]
     assert top[0][0][1] == pytest.approx(np.exp(3) / (np.exp(3) + np.exp(1) + 1))
+
+
+def test_keras_file_weights_get_a_new_zero_head_and_resampled_position_embeddings(tmp_path,
+                                                                                  tiny_config):
+    source = build_model(tiny_config, image_size=8, num_classes=7)
+    for weight in source.weights:
+        weight.assign(np.random.default_rng(1).normal(0, 0.1, weight.shape))
+    path = str(tmp_path / "source.keras")
+    source.save(path)
+    recipe = dataclasses.replace(training.FINETUNE_RECIPE, image_size=16)
+    model = training.build_run_model(training.RunConfig(weights=path), recipe, num_classes=3,
+                                     log=lambda _: None)
+    assert model.output_shape == (None, 3) and model.input_shape == (None, 16, 16, 3)
+    assert not np.any(keras.ops.convert_to_numpy(model.get_layer("head").kernel))
+    np.testing.assert_allclose(  # the encoder weights are the file's
+        keras.ops.convert_to_numpy(model.get_layer("encoderblock_1").mlp.dense_0.kernel),
+        keras.ops.convert_to_numpy(source.get_layer("encoderblock_1").mlp.dense_0.kernel))
+    same = training.build_run_model(training.RunConfig(weights=path),
+                                    dataclasses.replace(recipe, image_size=8), num_classes=7,
+                                    log=lambda _: None)
+    np.testing.assert_allclose(  # same classes and size: the model continues as it was
+        keras.ops.convert_to_numpy(same.get_layer("head").kernel),
+        keras.ops.convert_to_numpy(source.get_layer("head").kernel))
