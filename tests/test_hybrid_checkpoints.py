@@ -5,16 +5,17 @@ hybrid `.keras` file read on another backend.
 The official `.npz` is written here with the key names spelled out literally (not through
 vit_keras' name map), GroupNorm parameters stored `(1, 1, 1, C)` as in the published files, and
 realistic statistics: conv kernels N(0, 1/fan_in), GroupNorm scales N(1, 0.1) — gn3 included: a
-zero gn3 scale (the training initialisation) would silence every residual branch and leave only
-the projection shortcuts under test.
+zero gn3 scale (the training initialisation) would turn every residual branch into a constant
+(gn3's bias) and leave conv1 to conv3 untested.
 
 Tolerances, max|a - b| / max|b| in float32:
 - `hybrid_numerics="timm"`: the same weight standardisation (w - mean) / sqrt(var + 1e-8) and
   GroupNorm epsilon 1e-5 as timm, so only float32 rounding through 16 residual units and 2
-  encoder blocks differs: RTOL 1e-4 (seen: 1e-6 to 1e-5 depending on the backend).
+  encoder blocks differs: RTOL 1e-4 (seen: 1.1e-5 jax, 1.5e-5 tensorflow, 2e-5 torch).
 - `hybrid_numerics="vit_jax"` (the default, the original models' numerics): (w - mean) /
-  (std + 1e-5) and GroupNorm epsilon 1e-6 against timm's; each GroupNorm renormalises most of
-  the difference away, which leaves RTOL_VIT_JAX 2e-3 (seen: see the test).
+  (std + 1e-5) and GroupNorm epsilon 1e-6 against timm's; each GroupNorm renormalises most of the
+  difference away: RTOL_VIT_JAX 1e-3 (seen: 3.0e-4 to 3.2e-4 on all three backends — above RTOL,
+  so the tight test also tells the two numerics apart).
 """
 
 import dataclasses
@@ -36,7 +37,7 @@ from conftest import run_on_backend
 from test_checkpoints import images, keras_logits, relative, torch_logits, write_npz
 
 RTOL = 1e-4
-RTOL_VIT_JAX = 2e-3
+RTOL_VIT_JAX = 1e-3
 CLASSES = 5
 
 # R50+ViT-B/16 with its real ResNet-50 (3, 4, 9) and width, but 2 encoder blocks at 64 px (a 4x4
@@ -278,4 +279,6 @@ def test_hybrid_keras_file_gives_the_same_logits_on_another_backend(small_checkp
         """, path=saved, x=str(tmp_path / "x.npy"))
     assert result["numerics"] == 1e-6  # vit_jax numerics survive the round trip
     # Two backends' float32 kernels (convolution, GroupNorm, attention) round differently.
-    assert relative(np.asarray(result["logits"]), expected) < RTOL
+    error = relative(np.asarray(result["logits"]), expected)
+    print(f"hybrid .keras, {keras.backend.backend()} → {other}: relative error {error:.2g}")
+    assert error < RTOL
