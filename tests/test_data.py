@@ -168,3 +168,14 @@ def test_prepared_tfds_dataset_loads_with_vit_jax_splits(tmp_path):
     assert splits.num_examples == {"train": 49, "val": 1, "test": 6}  # train[:98%] / train[98%:]
     images, labels = next(iter(data.make_pipeline(splits, "test", image_size=8, batch_size=6)))
     assert images.shape == (6, 8, 8, 3) and labels.shape == (6, 3)
+
+
+def test_batch_augmentations_stay_float32_under_mixed_precision():
+    import keras
+
+    keras.config.set_dtype_policy("mixed_bfloat16")  # conftest restores float32 afterwards
+    splits = data.load_splits("digits", log=lambda _: None)
+    augmentation = data.Augmentation(flip=False, randaugment=(1, 0.3), mixup=0.2, cutmix=1.0)
+    images, labels = next(iter(data.make_pipeline(
+        splits, "train", image_size=8, batch_size=8, training=True, augmentation=augmentation)))
+    assert images.dtype.name == "float32" and labels.dtype.name == "float32"

@@ -388,18 +388,24 @@ def make_pipeline(splits, split, *, image_size, batch_size, training=False, augm
 
 
 def batch_augmentations(augmentation, seed=0):
-    """The per-batch `keras.layers` (RandAugment, MixUp, CutMix) an `Augmentation` asks for."""
+    """The per-batch `keras.layers` (RandAugment, MixUp, CutMix) an `Augmentation` asks for.
+
+    They compute in float32 whatever the global (mixed precision) policy: the pipeline's output is
+    float32 pixels and labels."""
     import keras
 
     layers = []
     if augmentation.randaugment:
         num_ops, magnitude = augmentation.randaugment
         layers.append(keras.layers.RandAugment(value_range=(0, 255), num_ops=int(num_ops),
-                                               factor=float(magnitude), seed=seed))
+                                               factor=float(magnitude), seed=seed,
+                                               dtype="float32"))
     if augmentation.mixup:
-        layers.append(keras.layers.MixUp(alpha=float(augmentation.mixup), seed=seed))
+        layers.append(keras.layers.MixUp(alpha=float(augmentation.mixup), seed=seed,
+                                         dtype="float32"))
     if augmentation.cutmix:
-        layers.append(keras.layers.CutMix(factor=float(augmentation.cutmix), seed=seed))
+        layers.append(keras.layers.CutMix(factor=float(augmentation.cutmix), seed=seed,
+                                          dtype="float32"))
     return layers
 
 
@@ -409,7 +415,7 @@ def _apply_batch_layer(layer):
     if isinstance(layer, (keras.layers.MixUp, keras.layers.CutMix)):
         def apply(images, labels):
             out = layer({"images": images, "labels": labels}, training=True)
-            return out["images"], out["labels"]
+            return tf.cast(out["images"], tf.float32), tf.cast(out["labels"], tf.float32)
     else:
         def apply(images, labels):
             return tf.clip_by_value(tf.cast(layer(images, training=True), tf.float32), 0, 255), labels
