@@ -1,6 +1,6 @@
 """Images/s of vit_keras against timm and keras-hub, measured side by side in one run.
 
-    python benchmarks/throughput.py                                  # everything (~25-40 min on 2 cores)
+    python benchmarks/throughput.py                # everything: about an hour on 2 quiet cores
     python benchmarks/throughput.py --models ViT-Ti/16 --implementations vit_keras-jax timm
     python benchmarks/throughput.py --modes train --rounds 3 --batch_size 8 --json out.json
 
@@ -137,9 +137,11 @@ def summarize(rounds, configs, args):
     return rows
 
 
-def markdown(rows, peaks, missing, args):
+def markdown(rows, peaks, missing, loads, args):
     lines = [f"Batch {args.batch_size}, {args.image_size}x{args.image_size}, {args.dtype}, "
-             f"{args.rounds} round(s) x {args.steps} timed steps (after {args.warmup} warm-up).",
+             f"{args.rounds} round(s) x {args.steps} timed steps (after {args.warmup} warm-up); "
+             f"{os.cpu_count()} CPUs, 1-min load average {min(loads, default=0):.1f}-"
+             f"{max(loads, default=0):.1f} during the run.",
              "", "| model | mode | implementation | images/s (median) | min-max | x timm eager "
              "| % of GEMM peak | first call (s) |", "|---|---|---|---:|---:|---:|---:|---:|"]
     for row in rows:
@@ -176,7 +178,7 @@ def main():
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--image_size", type=int, default=224)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per measurement")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per measurement")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (compile included)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "mixed_bfloat16"],
                         help="Keras dtype policy; timm uses torch.autocast for mixed_bfloat16")
@@ -209,22 +211,29 @@ def main():
                 print(f"  failed: {outputs[implementation]['error'][-300:]}", file=sys.stderr)
         rounds.append(outputs)
 
+        write_report(rounds, configs, missing, args, final=index + 1 == args.rounds)
+
+
+def write_report(rounds, configs, missing, args, final):
+    """Prints the table (when `final`) and writes everything measured so far to `--json`."""
     rows = summarize(rounds, configs, args)
     peaks = {}
     for outputs in rounds:
         for output in outputs.values():
             if "peak_flops" in output:
                 peaks.setdefault(output["library"], []).append(output["peak_flops"])
-    table = markdown(rows, peaks, missing, args)
-    print(table)
     loads = [o[key] for outputs in rounds for o in outputs.values()
              for key in ("load_before", "load_after") if key in o]
+    table = markdown(rows, peaks, missing, loads, args)
+    if final:
+        print(table)
     report = {
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpus": os.cpu_count(), "python": platform.python_version(),
                     "load_average_1min": [min(loads), max(loads)] if loads else None},
         "settings": {k: v for k, v in vars(args).items() if k != "json"},
+        "complete": final,
         "flops_formula": forward_flops.__doc__.strip(),
         "forward_gflops_per_image": {c["name"]: forward_flops(c, args.image_size) / 1e9
                                      for c in configs},
@@ -234,7 +243,6 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
-
 
 if __name__ == "__main__":
     main()

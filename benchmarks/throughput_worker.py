@@ -155,6 +155,8 @@ def main():
         library = keras.backend.backend()
     result = {"implementation": args.implementation, "library": library,
               "peak_flops": gemm_peak(library), "runs": []}
+    print(f"  {library} fp32 GEMM peak: {result['peak_flops'] / 1e9:.1f} GFLOP/s", file=sys.stderr,
+          flush=True)
     for config in json.loads(args.configs):
         if args.implementation.startswith("timm"):
             steps, prepare, info = timm_steps(config, args, args.implementation == "timm_compile")
