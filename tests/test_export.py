@@ -11,19 +11,12 @@ import sys
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from conftest import randomize_weights
 
-pytestmark = pytest.mark.skipif(
-    keras.backend.backend() != "tensorflow",
-    reason="exports run under the TensorFlow backend; covered by the tensorflow pytest run "
-           "(which also exports models trained on jax and torch)")
-
-if keras.backend.backend() == "tensorflow":
-    import tensorflow as tf
-
-    import vit_keras
-    from vit_keras import export as vit_export
+import vit_keras
+from vit_keras import export as vit_export
 
 IMAGE_SIZE = 32
 NUM_CLASSES = 10

@@ -10,18 +10,11 @@ import sys
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from conftest import REPO_ROOT, run_on_backend
 
-pytestmark = pytest.mark.skipif(
-    keras.backend.backend() != "tensorflow",
-    reason="exports run under the TensorFlow backend; covered by the tensorflow pytest run, "
-           "which trains its models on jax and torch in subprocesses")
-
-if keras.backend.backend() == "tensorflow":
-    import tensorflow as tf
-
-    import vit_keras
+import vit_keras
 
 CLASS_NAMES = ["cat", "dog", "bird"]
 EXPORT_CONFIG = {"name": "tiny", "patch_size": 8, "hidden_size": 32, "mlp_dim": 64, "num_heads": 4,
