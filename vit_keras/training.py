@@ -1,10 +1,5 @@
-"""One training run: `RunConfig` (what the apps fill from flags) → `run` → files under
-`saved_models/<run_name>/`; plus the run's history, metrics table and evaluation helpers.
-
-Recipes and the optimizer live in `recipes`, callbacks in `callbacks`, `--distribution` in
-`distribution`. This module imports only Keras and NumPy at module level; TensorFlow (tf.data) is
-imported inside the functions that need it.
-"""
+"""One training run: `RunConfig` (the apps' flags) → `run` → `saved_models/<run_name>/`, plus its
+history, metrics table and evaluation reports. Imports only Keras and NumPy at module level."""
 
 import csv
 import dataclasses
