@@ -56,7 +56,7 @@ def main(argv):
     import keras
 
     import vit_keras  # noqa: F401  (registers the layers for loading)
-    from vit_keras import data
+    from vit_keras import callbacks, data
     from vit_keras import training
 
     settings = run_settings(FLAGS.model)
@@ -91,7 +91,7 @@ def main(argv):
         accuracy = "-" if row["accuracy"] is None else f"{100 * row['accuracy']:.2f}%"
         print(f"| {name} | {row['count']} | {accuracy} |")
     if FLAGS.json:
-        training.atomic_write_json(report, FLAGS.json)
+        callbacks.atomic_write_json(report, FLAGS.json)
     return 0
 
 

@@ -152,12 +152,12 @@ def run_config():
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
-    from vit_keras import data
+    from vit_keras import callbacks, data
     from vit_keras import training
 
     try:
         metrics = training.run(run_config(), app=APP_NAME, started=_STARTED)
-    except (data.DatasetNotPreparedError, training.NonFiniteLossError) as error:
+    except (data.DatasetNotPreparedError, callbacks.NonFiniteLossError) as error:
         print(f"\nERROR: {error}", file=sys.stderr)
         return 2
     print()

@@ -54,7 +54,7 @@ def main(argv):
     import keras
 
     import vit_keras  # noqa: F401  (registers the layers for loading)
-    from vit_keras import data
+    from vit_keras import callbacks, data
     from vit_keras import training
 
     model = keras.saving.load_model(FLAGS.model, compile=False)
@@ -71,7 +71,7 @@ def main(argv):
         for rank, (name, probability) in enumerate(ranked, 1):
             print(f"  {rank}. {name}  {100 * probability:.2f}%")
     if FLAGS.json:
-        training.atomic_write_json(
+        callbacks.atomic_write_json(
             {file: [{"class": n, "probability": p} for n, p in ranked]
              for file, ranked in zip(files, predictions)}, FLAGS.json)
     return 0

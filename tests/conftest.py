@@ -45,6 +45,21 @@ def tiny_config():
     return dict(TINY_CONFIG)
 
 
+def tiny_model(tiny_config, num_classes=3, size=8):
+    """A built tiny ViT classifier on `size` x `size` images."""
+    from vit_keras import build_model
+
+    return build_model(tiny_config, image_size=size, num_classes=num_classes)
+
+
+def tiny_data(n=8, size=8, num_classes=3, seed=0):
+    """`n` random images `(n, size, size, 3)` and one-hot labels `(n, num_classes)`."""
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(0, 255, (n, size, size, 3)).astype("float32")
+    y = np.eye(num_classes, dtype="float32")[rng.integers(0, num_classes, n)]
+    return x, y
+
+
 def random_images(batch, height, width, channels=3, seed=0):
     """Raw pixels in [0, 255], float32."""
     return np.random.default_rng(seed).uniform(0, 255, (batch, height, width, channels)).astype(

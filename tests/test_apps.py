@@ -192,14 +192,14 @@ def test_model_parallel_shards_kernels_on_jax_and_is_refused_elsewhere(tmp_path)
     code = (
         "import sys; sys.path.insert(0, 'apps'); sys.argv = ['finetune.py', *sys.argv[1:]]\n"
         "import finetune, keras\n"
-        "from vit_keras import training\n"
-        "original = training.compile_model\n"
+        "from vit_keras import recipes\n"
+        "original = recipes.compile_model\n"
         "def spy(model, *args, **kwargs):\n"
         "    kernel = model.get_layer('encoderblock_0').mlp.dense_0.kernel\n"
         "    print('SHARDING', len(kernel.value.sharding.device_set),\n"
         "          kernel.value.addressable_shards[0].data.shape)\n"
         "    return original(model, *args, **kwargs)\n"
-        "training.compile_model = spy\n"
+        "recipes.compile_model = spy\n"
         "from absl import app; app.run(finetune.main)\n")
     result = subprocess.run([sys.executable, "-c", code, "--backend", "jax", *flags],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,

@@ -1,0 +1,85 @@
+"""vit_keras.callbacks: atomic checkpoints and backups, the NaN guard, atomic JSON."""
+
+import json
+import math
+import os
+
+import keras
+import numpy as np
+import pytest
+
+from vit_keras import callbacks
+from vit_keras import recipes
+
+from conftest import tiny_data, tiny_model
+
+
+def test_atomic_model_checkpoint_writes_a_loadable_model_and_no_temporary_files(tmp_path,
+                                                                                tiny_config):
+    model = tiny_model(tiny_config)
+    recipes.compile_model(model, "sgd")
+    path = str(tmp_path / "model.keras")
+    x, y = tiny_data()
+    model.fit(x, y, epochs=2, verbose=0, callbacks=[callbacks.AtomicModelCheckpoint(path)])
+    assert sorted(os.listdir(tmp_path)) == ["model.keras"]
+    loaded = keras.saving.load_model(path, compile=False)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(loaded(x)),
+                               keras.ops.convert_to_numpy(model(x)), atol=1e-5)
+
+
+def test_backup_and_restore_resumes_after_the_last_completed_epoch(tmp_path, tiny_config):
+    x, y = tiny_data()
+
+    class Crash(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 2:
+                raise KeyboardInterrupt  # stands in for a kill after epoch 2 was backed up
+
+    model = tiny_model(tiny_config)
+    recipes.compile_model(model, "adam")
+    backup = callbacks.AtomicBackupAndRestore(str(tmp_path / "backup"))
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, y, epochs=5, verbose=0, callbacks=[backup, Crash()])
+    assert backup.resume_epoch == 2
+    assert not [f for f in os.listdir(tmp_path / "backup") if "saving" in f]
+    saved = [keras.ops.convert_to_numpy(w).copy() for w in model.weights]
+
+    fresh = tiny_model(tiny_config)
+    recipes.compile_model(fresh, "adam")
+    seen = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            seen.append([keras.ops.convert_to_numpy(w).copy() for w in self.model.weights])
+
+        def on_epoch_begin(self, epoch, logs=None):
+            seen.append(epoch)
+
+    history = fresh.fit(x, y, epochs=5, verbose=0,
+                        callbacks=[callbacks.AtomicBackupAndRestore(str(tmp_path / "backup")),
+                                   Record()])
+    assert seen[1:] == [2, 3, 4] and history.epoch == [2, 3, 4]
+    for restored, original in zip(seen[0], saved):
+        np.testing.assert_array_equal(restored, original)
+    assert not os.path.exists(tmp_path / "backup")  # removed once the run completed
+
+
+def test_nan_loss_stops_training_at_that_batch(tiny_config):
+    model = tiny_model(tiny_config)
+    recipes.compile_model(model, "sgd")
+    x, y = tiny_data(n=16)
+    x[8:] = np.nan  # the second batch of 8 makes the loss NaN
+    guard = callbacks.StopOnNaN()
+    batches = []
+    model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+              callbacks=[guard, keras.callbacks.LambdaCallback(
+                  on_train_batch_end=lambda batch, logs: batches.append(batch))])
+    assert guard.bad_step[:2] == (0, 1) and math.isnan(guard.bad_step[2])
+    assert batches == [0, 1]
+
+
+def test_metrics_json_is_written_atomically(tmp_path):
+    path = str(tmp_path / "metrics.json")
+    callbacks.atomic_write_json({"test_accuracy": np.float32(0.5), "shape": (1, 2)}, path)
+    assert json.load(open(path)) == {"test_accuracy": 0.5, "shape": [1, 2]}
+    assert os.listdir(tmp_path) == ["metrics.json"]

@@ -1,0 +1,158 @@
+"""Training recipes as data (fine-tuning, pre-training, digits) and what turns one into a compiled
+model: the warm-up schedule, the optimizer, `compile_model`. Imports only Keras at module level."""
+
+import dataclasses
+import math
+
+import keras
+from keras import ops
+
+_PACKAGE = "vit_keras"
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """Optimisation settings of one training recipe.
+
+    `total_steps` and `warmup_steps` count optimizer updates (with gradient accumulation, one
+    update per `accum_steps` batches). `epochs`, when set, replaces `total_steps` for datasets
+    measured in epochs.
+    """
+
+    name: str
+    optimizer: str             # "sgd" or "adamw"
+    learning_rate: float
+    warmup_steps: int
+    decay: str                 # "cosine" or "linear" (after the warm-up, to 0)
+    total_steps: int
+    batch_size: int
+    image_size: int
+    momentum: float = 0.9      # SGD
+    beta_1: float = 0.9        # Adam
+    beta_2: float = 0.999      # Adam
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 1.0
+    label_smoothing: float = 0.0
+    dropout: float = 0.0
+    epochs: int = None
+    zero_head: bool = True
+
+
+# vit_jax configs/common.py + train.py (fine-tuning): batch 512, 10k steps (CIFAR), 384 px.
+FINETUNE_RECIPE = Recipe(
+    name="finetune", optimizer="sgd", learning_rate=0.03, momentum=0.9, weight_decay=0.0,
+    grad_clip_norm=1.0, warmup_steps=500, decay="cosine", total_steps=10_000, batch_size=512,
+    image_size=384, zero_head=True)
+
+# The paper, section 4.1 / appendix B.1: Adam(0.9, 0.999), batch 4096, weight decay 0.1,
+# linear warm-up (10k steps) and linear decay, global-norm clipping 1, dropout 0.1.
+PRETRAIN_RECIPE = Recipe(
+    name="pretrain", optimizer="adamw", learning_rate=1e-3, beta_1=0.9, beta_2=0.999,
+    weight_decay=0.1, grad_clip_norm=1.0, warmup_steps=10_000, decay="linear",
+    total_steps=300_000, batch_size=4096, image_size=224, dropout=0.1, zero_head=False)
+
+# A small ViT for the 8x8 digits upsampled to 16x16: 4x4 patches (2x2 digit pixels) → 16 tokens.
+# Global average pooling generalises better than the class token on 1,257 training images.
+DIGITS_VIT = {"name": "ViT-digits", "patch_size": 4, "hidden_size": 64, "mlp_dim": 128,
+              "num_heads": 4, "num_layers": 4}
+DIGITS_CLASSIFIER = "gap"
+
+# The pre-training recipe's shape (AdamW, warm-up then linear decay) at digits scale.
+DIGITS_RECIPE = dataclasses.replace(
+    PRETRAIN_RECIPE, name="digits", learning_rate=3e-3, warmup_steps=78, total_steps=None,
+    epochs=30, batch_size=32, image_size=16, label_smoothing=0.1, dropout=0.1)
+# Digits: no horizontal flip (a flipped 2 is not a 2), a mild inception crop.
+DIGITS_AUGMENTATION = {"crop_area": (0.8, 1.0), "flip": False}
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """vit_jax's `create_learning_rate_schedule`: linear warm-up from 0, then cosine or linear decay.
+
+        progress = clip((step - warmup_steps) / (total_steps - warmup_steps), 0, 1)
+        cosine:  lr = base * 0.5 * (1 + cos(pi * progress))
+        linear:  lr = end + (base - end) * (1 - progress)
+        lr *= min(1, step / warmup_steps)
+
+    `steps_per_update` divides the optimizer's iteration counter, which Keras advances on every
+    batch even when gradients are accumulated, so `step` counts updates.
+    """
+
+    def __init__(self, base_learning_rate, total_steps, warmup_steps=0, decay="cosine",
+                 end_learning_rate=0.0, steps_per_update=1):
+        if decay not in ("cosine", "linear"):
+            raise ValueError(f"Unknown decay {decay!r}; expected 'cosine' or 'linear'.")
+        if total_steps <= warmup_steps:
+            raise ValueError(f"total_steps ({total_steps}) must exceed warmup_steps "
+                             f"({warmup_steps}); shorten the warm-up or train longer.")
+        self.base_learning_rate = float(base_learning_rate)
+        self.total_steps = int(total_steps)
+        self.warmup_steps = int(warmup_steps)
+        self.decay = decay
+        self.end_learning_rate = float(end_learning_rate)
+        self.steps_per_update = int(steps_per_update)
+
+    def __call__(self, step):
+        step = ops.floor(ops.cast(step, "float32") / self.steps_per_update)
+        progress = ops.clip((step - self.warmup_steps) / (self.total_steps - self.warmup_steps),
+                            0.0, 1.0)
+        if self.decay == "cosine":
+            lr = self.base_learning_rate * 0.5 * (1.0 + ops.cos(math.pi * progress))
+        else:
+            lr = self.end_learning_rate + (
+                self.base_learning_rate - self.end_learning_rate) * (1.0 - progress)
+        if self.warmup_steps:
+            lr = lr * ops.minimum(1.0, step / self.warmup_steps)
+        return lr
+
+    def get_config(self):
+        return {"base_learning_rate": self.base_learning_rate, "total_steps": self.total_steps,
+                "warmup_steps": self.warmup_steps, "decay": self.decay,
+                "end_learning_rate": self.end_learning_rate,
+                "steps_per_update": self.steps_per_update}
+
+
+def make_optimizer(recipe, total_steps=None, accum_steps=1):
+    """The recipe's optimizer with its warm-up schedule, global-norm clipping and accumulation.
+
+    `total_steps` (optimizer updates) overrides the recipe's; `accum_steps` > 1 averages the
+    gradients of that many batches per update (Keras' `gradient_accumulation_steps`).
+    """
+    total_steps = int(total_steps or recipe.total_steps)
+    warmup = min(recipe.warmup_steps, max(0, total_steps - 1))
+    schedule = WarmupSchedule(recipe.learning_rate, total_steps, warmup, recipe.decay,
+                              steps_per_update=accum_steps)
+    common = {"global_clipnorm": recipe.grad_clip_norm or None,
+              "gradient_accumulation_steps": accum_steps if accum_steps > 1 else None}
+    if recipe.optimizer == "sgd":
+        if recipe.weight_decay:
+            common["weight_decay"] = recipe.weight_decay
+        return keras.optimizers.SGD(schedule, momentum=recipe.momentum, **common)
+    if recipe.optimizer == "adamw":
+        return keras.optimizers.AdamW(schedule, weight_decay=recipe.weight_decay,
+                                      beta_1=recipe.beta_1, beta_2=recipe.beta_2, **common)
+    raise ValueError(f"Unknown optimizer {recipe.optimizer!r}; expected 'sgd' or 'adamw'.")
+
+
+def use_jit_compile():
+    """XLA on JAX and TensorFlow; not on torch, where Keras' `jit_compile` (torch.compile) takes
+    minutes to compile a ViT training step on CPU and gives no speed-up (see PERFORMANCE notes)."""
+    return keras.backend.backend() in ("jax", "tensorflow")
+
+
+def compile_model(model, optimizer, label_smoothing=0.0, jit_compile=None):
+    """Softmax cross-entropy on one-hot labels, top-1 and top-5 accuracy."""
+    num_classes = model.output_shape[-1]
+    metrics = [keras.metrics.CategoricalAccuracy(name="accuracy")]
+    if num_classes > 5:
+        metrics.append(keras.metrics.TopKCategoricalAccuracy(5, name="top5_accuracy"))
+    model.compile(
+        optimizer=optimizer,
+        loss=keras.losses.CategoricalCrossentropy(from_logits=True,
+                                                  label_smoothing=label_smoothing),
+        metrics=metrics,
+        jit_compile=use_jit_compile() if jit_compile is None else jit_compile)
+    return model
+
+
+RECIPES = {"finetune": FINETUNE_RECIPE, "pretrain": PRETRAIN_RECIPE, "digits": DIGITS_RECIPE}
