@@ -153,6 +153,10 @@ def main():
     else:
         import keras  # pylint: disable=import-outside-toplevel
         library = keras.backend.backend()
+        if args.implementation == "vit_keras":
+            # First, as in any program: on JAX its import tunes glibc before JAX starts its CPU
+            # client, which the GEMM below would do (see vit_keras/xla_cpu.py).
+            import vit_keras  # pylint: disable=import-outside-toplevel,unused-import
     result = {"implementation": args.implementation, "library": library,
               "peak_flops": gemm_peak(library), "runs": []}
     print(f"  {library} fp32 GEMM peak: {result['peak_flops'] / 1e9:.1f} GFLOP/s", file=sys.stderr,

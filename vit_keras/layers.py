@@ -10,6 +10,8 @@ import math
 import keras
 from keras import ops
 
+from vit_keras.xla_cpu import materialize_gradient
+
 _PACKAGE = "vit_keras"
 _MLP_BIAS_INIT = keras.initializers.RandomNormal(stddev=1e-6)
 
@@ -159,8 +161,9 @@ class MultiHeadDotProductAttention(keras.layers.Layer):
     Weights: `query|key|value/kernel` `(hidden, heads, head_dim)`, `.../bias` `(heads, head_dim)`,
     `out/kernel` `(heads, head_dim, hidden)`, `out/bias` `(hidden,)`.
 
-    The default path is `keras.ops.dot_product_attention`, which each backend fuses where it can;
-    attention dropout in training and `return_attention_scores` take an explicit softmax path.
+    Attention runs through `keras.ops.dot_product_attention` where that reaches a fused kernel
+    (see `_fused`). Elsewhere, and for attention dropout and `return_attention_scores`, it is an
+    explicit float32 softmax over q, k and v from one matrix multiply in a head-major layout.
     """
 
     def __init__(self, num_heads, attention_dropout=0.0, **kwargs):
@@ -190,20 +193,46 @@ class MultiHeadDotProductAttention(keras.layers.Layer):
         self.out.build((input_shape[0], input_shape[1], self.num_heads, head_dim))
 
     def call(self, x, training=None, return_attention_scores=False):
-        q, k, v = self.query(x), self.key(x), self.value(x)  # (batch, tokens, heads, head_dim)
-        # float16 takes the explicit path: the fused kernels accumulate float16 products into
-        # float32, which XLA on CPU cannot do (jax: "precision F16_F16_F32 is not supported").
-        explicit = (return_attention_scores or (training and self.attention_dropout > 0)
-                    or self.compute_dtype == "float16")
-        if not explicit:
+        dropout = training and self.attention_dropout > 0
+        if self._fused and not (return_attention_scores or dropout):
+            q, k, v = self.query(x), self.key(x), self.value(x)  # (batch, tokens, heads, head_dim)
             return self.out(ops.dot_product_attention(q, k, v))
+        q, k, v = self._project_qkv(x)
         # Scaling q before the product keeps float16 logits in range; softmax runs in float32.
-        logits = ops.einsum("bqhd,bkhd->bhqk", q * (1.0 / math.sqrt(q.shape[-1])), k)
+        logits = ops.einsum("bhqd,bhkd->bhqk", q * (1.0 / math.sqrt(q.shape[-1])), k)
         probs = ops.softmax(ops.cast(logits, "float32"), axis=-1)
         attended = ops.einsum(
-            "bhqk,bkhd->bqhd", self._dropout(ops.cast(probs, q.dtype), training=training), v)
-        y = self.out(attended)
+            "bhqk,bhkd->bhqd", self._dropout(ops.cast(probs, q.dtype), training=training), v)
+        y = ops.einsum("bhtk,hkd->btd", attended, self.out.kernel) + self.out.bias
         return (y, probs) if return_attention_scores else y
+
+    def _project_qkv(self, x):
+        """`(batch, tokens, hidden)` -> q, k, v, each `(batch, heads, tokens, head_dim)`.
+
+        One matrix multiply with the three kernels side by side: on CPU a few large products use
+        the cores better than many small ones.
+        """
+        kernel = ops.concatenate([self.query.kernel, self.key.kernel, self.value.kernel], axis=1)
+        bias = ops.concatenate([self.query.bias, self.key.bias, self.value.bias], axis=0)
+        qkv = ops.einsum("btd,dhk->bhtk", x, kernel) + ops.expand_dims(bias, 1)
+        return ops.split(qkv, 3, axis=1)
+
+    @property
+    def _fused(self):
+        """Whether `keras.ops.dot_product_attention` reaches a fused kernel here.
+
+        It does on torch (scaled_dot_product_attention) and on JAX accelerators (cuDNN flash
+        attention, Splash on TPU). On JAX's CPU and on TensorFlow it is an unfused softmax in a
+        token-major layout, which differentiates slower than the head-major one in `call`.
+        float16 takes the explicit path too: the fused kernels accumulate float16 products into
+        float32, which XLA on CPU cannot do (jax: "precision F16_F16_F32 is not supported").
+        """
+        if self.compute_dtype == "float16":
+            return False
+        backend = keras.backend.backend()
+        if backend == "jax":
+            return not keras.distribution.list_devices()[0].lower().startswith("cpu")
+        return backend == "torch"
 
     def compute_output_spec(self, x, training=None, return_attention_scores=False):
         y = keras.KerasTensor(x.shape, dtype=self.compute_dtype)
@@ -299,6 +328,7 @@ class TransformerBlock(keras.layers.Layer):
                                     seed=self._seed_generator)
 
     def call(self, x, training=None, return_attention_scores=False):
+        x = materialize_gradient(x)  # see vit_keras.xla_cpu: a block boundary for XLA's fusion
         y = self.attention(self.norm_0(x), training=training,
                            return_attention_scores=return_attention_scores)
         if return_attention_scores:
