@@ -1,12 +1,9 @@
-"""Chooses the Keras backend from `--backend` before Keras is imported.
+"""The start of every app: the Keras backend from `--backend`, chosen before Keras is imported.
 
-Every app starts with:
+Every app begins with:
 
     import _backend
-    _backend.select_backend()   # before `import keras` / `import vit_keras`
-
-and defines a matching absl flag (`flags.DEFINE_enum("backend", None, _backend.BACKENDS, ...)`) so
-that absl accepts `--backend` too.
+    _backend.start_app()   # before `import keras` / `import vit_keras`
 """
 
 import os
@@ -44,4 +41,33 @@ def select_backend(argv=None):
             f"Keras was imported on the {keras.backend.backend()} backend before --backend={backend} "
             f"was read; call select_backend() before importing keras or vit_keras.")
     os.environ["KERAS_BACKEND"] = backend
+    return backend
+
+
+def start_app(only=None, help_text=None):
+    """Reads `--backend`, defines its absl flag and sets the apps' runtime defaults.
+
+    Call before importing keras or vit_keras (on JAX, `import vit_keras` must also come before JAX
+    starts: see `vit_keras.xla_cpu`).
+
+    Args:
+      only: a backend the app always runs on (the exporter: "tensorflow"); `--backend` may then
+        name only that one.
+      help_text: the `--backend` flag's help.
+
+    Returns:
+      The backend chosen on the command line, or `None` (KERAS_BACKEND then decides).
+    """
+    backend = select_backend(None if only is None else ["--backend", only])
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ info and warning logs
+    # torch's OpenMP threads spin while waiting; beside tf.data's threads on a small CPU that made
+    # training steps 5-10x slower here. Passive waiting costs nothing measurable on an idle machine.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from absl import flags  # pylint: disable=import-outside-toplevel
+
+    if "backend" not in flags.FLAGS:
+        flags.DEFINE_enum(
+            "backend", only, [only] if only else BACKENDS,
+            help_text or "Keras backend, chosen before Keras is imported (default: KERAS_BACKEND, "
+                         "else Keras' own default).")
     return backend

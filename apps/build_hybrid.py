@@ -18,7 +18,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 import _backend  # noqa: E402
 
-_backend.select_backend()  # before keras is imported
+_backend.start_app()  # before keras is imported
 
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
@@ -33,7 +33,6 @@ flags.DEFINE_enum("hybrid_numerics", "vit_jax", ("vit_jax", "timm"),
                   "Weight-standardisation and GroupNorm epsilons: vit_jax (the original models) or "
                   "timm's.")
 flags.DEFINE_string("out", None, "Output .keras file, e.g. saved_models/NAME.keras.", required=True)
-flags.DEFINE_enum("backend", None, _backend.BACKENDS, "Keras backend (read before keras loads).")
 FLAGS = flags.FLAGS
 
 

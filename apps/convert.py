@@ -18,7 +18,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 import _backend  # noqa: E402
 
-_backend.select_backend()  # before keras is imported
+_backend.start_app()  # before keras is imported
 
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
@@ -37,7 +37,6 @@ flags.DEFINE_enum("interpolation", None, ("vit_jax", "bilinear", "bicubic"),
 flags.DEFINE_boolean("antialias", None, "Antialiased bilinear/bicubic resampling. Default: the "
                      "format's (on for timm state dicts).")
 flags.DEFINE_integer("num_heads", None, "Attention heads, for timm files of non-standard width.")
-flags.DEFINE_enum("backend", None, _backend.BACKENDS, "Keras backend (read before keras loads).")
 FLAGS = flags.FLAGS
 
 

@@ -18,15 +18,11 @@ sys.path.insert(0, os.path.dirname(_APPS))
 sys.path.insert(0, _APPS)
 import _backend  # noqa: E402
 
-_backend.select_backend()  # before keras is imported
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see apps/finetune.py
+_backend.start_app()  # before keras is imported
 
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
-flags.DEFINE_enum("backend", None, _backend.BACKENDS,
-                  "Keras backend, chosen before Keras is imported (default: KERAS_BACKEND).")
 flags.DEFINE_string("model", None, "The .keras file to evaluate.", required=True)
 flags.DEFINE_string("dataset", None, "digits, folder:PATH or a tfds name (default: the run's "
                     "dataset from metrics.json beside the model, else digits).")

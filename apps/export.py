@@ -23,8 +23,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _backend  # noqa: E402
 
-_backend.select_backend(["--backend", "tensorflow"])  # before keras is imported
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ info and warning logs
+_backend.start_app(  # before keras is imported
+    only="tensorflow", help_text="Export always runs on TensorFlow, whatever backend trained the model.")
 
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
@@ -48,8 +48,6 @@ flags.DEFINE_string("class_names", None,
                     "Class names: a JSON list or a text file with one name per line. Default: "
                     "class_names.json beside the .keras file, if present.")
 flags.DEFINE_integer("top_k", 5, "Classes listed by the SavedModel's top_k outputs.")
-flags.DEFINE_enum("backend", "tensorflow", ["tensorflow"],
-                  "Export always runs on TensorFlow, whatever backend trained the model.")
 FLAGS = flags.FLAGS
 
 

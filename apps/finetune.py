@@ -27,11 +27,7 @@ sys.path.insert(0, os.path.dirname(_APPS))  # run from a checkout
 sys.path.insert(0, _APPS)
 import _backend  # noqa: E402
 
-_backend.select_backend()  # before keras is imported
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# torch's OpenMP threads spin while waiting; beside tf.data's threads on a small CPU that made
-# training steps 5-10x slower here. Passive waiting costs nothing measurable on an idle machine.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+_backend.start_app()  # before keras is imported
 
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
@@ -39,9 +35,6 @@ from absl import flags  # noqa: E402
 APP_NAME = "finetune"
 
 # --- engine
-flags.DEFINE_enum("backend", None, _backend.BACKENDS,
-                  "Keras backend, chosen before Keras is imported (default: KERAS_BACKEND, else "
-                  "Keras' own default).")
 # --- data
 flags.DEFINE_string("dataset", "digits",
                     "digits (scikit-learn's bundled 8x8 digits, offline), folder:PATH (one "

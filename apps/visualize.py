@@ -17,7 +17,7 @@ after `--images` that are not flags also count (`--images a.jpg b.png`).
 
 import _backend
 
-_backend.select_backend()
+_backend.start_app()  # before keras is imported
 
 import json  # noqa: E402
 import os  # noqa: E402
@@ -26,7 +26,6 @@ import sys  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
-flags.DEFINE_enum("backend", None, _backend.BACKENDS, "Keras backend (default: KERAS_BACKEND).")
 flags.DEFINE_string("model", None, "A .keras file, or a variant name (random weights).")
 flags.DEFINE_list("images", [], "Image files (any format PIL reads).")
 flags.DEFINE_string("out", None, "Directory for the figures.")

@@ -78,3 +78,14 @@ def test_select_backend_errors(monkeypatch):
     other = "jax" if keras.backend.backend() != "jax" else "torch"
     with pytest.raises(ValueError, match="before importing keras"):
         _backend.select_backend(["app", "--backend", other])  # keras is already imported here
+
+
+def test_start_app_defines_the_backend_flag_once_and_sets_defaults(monkeypatch):
+    from absl import flags
+
+    monkeypatch.setattr(sys, "argv", ["app", "--backend", keras.backend.backend()])
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert _backend.start_app() == keras.backend.backend()
+    assert _backend.start_app() == keras.backend.backend()  # a second app module: no duplicate flag
+    assert "backend" in flags.FLAGS
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
