@@ -69,5 +69,12 @@ def start_app(only=None, help_text=None):
         flags.DEFINE_enum(
             "backend", only, [only] if only else BACKENDS,
             help_text or "Keras backend, chosen before Keras is imported (default: KERAS_BACKEND, "
-                         "else Keras' own default).")
+                         "else Keras' own default).",
+            module_name=_calling_module())
     return backend
+
+
+def _calling_module():
+    """The name absl files the app's own flags under (its `--help` lists only those)."""
+    name = sys._getframe(2).f_globals["__name__"]  # pylint: disable=protected-access
+    return sys.argv[0] if name == "__main__" else name  # absl's convention for the main script
