@@ -65,16 +65,12 @@ def start_app(only=None, help_text=None):
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from absl import flags  # pylint: disable=import-outside-toplevel
 
+    # Filed under the calling app's module: an app's `--help` lists only its own flags.
+    app = sys._getframe(1).f_globals["__name__"]  # pylint: disable=protected-access
     if "backend" not in flags.FLAGS:
         flags.DEFINE_enum(
             "backend", only, [only] if only else BACKENDS,
             help_text or "Keras backend, chosen before Keras is imported (default: KERAS_BACKEND, "
                          "else Keras' own default).",
-            module_name=_calling_module())
+            module_name=app if app != "__main__" else sys.argv[0])  # as absl names the script
     return backend
-
-
-def _calling_module():
-    """The name absl files the app's own flags under (its `--help` lists only those)."""
-    name = sys._getframe(2).f_globals["__name__"]  # pylint: disable=protected-access
-    return sys.argv[0] if name == "__main__" else name  # absl's convention for the main script

@@ -34,7 +34,6 @@ from absl import flags  # noqa: E402
 
 APP_NAME = "finetune"
 
-# --- engine
 # --- data
 flags.DEFINE_string("dataset", "digits",
                     "digits (scikit-learn's bundled 8x8 digits, offline), folder:PATH (one "

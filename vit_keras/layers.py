@@ -10,7 +10,7 @@ import math
 import keras
 from keras import ops
 
-from vit_keras.xla_cpu import materialize_gradient
+from vit_keras.xla_cpu import materialize_gradient, on_xla_cpu
 
 _PACKAGE = "vit_keras"
 _MLP_BIAS_INIT = keras.initializers.RandomNormal(stddev=1e-6)
@@ -230,9 +230,7 @@ class MultiHeadDotProductAttention(keras.layers.Layer):
         if self.compute_dtype == "float16":
             return False
         backend = keras.backend.backend()
-        if backend == "jax":
-            return not keras.distribution.list_devices()[0].lower().startswith("cpu")
-        return backend == "torch"
+        return backend == "torch" or (backend == "jax" and not on_xla_cpu())
 
     def compute_output_spec(self, x, training=None, return_attention_scores=False):
         y = keras.KerasTensor(x.shape, dtype=self.compute_dtype)

@@ -46,11 +46,20 @@ def keep_freed_host_memory(trim_threshold=1 << 30):
 
 
 @functools.cache
-def _jax_cpu_barrier():
+def _jax_platform():
     import jax  # pylint: disable=import-outside-toplevel
 
-    if jax.devices()[0].platform != "cpu":
-        return None  # a conditional costs a host round trip on accelerators, and is not needed
+    return jax.devices()[0].platform
+
+
+def on_xla_cpu():
+    """Whether Keras runs on JAX with a CPU as its device: where these workarounds apply."""
+    return keras.backend.backend() == "jax" and _jax_platform() == "cpu"
+
+
+@functools.cache
+def _jax_cpu_barrier():
+    import jax  # pylint: disable=import-outside-toplevel
 
     @jax.custom_vjp
     def barrier(x):
@@ -67,8 +76,8 @@ def _jax_cpu_barrier():
 
 
 def materialize_gradient(x):
-    """Identity on `x`; on JAX on CPU its gradient is computed once, not fused into consumers."""
-    if keras.backend.backend() != "jax":
-        return x
-    barrier = _jax_cpu_barrier()
-    return x if barrier is None else barrier(x)
+    """Identity on `x`; on JAX on CPU its gradient is computed once, not fused into consumers.
+
+    Elsewhere it is a plain identity: on accelerators a conditional costs a host round trip.
+    """
+    return _jax_cpu_barrier()(x) if on_xla_cpu() else x
