@@ -22,6 +22,18 @@ BACKENDS = ("tensorflow", "jax", "torch")
 # on JAX and torch in subprocesses. They are not collected on the other runs.
 collect_ignore = ([] if keras.backend.backend() == "tensorflow"
                   else ["test_export.py", "test_export_app.py"])
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `jax_subprocess` run JAX in a fresh process whatever this pass's backend, so
+    they belong to the JAX pass alone: the others deselect them (as with the export modules)."""
+    if keras.backend.backend() == "jax":
+        return
+    kept = [item for item in items if item.get_closest_marker("jax_subprocess") is None]
+    config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+    items[:] = kept
+
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A ViT small enough to build, run and save in well under a second on any backend.

@@ -549,6 +549,7 @@ def test_build_model_weights_argument(tmp_path):
                                   official_params()["head/kernel"])
 
 
+@pytest.mark.jax_subprocess
 def test_reading_imports_neither_tensorflow_nor_torch_on_jax(tmp_path, hf_folder):
     npz = write_npz(tmp_path / "vit.npz", official_params())
     result = run_on_backend("jax", """

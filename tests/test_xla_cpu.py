@@ -36,6 +36,7 @@ def test_materialize_gradient_is_an_identity():
                                   np.arange(6, dtype="float32").reshape(2, 3))
 
 
+@pytest.mark.jax_subprocess
 def test_materialize_gradient_on_jax_keeps_gradients_and_survives_xla():
     """The conditional must reach the compiled program (XLA folds trivial ones away), one per use,
     and the gradient must equal the one without it."""
@@ -63,6 +64,7 @@ print(json.dumps({"faults_per_step": (resource.getrusage(resource.RUSAGE_SELF).r
 """
 
 
+@pytest.mark.jax_subprocess
 @pytest.mark.skipif(not os.uname().sysname == "Linux", reason="glibc's mallopt is Linux-only")
 def test_importing_vit_keras_on_jax_stops_page_faulting_scratch_buffers(monkeypatch):
     """Without the glibc setting every step faults its 64 MiB scratch buffer in again (16k pages)."""
