@@ -86,6 +86,17 @@ def randomize_weights(model, seed=0, scale=0.1):
     return model
 
 
+def run_app(app, *args, timeout=300):
+    """Runs `apps/<app>` with `--backend <this pass's backend>` while KERAS_BACKEND names another
+    backend: the flag must win over the environment."""
+    backend = keras.backend.backend()
+    other = "jax" if backend != "jax" else "torch"
+    env = {**os.environ, "KERAS_BACKEND": other, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    return subprocess.run([sys.executable, os.path.join(REPO_ROOT, "apps", app), *args,
+                           "--backend", backend], env=env, cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
 def run_on_backend(backend, code, timeout=600, **kwargs):
     """Runs `code` in a fresh Python process on `backend` and returns the JSON it prints last.
 

@@ -2,34 +2,21 @@
 
 import dataclasses
 import os
-import subprocess
-import sys
 
 import keras
 import numpy as np
 import scipy.ndimage
 
 import vit_keras
-from conftest import REPO_ROOT
+from conftest import run_app
 from test_hybrid_checkpoints import official_hybrid_params
 from test_checkpoints import write_npz
-
-BUILD_HYBRID = os.path.join(REPO_ROOT, "apps", "build_hybrid.py")
-
-
-def _build_hybrid(*args):
-    # --backend must win over KERAS_BACKEND: the environment names another backend.
-    backend = keras.backend.backend()
-    other = "jax" if backend != "jax" else "torch"
-    env = {**os.environ, "KERAS_BACKEND": other, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    return subprocess.run([sys.executable, BUILD_HYBRID, *args, "--backend", backend], env=env,
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
 
 
 def test_build_hybrid_prints_sizes_and_saves_a_reloadable_model(tmp_path):
     out = str(tmp_path / "saved" / "r_ti16_64.keras")
-    result = _build_hybrid("--variant", "R+ViT-Ti/16", "--image_size", "64", "--num_classes", "10",
-                           "--out", out)
+    result = run_app("build_hybrid.py", "--variant", "R+ViT-Ti/16", "--image_size", "64",
+                     "--num_classes", "10", "--out", out)
     assert result.returncode == 0, result.stderr[-3000:]
     # vit_jax's 6,337,704 at 224 px with 1000 classes, less 45 position embeddings (a 2x2 grid
     # instead of 7x7) of 192 and 990 classes of 193 head parameters.
@@ -48,8 +35,9 @@ def test_build_hybrid_loads_weights_resampled_to_the_image_size(tmp_path):
     params = official_hybrid_params(config, grid=2)
     weights = write_npz(tmp_path / "R_Ti_16.npz", params)
     out = str(tmp_path / "r_ti16_96.keras")
-    result = _build_hybrid("--variant", "R+ViT-Ti/16", "--image_size", "96", "--num_classes", "5",
-                           "--weights", weights, "--hybrid_numerics", "timm", "--out", out)
+    result = run_app("build_hybrid.py", "--variant", "R+ViT-Ti/16", "--image_size", "96",
+                     "--num_classes", "5", "--weights", weights, "--hybrid_numerics", "timm",
+                     "--out", out)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "feature map 24x24x64; sequence length 10." in result.stdout
     assert f"weights {weights}" in result.stdout
@@ -71,7 +59,7 @@ def test_build_hybrid_loads_weights_resampled_to_the_image_size(tmp_path):
 
 def test_build_hybrid_refuses_a_plain_vit(tmp_path):
     out = str(tmp_path / "vit.keras")
-    result = _build_hybrid("--variant", "ViT-B/16", "--out", out)
+    result = run_app("build_hybrid.py", "--variant", "ViT-B/16", "--out", out)
     assert result.returncode != 0
     assert "is not a hybrid" in result.stderr and "R50+ViT-B/16" in result.stderr
     assert not os.path.exists(out)

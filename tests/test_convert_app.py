@@ -1,7 +1,6 @@
 """apps/convert.py: any supported checkpoint → a `.keras` file that `keras.models.load_model` reads."""
 
 import os
-import subprocess
 import sys
 
 import keras
@@ -9,21 +8,10 @@ import numpy as np
 import pytest
 
 import vit_keras
-from conftest import REPO_ROOT, TINY_CONFIG, random_images, randomize_weights
+from conftest import REPO_ROOT, TINY_CONFIG, random_images, randomize_weights, run_app
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "apps"))
 import _backend  # noqa: E402
-
-CONVERT = os.path.join(REPO_ROOT, "apps", "convert.py")
-
-
-def _convert(*args):
-    # --backend must win over KERAS_BACKEND: the environment names another backend.
-    backend = keras.backend.backend()
-    other = "jax" if backend != "jax" else "torch"
-    env = {**os.environ, "KERAS_BACKEND": other, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    return subprocess.run([sys.executable, CONVERT, *args, "--backend", backend], env=env,
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture
@@ -35,8 +23,8 @@ def checkpoint(tmp_path):
 
 def test_convert_writes_a_loadable_model_at_a_new_size(tmp_path, checkpoint):
     out = str(tmp_path / "saved" / "tiny_24.keras")
-    result = _convert("--weights", checkpoint, "--out", out, "--image_size", "24,20",
-                      "--num_classes", "10")
+    result = run_app("convert.py", "--weights", checkpoint, "--out", out, "--image_size", "24,20",
+                     "--num_classes", "10")
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"backend {keras.backend.backend()}" in result.stdout
     loaded = keras.models.load_model(out)
@@ -53,8 +41,8 @@ def test_convert_writes_a_loadable_model_at_a_new_size(tmp_path, checkpoint):
 
 
 def test_convert_refuses_a_wrong_variant(tmp_path, checkpoint):
-    result = _convert("--weights", checkpoint, "--out", str(tmp_path / "x.keras"),
-                      "--variant", "ViT-B/16")
+    result = run_app("convert.py", "--weights", checkpoint, "--out", str(tmp_path / "x.keras"),
+                     "--variant", "ViT-B/16")
     assert result.returncode != 0
     assert "does not hold a ViT-B/16" in result.stderr
     assert not os.path.exists(tmp_path / "x.keras")
