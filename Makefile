@@ -7,7 +7,7 @@ BACKEND ?= jax
 BACKENDS ?= jax tensorflow torch
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test
+.PHONY: setup demo test $(addprefix test-,$(BACKENDS))
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,12 +20,21 @@ setup: $(VENV)/.installed
 demo: setup
 	$(PY) apps/finetune.py --backend $(BACKEND)
 
-# One pytest process per backend. Any non-zero exit fails, including 5 ("no tests collected").
+# One pytest process per backend, TEST_JOBS of them at a time: a pass keeps about one core busy
+# (tracing and XLA compilation are single-threaded), so two passes at once use both cores of a
+# 2-core machine. Each pass's output is printed whole when it ends (--output-sync), and each gets
+# its own pytest temporary directory. Any non-zero exit fails, including 5 ("no tests collected").
+TEST_JOBS ?= 2
+PYTEST_TMP ?= $(or $(TMPDIR),/tmp)/vit_keras-pytest
+
 test: setup
-	@for backend in $(BACKENDS); do \
-	  echo "=== pytest on the $$backend backend ==="; \
-	  KERAS_BACKEND=$$backend TF_CPP_MIN_LOG_LEVEL=3 $(PY) -m pytest tests $(PYTEST_ARGS); \
-	  status=$$?; \
-	  if [ $$status -eq 5 ]; then echo "pytest collected no tests on $$backend: failing"; exit 1; fi; \
-	  if [ $$status -ne 0 ]; then echo "tests failed on $$backend (exit $$status)"; exit 1; fi; \
-	done; echo "all backends passed"
+	@$(MAKE) --no-print-directory -j$(TEST_JOBS) --output-sync=target \
+	  $(addprefix test-,$(BACKENDS)) && echo "all backends passed"
+
+$(addprefix test-,$(BACKENDS)): test-%: setup
+	@echo "=== pytest on the $* backend ==="; \
+	KERAS_BACKEND=$* TF_CPP_MIN_LOG_LEVEL=3 $(PY) -m pytest tests --basetemp=$(PYTEST_TMP)-$* \
+	  $(PYTEST_ARGS); \
+	status=$$?; \
+	if [ $$status -eq 5 ]; then echo "pytest collected no tests on $*: failing"; exit 1; fi; \
+	if [ $$status -ne 0 ]; then echo "tests failed on $* (exit $$status)"; exit 1; fi

@@ -57,21 +57,28 @@ def step(a):  # a 64 MiB scratch buffer (the sorted product), above glibc's mmap
 
 a = jnp.ones((4096, 256), jnp.float32) * 1e-3
 step(a).block_until_ready()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(5):
+faults = []
+for _ in range(10):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     step(a).block_until_ready()
-print(json.dumps({"faults_per_step": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5}))
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps({"faults_per_step": faults}))
 """
 
 
 @pytest.mark.jax_subprocess
 @pytest.mark.skipif(not os.uname().sysname == "Linux", reason="glibc's mallopt is Linux-only")
 def test_importing_vit_keras_on_jax_stops_page_faulting_scratch_buffers(monkeypatch):
-    """Without the glibc setting every step faults its 64 MiB scratch buffer in again (16k pages)."""
+    """Without the glibc setting every step faults its 64 MiB scratch buffer in again (16k pages);
+    with it, steps reuse the pages of earlier ones.
+
+    The fewest faults of 10 steps is compared, not the mean: on a busy machine (the other backends'
+    test passes run alongside) some tuned steps still extend the heap by one buffer, as the block a
+    step frees is not always reusable by the next one; an untuned step never avoids the faults.
+    """
     monkeypatch.setenv("VIT_KERAS_KEEP_HOST_MEMORY", "0")
     untuned = run_on_backend("jax", _PAGE_FAULT_CODE)["faults_per_step"]
     monkeypatch.delenv("VIT_KERAS_KEEP_HOST_MEMORY")
     tuned = run_on_backend("jax", _PAGE_FAULT_CODE)["faults_per_step"]
-    assert untuned > 8000, untuned
-    assert tuned < untuned / 2, (tuned, untuned)
-
+    assert min(untuned) > 8000, untuned
+    assert min(tuned) < min(untuned) / 2, (tuned, untuned)
