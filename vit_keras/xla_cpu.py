@@ -14,7 +14,8 @@ them the step took ~2x as long as timm's (README, "Performance", has the numbers
    maps a block that large afresh with `mmap` and unmaps it on `free`, so every step page-faults
    the whole buffer in again (150k faults, 0.3 CPU-seconds per step). `keep_freed_host_memory`
    makes glibc serve large blocks from its heap and keep them, so a step reuses earlier steps'
-   pages (on a busy machine some steps still extend the heap by one buffer before it settles). `import vit_keras` applies it on the JAX backend unless `VIT_KERAS_KEEP_HOST_MEMORY=0`.
+   pages (on a busy machine some steps still extend the heap by one buffer before it settles).
+   `import vit_keras` applies it on the JAX backend unless `VIT_KERAS_KEEP_HOST_MEMORY=0`.
 """
 
 import ctypes
