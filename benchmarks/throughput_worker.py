@@ -67,8 +67,8 @@ def keras_steps(implementation, config, args):
     """The inference and training steps of a vit_keras or keras-hub model, and how to compile each."""
     import keras  # pylint: disable=import-outside-toplevel
 
+    keras.utils.clear_session()  # before the policy: clearing the session resets it to float32
     keras.config.set_dtype_policy(args.dtype)
-    keras.utils.clear_session()
     keras.utils.set_random_seed(0)
     if implementation == "vit_keras":
         from vit_keras import build_model  # pylint: disable=import-outside-toplevel
@@ -94,7 +94,7 @@ def keras_steps(implementation, config, args):
             model.compile(optimizer=keras.optimizers.SGD(0.01), jit_compile=jit,
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
-    return steps, prepare, {"jit_compile": jit, "dtype": args.dtype}
+    return steps, prepare, {"jit_compile": jit, "dtype": model.dtype_policy.name}
 
 
 def timm_steps(config, args, compiled):

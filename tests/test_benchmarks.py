@@ -6,18 +6,20 @@ import subprocess
 import sys
 
 import keras
+import pytest
 
 from conftest import REPO_ROOT, TINY_CONFIG
 
 BENCHMARK = os.path.join(REPO_ROOT, "benchmarks", "throughput.py")
 
 
-def test_throughput_benchmark_measures_vit_keras_on_a_tiny_model(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "mixed_bfloat16"])
+def test_throughput_benchmark_measures_vit_keras_on_a_tiny_model(tmp_path, dtype):
     backend = keras.backend.backend()
     output = tmp_path / "throughput.json"
     command = [sys.executable, BENCHMARK, "--models", json.dumps(TINY_CONFIG), "--image_size", "32",
                "--batch_size", "2", "--implementations", f"vit_keras-{backend}", "--rounds", "1",
-               "--steps", "1", "--warmup", "1", "--json", str(output)]
+               "--steps", "1", "--warmup", "1", "--dtype", dtype, "--json", str(output)]
     result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(output.read_text())
@@ -26,6 +28,8 @@ def test_throughput_benchmark_measures_vit_keras_on_a_tiny_model(tmp_path):
         assert row["median"] > 0 and 0 < row["median_fraction_of_peak"] < 1
     assert f"| tiny | train | vit_keras-{backend} |" in result.stdout
     assert report["gemm_peak_flops"][backend][0] > 1e8
+    (process,) = report["rounds"][0].values()
+    assert {run["dtype"] for run in process["runs"]} == {dtype}  # the policy the model was built with
 
 
 def test_throughput_benchmark_rejects_an_unknown_implementation():
