@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import run_on_backend
-from vit_keras.xla_cpu import materialize_gradient
+from vit_keras.xla_cpu import einsum, materialize_gradient
 
 _GRADIENT_CODE = """
 import jax, jax.numpy as jnp, numpy as np
@@ -82,3 +82,118 @@ def test_importing_vit_keras_on_jax_stops_page_faulting_scratch_buffers(monkeypa
     tuned = run_on_backend("jax", _PAGE_FAULT_CODE)["faults_per_step"]
     assert min(untuned) > 8000, untuned
     assert min(tuned) < min(untuned) / 2, (tuned, untuned)
+
+
+# Element types of each dot's operands in compiled HLO text: a dot names its operands, whose types
+# are where they are defined (an instruction, or a parameter of the fused computation).
+_DOT_TYPES = """
+import re
+
+def dot_operand_types(hlo):
+    types = dict(re.findall(r"%?([\\w.-]+) = (\\w+)\\[", hlo))
+    types.update(re.findall(r"([\\w.-]+): (\\w+)\\[", hlo))
+    return [tuple(types[name] for name in operands)
+            for operands in re.findall(r" dot\\(%?([\\w.-]+), %?([\\w.-]+)\\)", hlo)]
+"""
+
+_BFLOAT16_EINSUM_CODE = _DOT_TYPES + """
+import jax, jax.numpy as jnp, numpy as np
+import keras
+from vit_keras.xla_cpu import einsum
+
+equation = "btd,dhk->bhtk"  # the q/k/v projection's
+rng = np.random.default_rng(0)
+a, b = (jnp.asarray(rng.normal(size=shape), jnp.bfloat16) for shape in ((2, 5, 8), (8, 3, 4)))
+weights = rng.normal(size=(2, 3, 5, 4)).astype("float32")
+
+def loss_and_gradients(product):
+    loss = lambda a, b: jnp.sum(product(equation, a, b).astype(jnp.float32) * weights)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+reference = loss_and_gradients(jnp.einsum)(a.astype(jnp.float32), b.astype(jnp.float32))
+reference = [reference[0], *reference[1]]
+
+def relative_error(x, y):
+    x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+    return float(np.max(np.abs(x - y)) / np.max(np.abs(y)))
+
+results = {}
+for name, product in (("ours", einsum), ("keras", keras.ops.einsum)):
+    step = loss_and_gradients(product)
+    loss, gradients = step(a, b)
+    results[name] = {
+        "gradient_dtypes": [str(g.dtype) for g in gradients],
+        "errors": [relative_error(x, y) for x, y in zip([loss, *gradients], reference)],
+        "dots": dot_operand_types(step.lower(a, b).compile().as_text()),
+    }
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.jax_subprocess
+def test_einsum_on_jax_keeps_bfloat16_products_in_both_directions():
+    """XLA:CPU runs `keras.ops.einsum` of bfloat16 operands, and its gradients, as float32 products;
+    `einsum` keeps all three in bfloat16 and agrees with a float32 reference as closely."""
+    result = run_on_backend("jax", _BFLOAT16_EINSUM_CODE)
+    ours, plain = result["ours"], result["keras"]
+    assert ours["dots"] == [["bf16", "bf16"]] * 3, ours["dots"]
+    assert all(dot == ["f32", "f32"] for dot in plain["dots"]), plain["dots"]  # what this works around
+    assert ours["gradient_dtypes"] == ["bfloat16", "bfloat16"]
+    for error, keras_error in zip(ours["errors"], plain["errors"]):
+        assert error < 1e-2 and error <= 1.5 * keras_error + 1e-3, (ours["errors"], plain["errors"])
+
+
+_MIXED_VIT_CODE = _DOT_TYPES + """
+import jax, jax.numpy as jnp, numpy as np
+import keras
+from vit_keras import build_model
+
+x = np.random.default_rng(0).uniform(0, 255, (4, 8, 8, 3)).astype("float32")
+y = np.arange(4) % 3
+gradients, dots = {}, {}
+for policy in ("float32", "mixed_bfloat16"):
+    keras.config.set_dtype_policy(policy)
+    keras.utils.set_random_seed(0)
+    model = build_model(ARGS["config"], image_size=8, num_classes=3)
+    trainable = [v.value for v in model.trainable_variables]
+    def loss(trainable):
+        logits, _ = model.stateless_call(trainable, [], x, training=True)
+        return jnp.mean(keras.ops.sparse_categorical_crossentropy(y, logits, from_logits=True))
+    step = jax.jit(jax.grad(loss))
+    gradients[policy] = np.concatenate([np.ravel(g) for g in step(trainable)]).astype(np.float64)
+    dots[policy] = dot_operand_types(step.lower(trainable).compile().as_text())
+g32, g16 = gradients["float32"], gradients["mixed_bfloat16"]
+print(json.dumps({"dots": dots["mixed_bfloat16"],
+                  "cosine": float(g32 @ g16 / np.linalg.norm(g32) / np.linalg.norm(g16))}))
+"""
+
+
+@pytest.mark.jax_subprocess
+def test_mixed_bfloat16_vit_on_jax_differentiates_through_bfloat16_products(tiny_config):
+    """On JAX on CPU the encoder's products (patches, q/k/v, attention, output, MLP; forward and
+    gradients) are bfloat16, and the gradient is the float32 model's to bfloat16 precision.
+
+    Of each block's 18 products XLA converts three attention gradients to float32 whatever their
+    operands (the probabilities', and the keys' and values', whose left operand it reads
+    transposed), and the head computes in float32: 3 products.
+    """
+    result = run_on_backend("jax", _MIXED_VIT_CODE, config=tiny_config)
+    bfloat16 = result["dots"].count(["bf16", "bf16"])
+    blocks = tiny_config["num_layers"]
+    assert bfloat16 == blocks * 15 + 2, result["dots"]  # + the patch projection and its gradient
+    assert len(result["dots"]) == blocks * 18 + 2 + 3, result["dots"]
+    assert result["cosine"] > 0.999, result["cosine"]
+
+
+@pytest.mark.parametrize("equation", ["ab,bc->a", "aab,bc->ac", "...b,bc->...c", "ab->a",
+                                      "ab,bc,cd->ad"])
+def test_einsum_rejects_equations_whose_gradients_are_not_einsums(equation):
+    with pytest.raises(ValueError, match="each index of an operand once"):
+        einsum(equation, np.ones((2, 3), "float32"), np.ones((3, 4), "float32"))
+
+
+def test_einsum_is_keras_einsum_in_float32():
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(2, 5, 8)).astype("float32"), rng.normal(size=(8, 3, 4)).astype("float32")
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(einsum("btd,dhk->bhtk", a, b)),
+                               np.einsum("btd,dhk->bhtk", a, b), rtol=1e-5, atol=1e-5)

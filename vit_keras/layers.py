@@ -10,7 +10,7 @@ import math
 import keras
 from keras import ops
 
-from vit_keras.xla_cpu import materialize_gradient, on_xla_cpu
+from vit_keras.xla_cpu import einsum, materialize_gradient, on_xla_cpu
 
 _PACKAGE = "vit_keras"
 _MLP_BIAS_INIT = keras.initializers.RandomNormal(stddev=1e-6)
@@ -78,7 +78,7 @@ class PatchEmbedding(keras.layers.Layer):
         x = ops.transpose(x, (0, 1, 3, 2, 4, 5))  # (batch, rows, cols, p, p, channels): HWI order
         x = ops.reshape(x, (-1, rows * cols, p * p * channels))
         kernel = ops.reshape(self.kernel, (p * p * channels, self.hidden_size))
-        return ops.matmul(x, kernel) + self.bias
+        return einsum("bnk,kd->bnd", x, kernel) + self.bias
 
     def compute_output_shape(self, input_shape):
         batch, height, width, _ = input_shape
@@ -199,11 +199,11 @@ class MultiHeadDotProductAttention(keras.layers.Layer):
             return self.out(ops.dot_product_attention(q, k, v))
         q, k, v = self._project_qkv(x)
         # Scaling q before the product keeps float16 logits in range; softmax runs in float32.
-        logits = ops.einsum("bhqd,bhkd->bhqk", q * (1.0 / math.sqrt(q.shape[-1])), k)
+        logits = einsum("bhqd,bhkd->bhqk", q * (1.0 / math.sqrt(q.shape[-1])), k)
         probs = ops.softmax(ops.cast(logits, "float32"), axis=-1)
-        attended = ops.einsum(
+        attended = einsum(
             "bhqk,bhkd->bhqd", self._dropout(ops.cast(probs, q.dtype), training=training), v)
-        y = ops.einsum("bhtk,hkd->btd", attended, self.out.kernel) + self.out.bias
+        y = einsum("bhtk,hkd->btd", attended, self.out.kernel) + self.out.bias
         return (y, probs) if return_attention_scores else y
 
     def _project_qkv(self, x):
@@ -214,7 +214,7 @@ class MultiHeadDotProductAttention(keras.layers.Layer):
         """
         kernel = ops.concatenate([self.query.kernel, self.key.kernel, self.value.kernel], axis=1)
         bias = ops.concatenate([self.query.bias, self.key.bias, self.value.bias], axis=0)
-        qkv = ops.einsum("btd,dhk->bhtk", x, kernel) + ops.expand_dims(bias, 1)
+        qkv = einsum("btd,dhk->bhtk", x, kernel) + ops.expand_dims(bias, 1)
         return ops.split(qkv, 3, axis=1)
 
     @property
@@ -271,7 +271,7 @@ class MlpBlock(keras.layers.Layer):
         self.dense_1.build((*input_shape[:-1], self.mlp_dim))
 
     def call(self, x, training=None):
-        x = self.dense_0(x)
+        x = self._project(self.dense_0, x)
         if self.approximate_gelu or keras.backend.backend() == "torch":
             x = ops.gelu(x, approximate=self.approximate_gelu)  # torch: one fused kernel
         else:
@@ -279,7 +279,14 @@ class MlpBlock(keras.layers.Layer):
             # which XLA:CPU expands into exp and selects: 18% of a ViT-S/16 training step.
             x = 0.5 * x * (1.0 + ops.erf(x * (1.0 / math.sqrt(2.0))))
         x = self._dropout(x, training=training)
-        return self._dropout(self.dense_1(x), training=training)
+        return self._dropout(self._project(self.dense_1, x), training=training)
+
+    @staticmethod
+    def _project(dense, x):
+        """`dense(x)`; on JAX on CPU through `xla_cpu.einsum`, for its bfloat16 products."""
+        if not on_xla_cpu() or dense.quantization_mode or dense.lora_enabled:
+            return dense(x)
+        return einsum("btd,dn->btn", x, dense.kernel) + dense.bias
 
     def get_config(self):
         return {**super().get_config(), "mlp_dim": self.mlp_dim, "dropout": self.dropout,
