@@ -180,7 +180,8 @@ def test_mixed_bfloat16_vit_on_jax_differentiates_through_bfloat16_products(tiny
     result = run_on_backend("jax", _MIXED_VIT_CODE, config=tiny_config)
     bfloat16 = result["dots"].count(["bf16", "bf16"])
     blocks = tiny_config["num_layers"]
-    assert bfloat16 == blocks * 15 + 2, result["dots"]  # + the patch projection and its gradient
+    # + the patch projection and its gradient; more if a later XLA keeps those three in bfloat16
+    assert bfloat16 >= blocks * 15 + 2, result["dots"]
     assert len(result["dots"]) == blocks * 18 + 2 + 3, result["dots"]
     assert result["cosine"] > 0.999, result["cosine"]
 
