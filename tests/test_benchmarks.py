@@ -1,5 +1,6 @@
 """The throughput benchmark runs end to end; its numbers are never part of pass/fail."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -36,3 +37,42 @@ def test_throughput_benchmark_rejects_an_unknown_implementation():
     result = subprocess.run([sys.executable, BENCHMARK, "--implementations", "no_such_peer"],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "Unknown implementation 'no_such_peer'" in result.stderr
+
+
+def test_throughput_report_gives_the_fraction_of_peak_for_all_steps_and_for_the_fastest():
+    sys.path.insert(0, os.path.dirname(BENCHMARK))
+    try:
+        import throughput  # pylint: disable=import-outside-toplevel
+    finally:
+        sys.path.remove(os.path.dirname(BENCHMARK))
+    config = {**throughput.MODELS["ViT-Ti/16"], "name": "ViT-Ti/16"}
+    args = argparse.Namespace(image_size=224, modes=["inference"], implementations=["timm"],
+                              batch_size=8)
+    flops = throughput.forward_flops(config, 224)
+    peak = 10 * flops  # 10 images/s would be 100% of it
+    rounds = [{"timm": {"peak_flops": peak, "runs": [{
+        "model": "ViT-Ti/16", "mode": "inference", "batch_size": 8, "first_call_s": 1.0,
+        "step_s": steps, "images_per_s": 8 * len(steps) / sum(steps)}]}}
+        for steps in ([1.0, 2.0, 1.0], [2.0, 2.0, 1.6])]
+    (row,) = throughput.summarize(rounds, [config], args)
+    assert row["fraction_of_peak"] == pytest.approx([8 * 3 / 4.0 / 10, 8 * 3 / 5.6 / 10])
+    assert row["best_step_fraction_of_peak"] == pytest.approx([0.8, 0.5])
+    assert row["median_best_step_fraction_of_peak"] == pytest.approx(0.65)
+    table = throughput.markdown([row], {"torch": [peak]}, {}, [], argparse.Namespace(
+        batch_size=8, image_size=224, dtype="float32", rounds=2, steps=3, warmup=2))
+    assert "| 51% / 65% |" in table
+
+
+def test_throughput_benchmark_reprints_an_earlier_run_from_its_json():
+    earlier = os.path.join(REPO_ROOT, "benchmarks", "results", "throughput-cpu2-2026-11-23.json")
+    result = subprocess.run([sys.executable, BENCHMARK, "--from_json", earlier], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(earlier) as f:
+        old_table = json.load(f)["markdown"]
+    # The same rows, with the fastest step's fraction of the peak added.
+    old_row = next(line for line in old_table.splitlines() if "| ViT-B/16 | inference | timm |" in line)
+    new_row = next(line for line in result.stdout.splitlines()
+                   if "| ViT-B/16 | inference | timm |" in line)
+    assert new_row.split("|")[4:7] == old_row.split("|")[4:7]
+    assert new_row.split("|")[7].strip() == old_row.split("|")[7].strip() + " / 95%"
