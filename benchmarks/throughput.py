@@ -207,7 +207,8 @@ def main():
             earlier = json.load(f)
         vars(args).update(earlier["settings"])
         configs = [parse_model(text) for text in args.models]
-        print(report_table(earlier["rounds"], configs, earlier["missing"], args)[1])
+        _, table, _, _ = report_table(earlier["rounds"], configs, earlier["missing"], args)
+        print(table)
         return
 
     expanded = []
@@ -257,7 +258,7 @@ def write_report(rounds, configs, missing, args, final):
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpus": os.cpu_count(), "python": platform.python_version(),
                     "load_average_1min": [min(loads), max(loads)] if loads else None},
-        "settings": {k: v for k, v in vars(args).items() if k != "json"},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "from_json")},
         "complete": final,
         "flops_formula": forward_flops.__doc__.strip(),
         "forward_gflops_per_image": {c["name"]: forward_flops(c, args.image_size) / 1e9
