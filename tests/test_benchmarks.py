@@ -1,4 +1,4 @@
-"""The throughput benchmark runs end to end; its numbers are never part of pass/fail."""
+"""The benchmarks run end to end on tiny models; their numbers are never part of pass/fail."""
 
 import argparse
 import json
@@ -12,6 +12,15 @@ import pytest
 from conftest import REPO_ROOT, TINY_CONFIG
 
 BENCHMARK = os.path.join(REPO_ROOT, "benchmarks", "throughput.py")
+PRODUCTS = os.path.join(REPO_ROOT, "benchmarks", "products.py")
+
+
+def _benchmark_module(name):
+    sys.path.insert(0, os.path.dirname(BENCHMARK))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(os.path.dirname(BENCHMARK))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "mixed_bfloat16"])
@@ -40,11 +49,7 @@ def test_throughput_benchmark_rejects_an_unknown_implementation():
 
 
 def test_throughput_report_gives_the_fraction_of_peak_for_all_steps_and_for_the_fastest():
-    sys.path.insert(0, os.path.dirname(BENCHMARK))
-    try:
-        import throughput  # pylint: disable=import-outside-toplevel
-    finally:
-        sys.path.remove(os.path.dirname(BENCHMARK))
+    throughput = _benchmark_module("throughput")
     config = {**throughput.MODELS["ViT-Ti/16"], "name": "ViT-Ti/16"}
     args = argparse.Namespace(image_size=224, modes=["inference"], implementations=["timm"],
                               batch_size=8)
@@ -76,3 +81,30 @@ def test_throughput_benchmark_reprints_an_earlier_run_from_its_json():
                    if "| ViT-B/16 | inference | timm |" in line)
     assert new_row.split("|")[4:7] == old_row.split("|")[4:7]
     assert new_row.split("|")[7].strip() == old_row.split("|")[7].strip() + " / 95%"
+
+
+
+def test_products_of_a_block_add_up_to_the_forward_flops_of_a_layer():
+    throughput, products = _benchmark_module("throughput"), _benchmark_module("products")
+    config = {**throughput.MODELS["ViT-Ti/16"], "name": "ViT-Ti/16"}
+    forward = [products.flops(sizes) for name, _, sizes in products.products(config, 8, 224)
+               if name not in ("dV = Pᵀ·dO (and dK)", "MLP-in weight gradient")]
+    d, n = config["hidden_size"], 196
+    outside_blocks = 2 * n * 16 * 16 * 3 * d + 2 * d * 1000  # patch embedding and head
+    assert (sum(forward) * config["num_layers"] + 8 * outside_blocks
+            == 8 * throughput.forward_flops(config, 224))
+
+
+def test_products_benchmark_measures_each_product_on_all_cores_and_on_one(tmp_path):
+    library = keras.backend.backend()
+    output = tmp_path / "products.json"
+    command = [sys.executable, PRODUCTS, "--models", json.dumps(TINY_CONFIG),
+               "--image_size", "16", "--batch_size", "2", "--libraries", library, "--rounds", "1",
+               "--repeats", "2", "--json", str(output)]
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (model,) = json.loads(output.read_text())["models"].values()
+    assert len(model["products"]) == 8
+    for rates in model["flops_per_s"].values():
+        assert len(rates) == 8 and min(rates) > 0
+    assert "| q·kᵀ (and dP = dO·Vᵀ) | `bqd,bkd->bqk` | 8×17×17×8 |" in result.stdout
