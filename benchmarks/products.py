@@ -17,13 +17,14 @@ alike. Not part of the test suite's pass/fail.
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
-import time
 
 from throughput import MODELS, parse_model
+from throughput_worker import time_calls
 
 LIBRARIES = ("jax", "torch", "tensorflow")
 
@@ -46,10 +47,7 @@ def products(config, batch_size, image_size):
 
 
 def flops(sizes):
-    total = 2
-    for size in sizes.values():
-        total *= size
-    return total
+    return 2 * math.prod(sizes.values())
 
 
 def measure(library, product_list, repeats):
@@ -83,14 +81,8 @@ def measure(library, product_list, repeats):
         operands = [to_tensor(rng.standard_normal([sizes[i] for i in spec], dtype=np.float32))
                     for spec in equation.split("->")[0].split(",")]
         call = compile_product(equation)
-        for _ in range(3):
-            call(*operands)
-        times = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            call(*operands)
-            times.append(time.perf_counter() - started)
-        results.append(flops(sizes) / sorted(times)[len(times) // 2])
+        _, times = time_calls(lambda: call(*operands), warmup=3, steps=repeats)
+        results.append(flops(sizes) / statistics.median(times))
     return results
 
 

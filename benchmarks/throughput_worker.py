@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 GEMM_SIZE = 2048
 
 
-def _time_calls(step, warmup, steps):
+def time_calls(step, warmup, steps):
     """Seconds of the first call (compile included), then of each timed call."""
     started = time.perf_counter()
     step()
@@ -52,7 +52,7 @@ def gemm_peak(library, size=GEMM_SIZE, repeats=5):
         import torch  # pylint: disable=import-outside-toplevel
         a, b = torch.from_numpy(a), torch.from_numpy(b)
         call = lambda: torch.mm(a, b)  # noqa: E731
-    _, times = _time_calls(call, warmup=2, steps=repeats)
+    _, times = time_calls(call, warmup=2, steps=repeats)
     return 2 * size ** 3 / min(times)
 
 
@@ -168,7 +168,7 @@ def main():
             steps, prepare, info = keras_steps(args.implementation, config, args)
         for mode in args.modes:
             prepare(mode)
-            first, times = _time_calls(steps[mode], args.warmup, args.steps)
+            first, times = time_calls(steps[mode], args.warmup, args.steps)
             result["runs"].append({
                 "model": config["name"], "mode": mode, "batch_size": args.batch_size,
                 "first_call_s": first, "step_s": times,

@@ -83,7 +83,6 @@ def test_throughput_benchmark_reprints_an_earlier_run_from_its_json():
     assert new_row.split("|")[7].strip() == old_row.split("|")[7].strip() + " / 95%"
 
 
-
 def test_products_of_a_block_add_up_to_the_forward_flops_of_a_layer():
     throughput, products = _benchmark_module("throughput"), _benchmark_module("products")
     config = {**throughput.MODELS["ViT-Ti/16"], "name": "ViT-Ti/16"}
