@@ -3,6 +3,8 @@
     python benchmarks/throughput.py                # everything: about an hour on 2 quiet cores
     python benchmarks/throughput.py --models ViT-Ti/16 --implementations vit_keras-jax timm
     python benchmarks/throughput.py --modes train --rounds 3 --batch_size 8 --json out.json
+    python benchmarks/throughput.py --models ViT-Ti/16 --modes train \
+        --implementations timm vit_keras-jax vit_keras-jax-dp2   # also over 2 XLA CPU devices
 
 Each implementation (vit_keras and keras-hub's ViTBackbone on each Keras backend, timm eager and
 with torch.compile) runs in its own process, and the processes alternate A B C A B C ... over
@@ -28,6 +30,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -42,6 +45,9 @@ IMPLEMENTATIONS = {
     "timm-compile": ("timm_compile", None, "timm"),
     **{f"keras_hub-{b}": ("keras_hub", b, "keras_hub") for b in BACKENDS},
 }
+# A JAX implementation's name with "-dpN" (vit_keras-jax-dp2) splits the CPU into N XLA devices
+# and runs each step data-parallel over them (Keras' DataParallel).
+DATA_PARALLEL_SUFFIX = re.compile(r"-dp(\d+)$")
 BASELINE = "timm"
 # The ViT sizes of the paper (Ti and S from "How to train your ViT"), as vit_keras' variant table.
 MODELS = {
@@ -74,13 +80,22 @@ def parse_model(text):
     return {"name": config.get("name", "custom"), **{k: config[k] for k in MODELS["ViT-Ti/16"]}}
 
 
+def split_devices(implementation):
+    """("vit_keras-jax", 2) for "vit_keras-jax-dp2"; (implementation, 1) without the suffix."""
+    match = DATA_PARALLEL_SUFFIX.search(implementation)
+    if not match:
+        return implementation, 1
+    return implementation[:match.start()], int(match.group(1))
+
+
 def missing_package(implementation):
-    package = IMPLEMENTATIONS[implementation][2]
+    package = IMPLEMENTATIONS[split_devices(implementation)[0]][2]
     return None if importlib.util.find_spec(package) else package
 
 
 def run_worker(implementation, configs, args):
-    worker, backend, _ = IMPLEMENTATIONS[implementation]
+    base, devices = split_devices(implementation)
+    worker, backend, _ = IMPLEMENTATIONS[base]
     command = [sys.executable, os.path.join(REPO, "benchmarks", "throughput_worker.py"),
                "--implementation", worker, "--configs", json.dumps(configs),
                "--batch_size", str(args.batch_size), "--image_size", str(args.image_size),
@@ -89,6 +104,10 @@ def run_worker(implementation, configs, args):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": REPO}
     if backend:
         env["KERAS_BACKEND"] = backend
+    if devices > 1:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                            f" --xla_force_host_platform_device_count={devices}").strip()
+        command.append("--data_parallel")
     load = os.getloadavg()[0]
     started = time.perf_counter()
     try:
@@ -184,7 +203,8 @@ def main():
                         help=f"names from {list(MODELS)} or JSON dicts of ViTConfig fields")
     parser.add_argument("--implementations", nargs="+", default=list(IMPLEMENTATIONS),
                         help=f"any of {list(IMPLEMENTATIONS)}; 'vit_keras' and 'keras_hub' "
-                             "expand to every backend")
+                             "expand to every backend; a JAX one with -dpN (vit_keras-jax-dp2) "
+                             "runs data-parallel over N XLA CPU devices")
     parser.add_argument("--modes", nargs="+", default=["inference", "train"],
                         choices=["inference", "train"])
     parser.add_argument("--batch_size", type=int, default=8)
@@ -215,8 +235,14 @@ def main():
     for name in args.implementations:
         names = [f"{name}-{b}" for b in BACKENDS] if name in ("vit_keras", "keras_hub") else [name]
         for item in names:
-            if item not in IMPLEMENTATIONS:
+            base, devices = split_devices(item)
+            if base not in IMPLEMENTATIONS:
                 parser.error(f"Unknown implementation {item!r}; expected {list(IMPLEMENTATIONS)}.")
+            if devices > 1 and IMPLEMENTATIONS[base][1] != "jax":
+                parser.error(f"{item!r}: -dpN needs a JAX implementation; {base} is not one.")
+            if devices < 1 or args.batch_size % devices:
+                parser.error(f"{item!r}: {devices} devices must be at least 1 and divide "
+                             f"--batch_size {args.batch_size}.")
             expanded.append(item)
     args.implementations = expanded
     configs = [parse_model(text) for text in args.models]

@@ -70,6 +70,11 @@ def keras_steps(implementation, config, args):
     keras.utils.clear_session()  # before the policy: clearing the session resets it to float32
     keras.config.set_dtype_policy(args.dtype)
     keras.utils.set_random_seed(0)
+    devices = 1
+    if args.data_parallel:  # each step's batch split over the process's XLA devices (JAX only)
+        local_devices = keras.distribution.list_devices()
+        keras.distribution.set_distribution(keras.distribution.DataParallel(devices=local_devices))
+        devices = len(local_devices)
     if implementation == "vit_keras":
         from vit_keras import build_model  # pylint: disable=import-outside-toplevel
         model = build_model(config, image_size=args.image_size, num_classes=1000)
@@ -94,7 +99,8 @@ def keras_steps(implementation, config, args):
             model.compile(optimizer=keras.optimizers.SGD(0.01), jit_compile=jit,
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
-    return steps, prepare, {"jit_compile": jit, "dtype": model.dtype_policy.name}
+    return steps, prepare, {"jit_compile": jit, "dtype": model.dtype_policy.name,
+                            "devices": devices}
 
 
 def timm_steps(config, args, compiled):
@@ -146,6 +152,7 @@ def main():
     parser.add_argument("--modes", nargs="+", default=["inference", "train"])
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--torch_jit", action="store_true")
+    parser.add_argument("--data_parallel", action="store_true")
     args = parser.parse_args()
 
     if args.implementation.startswith("timm"):

@@ -42,6 +42,34 @@ def test_throughput_benchmark_measures_vit_keras_on_a_tiny_model(tmp_path, dtype
     assert {run["dtype"] for run in process["runs"]} == {dtype}  # the policy the model was built with
 
 
+def test_throughput_benchmark_runs_jax_data_parallel_over_cpu_devices(tmp_path):
+    """`-dp2` runs a JAX implementation over 2 XLA CPU devices; other backends have no such mode."""
+    backend = keras.backend.backend()
+    output = tmp_path / "throughput.json"
+    command = [sys.executable, BENCHMARK, "--models", json.dumps(TINY_CONFIG), "--image_size", "32",
+               "--batch_size", "4", "--implementations", f"vit_keras-{backend}-dp2", "--rounds",
+               "1", "--steps", "1", "--warmup", "1", "--modes", "train", "--json", str(output)]
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    if backend != "jax":
+        assert result.returncode == 2
+        assert f"'vit_keras-{backend}-dp2': -dpN needs a JAX implementation" in result.stderr
+        return
+    assert result.returncode == 0, result.stderr[-3000:]
+    (process,) = json.loads(output.read_text())["rounds"][0].values()
+    (run,) = process["runs"]
+    assert run["devices"] == 2 and run["images_per_s"] > 0
+    assert "| tiny | train | vit_keras-jax-dp2 |" in result.stdout
+
+
+def test_throughput_benchmark_rejects_devices_that_do_not_divide_the_batch():
+    result = subprocess.run([sys.executable, BENCHMARK, "--batch_size", "8", "--implementations",
+                             "vit_keras-jax-dp3"], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2
+    assert "'vit_keras-jax-dp3': 3 devices must be at least 1 and divide --batch_size 8" in (
+        result.stderr)
+
+
 def test_throughput_benchmark_rejects_an_unknown_implementation():
     result = subprocess.run([sys.executable, BENCHMARK, "--implementations", "no_such_peer"],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
