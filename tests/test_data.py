@@ -71,6 +71,21 @@ def test_mixup_and_cutmix_give_soft_labels_that_sum_to_one():
     assert images.shape == (16, 16, 16, 3) and float(images.numpy().max()) <= 255
 
 
+def test_mixup_of_white_images_stays_within_255(tmp_path):
+    """MixUp's weighted mean of two 255s rounds to 255.00002 for some weights: the pipeline clips."""
+    for name in ("cat", "dog"):
+        os.makedirs(tmp_path / name)
+        for index in range(16):
+            Image.new("RGB", (8, 8), "white").save(tmp_path / name / f"{index}.png")
+    splits = data.load_splits(f"folder:{tmp_path}", val_fraction=0.25, log=lambda _: None)
+    pipeline = data.make_pipeline(splits, "train", image_size=8, batch_size=24, training=True,
+                                  augmentation=data.Augmentation(flip=False, mixup=0.8))
+    for images, _ in pipeline.take(4):
+        pixels = images.numpy()
+        assert pixels.max() <= 255.0  # an unclipped batch holds 255.00002s
+        np.testing.assert_allclose(pixels, 255.0, rtol=1e-6)
+
+
 def _write_folder(root, classes=("cat", "dog"), per_class=4, size=12):
     rng = np.random.default_rng(0)
     for name in classes:

@@ -412,14 +412,19 @@ def batch_augmentations(augmentation, seed=0):
 def _apply_batch_layer(layer):
     import keras
 
+    # Clipped after every layer: MixUp's mean of two 255s can round to 255.00002.
     if isinstance(layer, (keras.layers.MixUp, keras.layers.CutMix)):
         def apply(images, labels):
             out = layer({"images": images, "labels": labels}, training=True)
-            return tf.cast(out["images"], tf.float32), tf.cast(out["labels"], tf.float32)
+            return _pixel_range(out["images"]), tf.cast(out["labels"], tf.float32)
     else:
         def apply(images, labels):
-            return tf.clip_by_value(tf.cast(layer(images, training=True), tf.float32), 0, 255), labels
+            return _pixel_range(layer(images, training=True)), labels
     return apply
+
+
+def _pixel_range(images):
+    return tf.clip_by_value(tf.cast(images, tf.float32), 0.0, 255.0)
 
 
 def load_image_files(paths, image_size):
