@@ -9,7 +9,6 @@ sits in a run folder, the run's metrics.json supplies the dataset, data_dir, see
 that were used for training, so the same held-out split is evaluated; flags override it.
 """
 
-import json
 import os
 import sys
 
@@ -37,13 +36,10 @@ FLAGS = flags.FLAGS
 
 def run_settings(model_path):
     """dataset, data_dir, seed and val_fraction of the run that wrote `model_path`, if known."""
-    path = os.path.join(os.path.dirname(os.path.abspath(model_path)), "metrics.json")
-    try:
-        with open(path) as f:
-            run = json.load(f)["config"]["run"]
-    except (OSError, ValueError, KeyError):
-        return {}
-    return {key: run.get(key) for key in ("dataset", "data_dir", "seed", "val_fraction")}
+    from vit_keras.tools.run_folder import RunFolder
+
+    run = ((RunFolder.of_model(model_path).read_metrics() or {}).get("config") or {}).get("run")
+    return {key: run.get(key) for key in ("dataset", "data_dir", "seed", "val_fraction")} if run else {}
 
 
 def main(argv):
@@ -52,8 +48,7 @@ def main(argv):
     import keras
 
     import vit_keras  # noqa: F401  (registers the layers for loading)
-    from vit_keras import callbacks, data
-    from vit_keras import training
+    from vit_keras.tools import data, run_folder, training
 
     settings = run_settings(FLAGS.model)
     dataset = FLAGS.dataset or settings.get("dataset") or "digits"
@@ -87,7 +82,7 @@ def main(argv):
         accuracy = "-" if row["accuracy"] is None else f"{100 * row['accuracy']:.2f}%"
         print(f"| {name} | {row['count']} | {accuracy} |")
     if FLAGS.json:
-        callbacks.atomic_write_json(report, FLAGS.json)
+        run_folder.atomic_write_json(report, FLAGS.json)
     return 0
 
 

@@ -134,8 +134,8 @@ _RUN_FIELDS = (
 
 
 def run_config():
-    """The flags as a `vit_keras.training.RunConfig`."""
-    from vit_keras import training
+    """The flags as a `vit_keras.tools.training.RunConfig`."""
+    from vit_keras.tools import training
 
     return training.RunConfig(**{name: FLAGS[name].value for name in _RUN_FIELDS},
                               flags_text=FLAGS.flags_into_string())
@@ -144,8 +144,8 @@ def run_config():
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
-    from vit_keras import callbacks, data
-    from vit_keras import training
+    from vit_keras.tools import callbacks, data, training
+    from vit_keras.tools.run_folder import RunFolder
 
     try:
         metrics = training.run(run_config(), app=APP_NAME, started=_STARTED)
@@ -155,7 +155,7 @@ def main(argv):
     print()
     print(training.metrics_table(metrics))
     print(f"\nSaved model: {metrics['model_path']}")
-    print(f"Metrics:     {os.path.join(os.path.dirname(metrics['model_path']), 'metrics.json')}")
+    print(f"Metrics:     {RunFolder.of_model(metrics['model_path']).metrics}")
     return 0
 
 

@@ -8,7 +8,6 @@ evaluation preprocessing). Class names come from --class_names or from class_nam
 model (written by apps/finetune.py and apps/train.py); otherwise classes are numbered.
 """
 
-import json
 import os
 import sys
 
@@ -32,15 +31,12 @@ FLAGS = flags.FLAGS
 
 
 def read_class_names(path, model_path):
-    path = path or os.path.join(os.path.dirname(os.path.abspath(model_path)), "class_names.json")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        text = f.read()
-    try:
-        return [str(name) for name in json.loads(text)]
-    except ValueError:
-        return [line.strip() for line in text.splitlines() if line.strip()]
+    """Names from --class_names, else from the model's run folder, else `[]` (numbered classes)."""
+    from vit_keras.tools import run_folder
+
+    if path:
+        return run_folder.load_class_names(path) if os.path.exists(path) else []
+    return run_folder.RunFolder.of_model(model_path).read_class_names() or []
 
 
 def main(argv):
@@ -50,8 +46,7 @@ def main(argv):
     import keras
 
     import vit_keras  # noqa: F401  (registers the layers for loading)
-    from vit_keras import callbacks, data
-    from vit_keras import training
+    from vit_keras.tools import data, run_folder, training
 
     model = keras.saving.load_model(FLAGS.model, compile=False)
     try:
@@ -67,7 +62,7 @@ def main(argv):
         for rank, (name, probability) in enumerate(ranked, 1):
             print(f"  {rank}. {name}  {100 * probability:.2f}%")
     if FLAGS.json:
-        callbacks.atomic_write_json(
+        run_folder.atomic_write_json(
             {file: [{"class": n, "probability": p} for n, p in ranked]
              for file, ranked in zip(files, predictions)}, FLAGS.json)
     return 0

@@ -124,7 +124,8 @@ def main(argv):
         sys.exit(f"visualize.py: error: {error}")
 
     import vit_keras  # Keras, after the images are known to be readable
-    from vit_keras import analysis, plots
+    from vit_keras import analysis
+    from vit_keras.tools import plots
 
     try:
         model = load_model(FLAGS.model)

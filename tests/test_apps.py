@@ -104,7 +104,7 @@ def test_reloaded_model_reproduces_the_reported_test_accuracy(resumed_run, tmp_p
 
 def test_predict_lists_top_k_class_names(resumed_run, tmp_path):
     from PIL import Image
-    from vit_keras import data
+    from vit_keras.tools import data
 
     images, labels = data.digits_arrays()["test"]
     Image.fromarray(images[0]).save(tmp_path / "digit.png")

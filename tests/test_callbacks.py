@@ -1,4 +1,4 @@
-"""vit_keras.callbacks: atomic checkpoints and backups, the NaN guard, atomic JSON."""
+"""vit_keras.tools.callbacks: atomic checkpoints and backups, the NaN guard, atomic JSON."""
 
 import json
 import math
@@ -8,8 +8,9 @@ import keras
 import numpy as np
 import pytest
 
-from vit_keras import callbacks
-from vit_keras import recipes
+from vit_keras.tools import callbacks
+from vit_keras.tools import run_folder
+from vit_keras.tools import recipes
 
 from conftest import tiny_data, tiny_model
 
@@ -80,6 +81,6 @@ def test_nan_loss_stops_training_at_that_batch(tiny_config):
 
 def test_metrics_json_is_written_atomically(tmp_path):
     path = str(tmp_path / "metrics.json")
-    callbacks.atomic_write_json({"test_accuracy": np.float32(0.5), "shape": (1, 2)}, path)
+    run_folder.atomic_write_json({"test_accuracy": np.float32(0.5), "shape": (1, 2)}, path)
     assert json.load(open(path)) == {"test_accuracy": 0.5, "shape": [1, 2]}
     assert os.listdir(tmp_path) == ["metrics.json"]

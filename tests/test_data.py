@@ -1,4 +1,4 @@
-"""vit_keras.data: the digits split, image folders with bad files, tfds (offline), pipelines."""
+"""vit_keras.tools.data: the digits split, image folders with bad files, tfds (offline), pipelines."""
 
 import os
 import time
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vit_keras import data
+from vit_keras.tools import data
 
 
 def test_digits_split_is_fixed_stratified_and_disjoint():

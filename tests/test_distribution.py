@@ -1,9 +1,9 @@
-"""vit_keras.distribution: the model-parallel layout and the engines per backend."""
+"""vit_keras.tools.distribution: the model-parallel layout and the engines per backend."""
 
 import keras
 import pytest
 
-from vit_keras import distribution
+from vit_keras.tools import distribution
 
 
 def test_model_parallel_layout_shards_attention_heads_and_mlp_units():

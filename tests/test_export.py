@@ -1,4 +1,4 @@
-"""vit_keras.export: SavedModel signatures, LiteRT and ONNX parity with Keras, self-verification.
+"""vit_keras.tools.export: SavedModel signatures, LiteRT and ONNX parity with Keras, self-verification.
 
 Exports run under the TensorFlow backend (a `.keras` file loads there whatever backend trained it);
 models trained on JAX and torch are exported in tests/test_export_app.py.
@@ -16,7 +16,8 @@ import tensorflow as tf
 from conftest import randomize_weights
 
 import vit_keras
-from vit_keras import export as vit_export
+from vit_keras.tools import export as vit_export
+from vit_keras.tools import run_folder
 
 IMAGE_SIZE = 32
 NUM_CLASSES = 10
@@ -227,7 +228,7 @@ def test_class_names_load_from_json_beside_the_model_or_a_text_file(tmp_path):
     (tmp_path / "class_names.json").write_text('["cat", "dog"]')
     (tmp_path / "labels.txt").write_text("cat\ndog\n\n")
     assert vit_export.find_class_names(str(tmp_path / "model.keras")) == ["cat", "dog"]
-    assert vit_export.load_class_names(str(tmp_path / "labels.txt")) == ["cat", "dog"]
+    assert run_folder.load_class_names(str(tmp_path / "labels.txt")) == ["cat", "dog"]
     assert vit_export.find_class_names(str(tmp_path / "elsewhere" / "model.keras")) is None
 
 

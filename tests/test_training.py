@@ -1,4 +1,4 @@
-"""vit_keras.training: recipe resolution, the run's model, `run`, reports."""
+"""vit_keras.tools.training: recipe resolution, the run's model, `run`, reports."""
 
 import dataclasses
 import os
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from vit_keras import build_model
-from vit_keras import callbacks
-from vit_keras import recipes
-from vit_keras import training
+from vit_keras.tools import callbacks
+from vit_keras.tools import recipes
+from vit_keras.tools import training
 
 
 def test_recipe_choice_follows_weights_and_dataset():

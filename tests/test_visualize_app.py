@@ -1,5 +1,5 @@
 """`apps/visualize.py` end to end (a model saved on this backend, read on another), and the
-figures of `vit_keras.plots`: valid PNGs of the stated sizes."""
+figures of `vit_keras.tools.plots`: valid PNGs of the stated sizes."""
 
 import json
 import os
@@ -12,7 +12,8 @@ import pytest
 from PIL import Image
 
 import vit_keras
-from vit_keras import analysis, plots
+from vit_keras import analysis
+from vit_keras.tools import plots
 from vit_keras import layers as vit_layers
 from conftest import BACKENDS, REPO_ROOT, random_images, randomize_weights
 

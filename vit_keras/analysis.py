@@ -16,10 +16,12 @@ token) followed by the patch tokens in row-major order on a `(rows, cols)` grid;
 prefix tokens is `tokens - rows * cols`. The grid is the model's token grid (`token_grid(model)`),
 which for hybrid models is the ResNet feature map's grid, not the raw image's.
 
-This module imports neither Keras' backends nor matplotlib; `vit_keras.plots` draws the figures.
+This module imports neither Keras' backends nor matplotlib; `vit_keras.tools.plots` draws the figures.
 """
 
 import numpy as np
+
+from vit_keras import geometry
 
 __all__ = [
     "attention_rollout",
@@ -35,14 +37,6 @@ __all__ = [
 
 # --------------------------------------------------------------------------------------------------
 # Pure NumPy.
-
-
-def _grid_pair(grid):
-    rows, cols = (grid, grid) if np.ndim(grid) == 0 else grid
-    rows, cols = int(rows), int(cols)
-    if rows < 1 or cols < 1:
-        raise ValueError(f"A token grid needs positive (rows, cols); got {grid!r}.")
-    return rows, cols
 
 
 def _num_prefix_tokens(tokens, grid):
@@ -103,7 +97,7 @@ def attention_rollout(attentions, grid):
       query tokens. Values are not rescaled (they sum to at most 1 per image); divide by the maximum
       for display.
     """
-    grid = _grid_pair(grid)
+    grid = geometry.pair(grid, "token grid")
     attentions = _attention_layers(attentions)
     batch, _, tokens, _ = np.shape(attentions[0])
     prefix = _num_prefix_tokens(tokens, grid)
@@ -148,7 +142,7 @@ def mean_attention_distance(attentions, grid, token_size):
     Returns:
       A float array `(layers, heads)` of distances in pixels.
     """
-    grid = _grid_pair(grid)
+    grid = geometry.pair(grid, "token grid")
     attentions = _attention_layers(attentions)
     prefix = _num_prefix_tokens(np.shape(attentions[0])[-1], grid)
     distances = _patch_distances(grid, token_size)
@@ -177,7 +171,7 @@ def position_embedding_similarity(pos_embedding, grid):
       A float array `(rows, cols, rows, cols)`: `[r, c]` is the map of the similarities of patch
       `(r, c)`'s embedding to every patch's, in [-1, 1], with 1 at `[r, c, r, c]`.
     """
-    grid = _grid_pair(grid)
+    grid = geometry.pair(grid, "token grid")
     embedding = np.asarray(pos_embedding, dtype=np.float64)
     if embedding.ndim == 3 and embedding.shape[0] == 1:
         embedding = embedding[0]
@@ -204,7 +198,7 @@ def embedding_filter_components(kernel, num_components=28):
     Returns:
       `(components, explained_variance_ratio)`: unit-norm components `(n, patch_h, patch_w,
       channels)` and the fraction of the filters' variance each one explains `(n,)`. Rescale each
-      component to [0, 1] to show it as an RGB patch (`vit_keras.plots` does).
+      component to [0, 1] to show it as an RGB patch (`vit_keras.tools.plots` does).
     """
     kernel = np.asarray(kernel, dtype=np.float64)
     if kernel.ndim != 4:
@@ -241,18 +235,9 @@ def _to_numpy(variable):
 
 
 def token_grid(model):
-    """The model's patch-token grid `(rows, cols)`.
-
-    Read from the `embedding` layer: its input feature map (the image, or a hybrid's ResNet feature
-    map) divided by its patch size. Checked against the position embedding's token count.
-    """
-    embedding = _get_layer(model, "embedding", "the patch embedding")
-    _, height, width, _ = embedding.input.shape
-    patch = int(getattr(embedding, "patch_size", 1))
-    if height is None or width is None:
-        raise ValueError(f"Model {model.name!r} has an unknown input size; the token grid needs a "
-                         f"model built for a fixed image size.")
-    grid = (height // patch, width // patch)
+    """The model's patch-token grid `(rows, cols)` (`vit_keras.geometry.token_grid`), checked
+    against the position embedding's token count."""
+    grid = geometry.token_grid(model)
     tokens = position_embedding(model).shape[0]
     _num_prefix_tokens(tokens, grid)
     if tokens - grid[0] * grid[1] > 1:

@@ -1,57 +1,26 @@
-"""`build_model`: a variant config → a functional `keras.Model`, and the attention-scores view of one."""
+"""`build_vit`: a variant config → a functional `keras.Model`, and the attention-scores view of one.
+
+Architecture only: weights come in through `vit_keras.pretrained` (`vit_keras.build_model`).
+"""
 
 import keras
 import numpy as np
 
 from vit_keras import configs
+from vit_keras import geometry
 from vit_keras import layers
 from vit_keras import resnet
 
 
-def image_size_pair(image_size):
-    """`224` or `(224, 224)` → `(height, width)` as ints."""
-    if isinstance(image_size, int):
-        return image_size, image_size
-    height, width = image_size
-    return int(height), int(width)
-
-
-def build_model(variant, *, image_size=224, num_classes=1000, include_top=True,
-                include_preprocessing=True, classifier="token", representation_size=None,
-                dropout=0.0, attention_dropout=0.0, drop_path_rate=0.0, channels=3,
-                layer_norm_epsilon=1e-6, approximate_gelu=False, hybrid_numerics="vit_jax",
-                name=None, weights=None):
-    """Builds a Vision Transformer as a functional `keras.Model`.
-
-    Args:
-      variant: a name from `vit_keras.VARIANTS` (e.g. `"ViT-B/16"`), a `ViTConfig`, or a dict of
-        `ViTConfig` fields for a custom architecture.
-      image_size: `int` or `(height, width)`; multiples of the patch size.
-      num_classes: size of the classification head.
-      include_top: with `False` the model ends at the pooled `(batch, features)` representation
-        (after the final LayerNorm and the representation layer, if any) and has no head.
-      include_preprocessing: `True`: inputs are RGB pixels in [0, 255], rescaled in the graph to
-        [-1, 1] (the original weights' convention); `False`: inputs are already normalised.
-      classifier: `"token"` (class token) or `"gap"` (global average pooling, no class token).
-      representation_size: width of the optional `pre_logits` layer (Dense + tanh) before the head.
-      dropout, attention_dropout: dropout rates after embeddings/attention/MLP and on attention
-        probabilities.
-      drop_path_rate: stochastic depth of the last block; earlier blocks get linearly less.
-      channels: number of input channels.
-      layer_norm_epsilon: 1e-6 as in the original models.
-      approximate_gelu: the tanh GELU of Flax (exact erf GELU, as in timm and Hugging Face, if False).
-      hybrid_numerics: hybrids only: the weight-standardisation and GroupNorm epsilons of
-        `"vit_jax"` (the original models) or `"timm"` (see `vit_keras.resnet.NUMERICS`).
-      weights: optional checkpoint (vit_jax/big_vision `.npz`, timm or Hugging Face state dict or
-        folder) loaded after building with `vit_keras.load_pretrained` (strict, position
-        embeddings resampled, a head of another class count zero-initialised).
-
-    Returns:
-      A `keras.Model` mapping `(batch, height, width, channels)` to logits `(batch, num_classes)`
-      (float32 under mixed precision) or, without the top, to features `(batch, features)`.
-    """
+def build_vit(variant, *, image_size=224, num_classes=1000, include_top=True,
+              include_preprocessing=True, classifier="token", representation_size=None,
+              dropout=0.0, attention_dropout=0.0, drop_path_rate=0.0, channels=3,
+              layer_norm_epsilon=1e-6, approximate_gelu=False, hybrid_numerics="vit_jax",
+              name=None):
+    """The architecture half of `vit_keras.build_model`: every argument but `weights`, documented
+    there. Returns the freshly initialised `keras.Model`."""
     config = configs.get_config(variant)
-    height, width = image_size_pair(image_size)
+    height, width = geometry.pair(image_size, "image size")
     if classifier not in layers.TokenPooling.MODES:
         raise ValueError(f"Unknown classifier {classifier!r}; expected one of "
                          f"{layers.TokenPooling.MODES}.")
@@ -94,11 +63,7 @@ def build_model(variant, *, image_size=224, num_classes=1000, include_top=True,
     if include_top:
         x = keras.layers.Dense(num_classes, kernel_initializer="zeros", dtype=head_dtype,
                                name="head")(x)
-    model = keras.Model(images, x, name=name or config.name.replace("/", "_"))
-    if weights is not None:
-        from vit_keras.checkpoints import loader  # pylint: disable=import-outside-toplevel
-        loader.load_pretrained(model, weights)
-    return model
+    return keras.Model(images, x, name=name or config.name.replace("/", "_"))
 
 
 def transformer_blocks(model):

@@ -19,15 +19,9 @@ import math
 
 import numpy as np
 
+from vit_keras import geometry
+
 INTERPOLATIONS = ("vit_jax", "bilinear", "bicubic")
-
-
-def grid_pair(grid):
-    """`14` or `(12, 16)` → `(rows, cols)` as ints."""
-    if isinstance(grid, (int, np.integer)):
-        return int(grid), int(grid)
-    rows, cols = grid
-    return int(rows), int(cols)
 
 
 def _zoom_linear_weights(in_size, out_size):
@@ -116,7 +110,7 @@ def resize_grid(grid, new_grid, *, interpolation="vit_jax", antialias=False):
     grid = np.asarray(grid)
     if grid.ndim != 3:
         raise ValueError(f"resize_grid expects (rows, cols, channels); got shape {grid.shape}.")
-    rows, cols = grid_pair(new_grid)
+    rows, cols = geometry.pair(new_grid, "token grid")
     if rows < 1 or cols < 1:
         raise ValueError(f"The new grid must be at least 1x1; got {rows}x{cols}.")
     if (rows, cols) == grid.shape[:2]:
@@ -158,12 +152,12 @@ def resample_position_embeddings(posemb, new_grid, *, num_prefix_tokens=1, old_g
                 f"{num_prefix_tokens} prefix token(s): {num_grid_tokens} is not a square; pass "
                 f"old_grid=(rows, cols).")
         old_grid = (side, side)
-    old_rows, old_cols = grid_pair(old_grid)
+    old_rows, old_cols = geometry.pair(old_grid, "token grid")
     if old_rows * old_cols != num_grid_tokens:
         raise ValueError(
             f"old_grid {old_rows}x{old_cols} does not match {num_grid_tokens} position embeddings "
             f"(shape {posemb.shape}, {num_prefix_tokens} prefix token(s)).")
-    new_rows, new_cols = grid_pair(new_grid)
+    new_rows, new_cols = geometry.pair(new_grid, "token grid")
     if (new_rows, new_cols) == (old_rows, old_cols):
         return posemb
     prefix, grid = posemb[:, :num_prefix_tokens], posemb[0, num_prefix_tokens:]

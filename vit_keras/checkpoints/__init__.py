@@ -1,10 +1,10 @@
 """Checkpoints in and out of vit_keras models: vit_jax and big_vision `.npz`, timm and Hugging Face
-state dicts. One module per format; `names.py` alone knows the key names; `loader.py` does the rest."""
+state dicts. One module per format; `names.py` alone knows the key names; `loader.py` does the
+rest. Building a model from a file is `vit_keras.pretrained`'s job: this package builds no models."""
 
 from vit_keras.checkpoints.loader import (
     Checkpoint,
     architecture,
-    build_model_from_checkpoint,
     load_pretrained,
     read_checkpoint,
     save_npz,

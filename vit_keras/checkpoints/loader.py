@@ -1,4 +1,4 @@
-"""`load_pretrained`, `save_npz` and `build_model_from_checkpoint`: checkpoints in and out of models.
+"""`load_pretrained`, `save_npz` and `architecture`: checkpoints in and out of built models.
 
 Every format is first read into the canonical vit_jax layout (`names.py`); from there one code path
 resamples position embeddings, reconciles heads, checks every key and shape, and only then assigns.
@@ -11,8 +11,7 @@ import os
 import keras
 import numpy as np
 
-from vit_keras import configs
-from vit_keras import layers
+from vit_keras import geometry
 from vit_keras import posemb
 from vit_keras.checkpoints import files
 from vit_keras.checkpoints import huggingface
@@ -79,15 +78,6 @@ def read_checkpoint(path, *, num_heads=None):
                       info.pop("antialias"), info)
 
 
-def _patch_grid(model):
-    """The model's `(rows, cols)` patch grid, from its `PatchEmbedding` layer."""
-    for layer in model.layers:
-        if isinstance(layer, layers.PatchEmbedding):
-            _, height, width, _ = layer.input.shape
-            return height // layer.patch_size, width // layer.patch_size
-    raise ValueError(f"Model {model.name!r} has no PatchEmbedding layer; is it a vit_keras model?")
-
-
 def _fit_position_embeddings(checkpoint, params, weights, grid, interpolation, antialias,
                              checkpoint_grid):
     """Resamples the checkpoint's position embeddings in `params` to the model's grid if needed."""
@@ -95,7 +85,7 @@ def _fit_position_embeddings(checkpoint, params, weights, grid, interpolation, a
         return
     old, target = params[names.POSEMB], tuple(weights[names.POSEMB].shape)
     old_grid = checkpoint_grid or checkpoint.hints.get("grid")
-    same_grid = old_grid is None or posemb.grid_pair(old_grid) == grid
+    same_grid = old_grid is None or geometry.pair(old_grid, "token grid") == grid
     if old.ndim != 3 or old.shape[-1] != target[-1] or (old.shape[1] == target[1] and same_grid):
         return  # same size (an exact no-op), or a mismatch reported with the others
     prefix = 1 if names.CLS in params else 0
@@ -112,7 +102,7 @@ def _fit_position_embeddings(checkpoint, params, weights, grid, interpolation, a
     elif prefix < model_prefix:
         new = np.concatenate([np.zeros_like(new[:, :1]), new], axis=1)
     side = int(round((old.shape[1] - prefix) ** 0.5))
-    old_rows, old_cols = posemb.grid_pair(old_grid) if old_grid else (side, side)
+    old_rows, old_cols = geometry.pair(old_grid, "token grid") if old_grid else (side, side)
     logger.info("Resampled position embeddings from %dx%d to %dx%d (%s%s).", old_rows, old_cols,
                 *grid, interpolation, ", antialias" if antialias else "")
     params[names.POSEMB] = new
@@ -186,7 +176,7 @@ def load_pretrained(model, path, *, strict=True, interpolation=None, antialias=N
         checkpoint = read_checkpoint(
             path, num_heads=weights[query].shape[1] if query in weights else None)
     params = dict(checkpoint.params)
-    _fit_position_embeddings(checkpoint, params, weights, _patch_grid(model), interpolation,
+    _fit_position_embeddings(checkpoint, params, weights, geometry.token_grid(model), interpolation,
                              antialias, checkpoint_grid)
     zeroed = _reconcile_heads(params, weights)
 
@@ -288,77 +278,3 @@ def architecture(checkpoint):
         "layer_norm_epsilon": checkpoint.hints.get("layer_norm_epsilon", 1e-6),
         "approximate_gelu": checkpoint.hints.get("approximate_gelu", False),
     }
-
-
-def _variant_for(fields, variant, path):
-    """The `ViTConfig` for the checkpoint's fields: `variant` if it agrees, else the paper's
-    variant with those fields, else a custom config."""
-    fields = {"resnet_layers": None, "resnet_width": 1, **fields}
-    names_ = tuple(fields)
-    if variant is not None:
-        config = configs.get_config(variant)
-        wanted = {n: getattr(config, n) for n in names_}
-        if wanted != fields:
-            differ = ", ".join(f"{n} {fields[n]} (variant: {wanted[n]})" for n in names_
-                               if wanted[n] != fields[n])
-            raise ValueError(f"Checkpoint {path!r} does not hold a {config.name}: {differ}. Leave "
-                             f"the variant out to build the checkpoint's own architecture.")
-        return config
-    for config in configs.VARIANTS.values():
-        if {n: getattr(config, n) for n in names_} == fields:
-            return config
-    return configs.ViTConfig(name="custom", **fields)
-
-
-def build_model_from_checkpoint(path, *, variant=None, image_size=None, num_classes=None,
-                                include_top=None, num_heads=None, strict=True, interpolation=None,
-                                antialias=None, **build_kwargs):
-    """Builds the model a checkpoint describes and loads it.
-
-    The file determines patch size, width, depth, MLP size, heads, class token or GAP, the
-    representation layer, channels and (for Hugging Face) LayerNorm epsilon and GELU variant.
-
-    Args:
-      path: any checkpoint `read_checkpoint` accepts.
-      variant: optional variant name; an error if the checkpoint holds another architecture.
-      image_size: `int` or `(height, width)`; default: the checkpoint's own resolution. Position
-        embeddings are resampled when it differs (see `load_pretrained`).
-      num_classes: default: the checkpoint's head; another count gets a zero-initialised head.
-      include_top: default: `True` when the checkpoint has a head or `num_classes` is given.
-      num_heads: for timm files of non-standard width (the file does not store it).
-      strict, interpolation, antialias: as in `load_pretrained`.
-      **build_kwargs: any other `build_model` argument (e.g. `include_preprocessing`, `dropout`),
-        overriding what the checkpoint says.
-
-    Returns:
-      The loaded `keras.Model`.
-    """
-    from vit_keras import model as model_lib  # pylint: disable=import-outside-toplevel
-
-    if variant is not None and num_heads is None:
-        num_heads = configs.get_config(variant).num_heads
-    checkpoint = read_checkpoint(path, num_heads=num_heads)
-    arch = architecture(checkpoint)
-    config = _variant_for(arch["config"], variant, checkpoint.path)
-    if image_size is None:
-        if arch["grid"] is None:
-            raise ValueError(f"Cannot tell the image size of {checkpoint.path!r} (its position "
-                             f"grid is not square); pass image_size=(height, width).")
-        # Pixels per token: the patch, times the hybrid ResNet's stride (4 for the root, then 2
-        # per stage after the first; see configs.py).
-        stride = 4 * 2 ** max(len(config.resnet_layers) - 1, 0) if config.is_hybrid else 1
-        image_size = tuple(g * config.patch_size * stride for g in arch["grid"])
-    if include_top is None:
-        include_top = num_classes is not None or arch["num_classes"] is not None
-    num_classes = num_classes or arch["num_classes"]
-    if include_top and num_classes is None:
-        raise ValueError(f"{checkpoint.path!r} has no classification head; pass num_classes=... "
-                         f"for a new (zero-initialised) head, or include_top=False.")
-    kwargs = {"image_size": image_size, "num_classes": num_classes or 1000,
-              "include_top": include_top, "classifier": arch["classifier"],
-              "representation_size": arch["representation_size"], "channels": arch["channels"],
-              "layer_norm_epsilon": arch["layer_norm_epsilon"],
-              "approximate_gelu": arch["approximate_gelu"], **build_kwargs}
-    model = model_lib.build_model(config, **kwargs)
-    return load_pretrained(model, checkpoint, strict=strict, interpolation=interpolation,
-                           antialias=antialias)

@@ -6,7 +6,7 @@ float32 `(batch, num_classes)`. Models from `vit_keras.build_model(..., include_
 rescale pixels to [-1, 1] (`(x - 127.5) / 127.5`, the original ViT weights' convention) in the graph,
 so the pipeline never normalises.
 
-This module imports TensorFlow; `vit_keras/__init__.py` does not import it (use `vit_keras.data`).
+This module imports TensorFlow; `vit_keras/__init__.py` does not import it (use `vit_keras.tools.data`).
 
     splits = load_splits("digits")                    # or "cifar10", "folder:/path/to/images"
     train = make_pipeline(splits, "train", image_size=16, batch_size=64, training=True)

@@ -1,5 +1,5 @@
-"""Training callbacks (atomic checkpoint and backup, NaN guard, throughput) and atomic file writes,
-so a killed run never leaves a truncated file."""
+"""Training callbacks: atomic checkpoint and backup (a killed run never leaves a truncated file),
+NaN guard, throughput."""
 
 import json
 import os
@@ -8,28 +8,7 @@ import time
 import keras
 import numpy as np
 
-
-def atomic_save_model(model, path):
-    """`model.save(path)` through a temporary file and `os.replace`, so `path` is always whole."""
-    temporary = f"{path[:-len('.keras')]}.tmp-{os.getpid()}.keras"
-    model.save(temporary)
-    os.replace(temporary, path)
-
-
-def atomic_write_json(data, path):
-    temporary = f"{path}.tmp-{os.getpid()}"
-    with open(temporary, "w") as f:
-        json.dump(data, f, indent=2, default=_json_default)
-        f.write("\n")
-    os.replace(temporary, path)
-
-
-def _json_default(value):
-    if isinstance(value, (np.floating, np.integer)):
-        return value.item()
-    if isinstance(value, (tuple, set)):
-        return list(value)
-    return str(value)
+from vit_keras.tools.run_folder import atomic_save_model, atomic_write_json
 
 
 class AtomicModelCheckpoint(keras.callbacks.Callback):

@@ -10,9 +10,10 @@ import time
 import keras
 import numpy as np
 
-from vit_keras import callbacks as callbacks_lib
-from vit_keras import distribution as distribution_lib
-from vit_keras import recipes as recipes_lib
+from vit_keras.tools import callbacks as callbacks_lib
+from vit_keras.tools import distribution as distribution_lib
+from vit_keras.tools import recipes as recipes_lib
+from vit_keras.tools.run_folder import RunFolder
 
 
 @dataclasses.dataclass
@@ -122,7 +123,7 @@ def set_precision(mixed_precision):
 def build_run_model(config, recipe, num_classes, log=print):
     """The model of a run: from `--weights` (checkpoint or `.keras`) or freshly initialised."""
     from vit_keras import configs as configs_lib
-    from vit_keras import model as model_lib
+    from vit_keras import pretrained
 
     options = {"dropout": recipe.dropout, "attention_dropout": config.attention_dropout,
                "drop_path_rate": config.drop_path_rate}
@@ -136,17 +137,15 @@ def build_run_model(config, recipe, num_classes, log=print):
         # embeddings and zero-initialises a new head (one mechanism for every weight source).
         import tempfile
 
-        from vit_keras.checkpoints import build_model_from_checkpoint, save_npz
+        from vit_keras.checkpoints import save_npz
 
-        with tempfile.TemporaryDirectory() as folder:
-            path = save_npz(loaded, os.path.join(folder, "weights.npz"))
-            return build_model_from_checkpoint(
+        with tempfile.TemporaryDirectory() as scratch:
+            path = save_npz(loaded, os.path.join(scratch, "weights.npz"))
+            return pretrained.build_model_from_checkpoint(
                 path, image_size=recipe.image_size, num_classes=num_classes,
                 include_top=True, **options)
     if config.weights:
-        from vit_keras.checkpoints import build_model_from_checkpoint
-
-        return build_model_from_checkpoint(
+        return pretrained.build_model_from_checkpoint(
             config.weights, variant=config.model, image_size=recipe.image_size,
             num_classes=num_classes, include_top=True,
             **({"representation_size": config.representation_size}
@@ -158,13 +157,13 @@ def build_run_model(config, recipe, num_classes, log=print):
     classifier = config.classifier or (recipes_lib.DIGITS_CLASSIFIER if is_digits_model
                                        else "token")
     configs_lib.get_config(variant)  # validates the name with a clear error
-    return model_lib.build_model(
+    return pretrained.build_model(
         variant, image_size=recipe.image_size, num_classes=num_classes, classifier=classifier,
         representation_size=config.representation_size, **options)
 
 
 def augmentation_for(config):
-    from vit_keras import data
+    from vit_keras.tools import data
 
     digits = config.dataset == "digits"
     crop = config.crop_min_area
@@ -236,23 +235,21 @@ def run(config, app="finetune", log=print, started=None):
     last completed epoch).
     Raises `callbacks.NonFiniteLossError` when the loss becomes NaN or infinite.
     """
-    from vit_keras import data
+    from vit_keras.tools import data
 
     started = started or time.perf_counter()
     recipe, reason = resolve_recipe(config)
     log(reason + ".")
     run_name = config.run_name or default_run_name(config, app)
-    run_dir = os.path.abspath(os.path.join(config.output_dir, run_name))
-    os.makedirs(run_dir, exist_ok=True)
+    folder = RunFolder(os.path.join(config.output_dir, run_name)).create()
     if config.flags_text is not None:
-        with open(os.path.join(run_dir, "flags.txt"), "w") as f:
-            f.write(config.flags_text)
+        folder.write_flags(config.flags_text)
 
     _rng_seed(config.seed)
     splits = data.load_splits(config.dataset, data_dir=config.data_dir,
                               val_fraction=config.val_fraction,
                               download=config.download, seed=config.seed, log=log)
-    callbacks_lib.atomic_write_json(splits.class_names, os.path.join(run_dir, "class_names.json"))
+    folder.write_class_names(splits.class_names)
 
     set_precision(config.mixed_precision)
     scope = distribution_lib.distribution_scope(config.distribution, config.model_parallel_size)
@@ -294,25 +291,25 @@ def run(config, app="finetune", log=print, started=None):
         recipes_lib.compile_model(model, optimizer, recipe.label_smoothing, jit_compile)
 
     nan_guard = callbacks_lib.StopOnNaN()
-    backup = callbacks_lib.AtomicBackupAndRestore(os.path.join(run_dir, "backup"))
+    backup = callbacks_lib.AtomicBackupAndRestore(folder.backup)
     backup.guard = nan_guard
     resume_epoch = backup.resume_epoch
     if resume_epoch:
-        log(f"Resuming {run_dir} from its backup after epoch {resume_epoch} of {epochs}.")
+        log(f"Resuming {folder.path} from its backup after epoch {resume_epoch} of {epochs}.")
     throughput = callbacks_lib.Throughput(recipe.batch_size, steps_per_epoch)
-    checkpoint = callbacks_lib.AtomicModelCheckpoint(os.path.join(run_dir, "model.keras"))
+    checkpoint = callbacks_lib.AtomicModelCheckpoint(folder.model)
     checkpoint.guard = nan_guard
     callbacks = [
         nan_guard,
         throughput,
-        keras.callbacks.CSVLogger(os.path.join(run_dir, "history.csv"), append=True),
+        keras.callbacks.CSVLogger(folder.history, append=True),
         checkpoint,
         backup,   # last: the backup of an epoch exists only once its other files are written
     ]
     import importlib.util
 
     if importlib.util.find_spec("tensorboard") and importlib.util.find_spec("tensorflow"):
-        callbacks.insert(2, keras.callbacks.TensorBoard(os.path.join(run_dir, "logs"),
+        callbacks.insert(2, keras.callbacks.TensorBoard(folder.logs,
                                                         write_graph=False))
     else:
         log("TensorBoard is not installed (pip install tensorboard): no TensorBoard logs.")
@@ -331,16 +328,16 @@ def run(config, app="finetune", log=print, started=None):
         epoch, batch, loss = nan_guard.bad_step
         raise callbacks_lib.NonFiniteLossError(
             f"The training loss became {loss} at epoch {epoch + 1}, batch {batch + 1}; the run "
-            f"stopped and {run_dir}/model.keras keeps the last finite epoch. Lower "
+            f"stopped and {folder.model} keeps the last finite epoch. Lower "
             f"--learning_rate (now {recipe.learning_rate:g}), keep --grad_clip_norm on (now "
             f"{recipe.grad_clip_norm:g}), lengthen --warmup_steps, or use --mixed_precision "
             f"bfloat16 instead of float16.")
 
     results = {split: model.evaluate(ds, verbose=0, return_dict=True)
                for split, ds in eval_sets.items()}
-    callbacks_lib.atomic_save_model(model, os.path.join(run_dir, "model.keras"))
-    history = read_history(os.path.join(run_dir, "history.csv"))
-    plot_history(history, os.path.join(run_dir, "training_curves.png"))
+    folder.save_model(model)
+    history = read_history(folder.history)
+    plot_history(history, folder.curves)
     last = history[-1] if history else {}
     metrics = {
         "test_accuracy": results["test"]["accuracy"],
@@ -358,7 +355,7 @@ def run(config, app="finetune", log=print, started=None):
         "resumed_from_epoch": resume_epoch,
         "num_examples": splits.num_examples,
         "history": history,
-        "model_path": os.path.join(run_dir, "model.keras"),
+        "model_path": folder.model,
         "config": {
             "backend": keras.backend.backend(),
             "keras_version": keras.__version__,
@@ -379,7 +376,7 @@ def run(config, app="finetune", log=print, started=None):
             "replicas": replicas,
         },
     }
-    callbacks_lib.atomic_write_json(metrics, os.path.join(run_dir, "metrics.json"))
+    folder.write_metrics(metrics)
     set_precision("none")
     if config.distribution != "none" and keras.backend.backend() == "jax":
         keras.distribution.set_distribution(None)

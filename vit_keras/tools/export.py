@@ -15,7 +15,8 @@ artifact returns float32 `logits` and `probabilities` `(batch, num_classes)`; a 
 model with class names also returns `top_k_indices` (int32) and `top_k_names` (string) `(batch, k)`.
 
 Class names travel as a `class_names.json` (a JSON list of strings, one per output class) beside the
-`.keras` file, or from any `.json` list or `.txt` file with one name per line (`load_class_names`).
+`.keras` file, or from any `.json` list or `.txt` file with one name per line 
+(`vit_keras.tools.run_folder.load_class_names`).
 
 Exact GELU: TensorFlow computes it as `0.5 * x * erfc(-x / sqrt(2))`. The LiteRT converter fuses
 that pattern into its builtin `GELU` op (approximate=False), so no Flex op is needed and the
@@ -26,7 +27,6 @@ Importing this module imports TensorFlow; `import vit_keras` alone does not.
 """
 
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -36,11 +36,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from vit_keras.tools.run_folder import RunFolder
+
 FORMATS = ("saved_model", "tflite", "onnx")
 QUANTIZATIONS = ("none", "dynamic_int8", "float16")
 SERVING_SIGNATURE = "serving_default"
 BYTES_SIGNATURE = "serving_bytes"
-CLASS_NAMES_FILE = "class_names.json"
 # Float exports must match Keras' logits to this fraction of their largest magnitude.
 RELATIVE_TOLERANCE = 1e-4
 ONNX_OPSET = 17
@@ -89,28 +90,15 @@ def require_tensorflow_backend():
     """Raises unless Keras runs on the TensorFlow backend, which every export needs."""
     if keras.backend.backend() != "tensorflow":
         raise RuntimeError(
-            f"vit_keras.export needs the TensorFlow backend but Keras runs on "
+            f"vit_keras.tools.export needs the TensorFlow backend but Keras runs on "
             f"{keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow before importing keras and "
             f"load the .keras file there (weights are backend-independent), or run "
             f"`python apps/export.py`, which does this for you.")
 
 
-def load_class_names(path):
-    """Class names from a `.json` list of strings or a text file with one name per line."""
-    with open(path, encoding="utf-8") as f:
-        if path.endswith(".json"):
-            names = json.load(f)
-            if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
-                raise ValueError(f"{path} must hold a JSON list of strings, one per class.")
-        else:
-            names = [line.strip() for line in f if line.strip()]
-    return names
-
-
 def find_class_names(model_path):
     """The class names stored as `class_names.json` beside a `.keras` file, or `None`."""
-    path = os.path.join(os.path.dirname(os.path.abspath(model_path)), CLASS_NAMES_FILE)
-    return load_class_names(path) if os.path.exists(path) else None
+    return RunFolder.of_model(model_path).read_class_names()
 
 
 def load_model(model_path):

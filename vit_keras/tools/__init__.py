@@ -1,0 +1,8 @@
+"""The application half of vit_keras: what the command-line apps in `apps/` are built from.
+
+`data` (tf.data pipelines), `recipes` (optimizers and schedules), `callbacks`, `distribution`,
+`training` (one run, end to end), `run_folder` (a run's files), `export` (SavedModel, LiteRT, ONNX)
+and `plots` (the inspection figures). These import TensorFlow or matplotlib where they need them;
+the library core (`vit_keras.*`, `vit_keras.checkpoints`) never imports this package. Import the
+modules themselves, e.g. `from vit_keras.tools import data`.
+"""
