@@ -24,14 +24,28 @@ collect_ignore = ([] if keras.backend.backend() == "tensorflow"
                   else ["test_export.py", "test_export_app.py"])
 
 
+# Tests marked `backend_independent` (NumPy-only code, parameter counts of unallocated models)
+# give the same answer on every backend: only this pass runs them. torch's is the shortest pass.
+BACKEND_INDEPENDENT_PASS = "torch"
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `jax_subprocess` run JAX in a fresh process whatever this pass's backend, so
-    they belong to the JAX pass alone: the others deselect them (as with the export modules)."""
-    if keras.backend.backend() == "jax":
-        return
-    kept = [item for item in items if item.get_closest_marker("jax_subprocess") is None]
-    config.hook.pytest_deselected(items=[item for item in items if item not in kept])
-    items[:] = kept
+    they belong to the JAX pass alone; `backend_independent` tests belong to
+    `BACKEND_INDEPENDENT_PASS` alone. The other passes deselect them (as with the export modules)."""
+    backend = keras.backend.backend()
+
+    def kept(item):
+        if item.get_closest_marker("jax_subprocess") is not None:
+            return backend == "jax"
+        if item.get_closest_marker("backend_independent") is not None:
+            return backend == BACKEND_INDEPENDENT_PASS
+        return True
+
+    deselected = [item for item in items if not kept(item)]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if kept(item)]
 
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

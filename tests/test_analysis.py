@@ -27,6 +27,7 @@ def as_layers(*matrices, heads=1):
 
 
 @pytest.mark.parametrize("num_layers", [1, 3])
+@pytest.mark.backend_independent
 def test_uniform_attention_gives_uniform_rollout(num_layers):
     rows, cols = 3, 4
     tokens = rows * cols + 1
@@ -37,12 +38,14 @@ def test_uniform_attention_gives_uniform_rollout(num_layers):
     np.testing.assert_allclose(rollout, (1 - 0.5 ** num_layers) / tokens, rtol=1e-12)
 
 
+@pytest.mark.backend_independent
 def test_identity_attention_gives_zero_rollout_on_patches():
     tokens = 2 * 2 + 1
     rollout = analysis.attention_rollout(as_layers(np.eye(tokens), np.eye(tokens)), 2)
     np.testing.assert_array_equal(rollout, np.zeros((1, 2, 2)))
 
 
+@pytest.mark.backend_independent
 def test_rollout_places_patches_row_major_on_a_rectangular_grid():
     rows, cols = 2, 3
     targets = np.arange(rows * cols + 1)
@@ -53,6 +56,7 @@ def test_rollout_places_patches_row_major_on_a_rectangular_grid():
     np.testing.assert_allclose(rollout, expected, atol=1e-15)
 
 
+@pytest.mark.backend_independent
 def test_rollout_multiplies_later_layers_on_the_left():
     # Layer 1: patch 1 looks at patch 4. Layer 2: the class token looks at patch 1.
     tokens = 5
@@ -63,6 +67,7 @@ def test_rollout_multiplies_later_layers_on_the_left():
     np.testing.assert_allclose(rollout[0].ravel(), [0.25, 0.0, 0.0, 0.25], atol=1e-15)
 
 
+@pytest.mark.backend_independent
 def test_rollout_averages_the_heads():
     tokens = 5
     attention = np.stack([one_hot_attention([1, 1, 2, 3, 4], tokens),
@@ -72,6 +77,7 @@ def test_rollout_averages_the_heads():
     np.testing.assert_allclose(rollout[0].ravel(), [0.25, 0, 0, 0], atol=1e-15)
 
 
+@pytest.mark.backend_independent
 def test_rollout_without_class_token_averages_over_queries():
     # GAP model: every query looks at patch 3; mean over queries of 0.5 e_q + 0.5 e_3.
     attention = one_hot_attention([3, 3, 3, 3], 4)
@@ -79,6 +85,7 @@ def test_rollout_without_class_token_averages_over_queries():
     np.testing.assert_allclose(rollout[0].ravel(), [0.125, 0.125, 0.125, 0.625], atol=1e-15)
 
 
+@pytest.mark.backend_independent
 def test_rollout_rejects_a_grid_larger_than_the_tokens():
     with pytest.raises(ValueError, match="5 tokens cannot hold a 3x3 patch grid"):
         analysis.attention_rollout(as_layers(np.eye(5)), 3)
@@ -87,6 +94,7 @@ def test_rollout_rejects_a_grid_larger_than_the_tokens():
 # --- mean attention distance --------------------------------------------------------------------
 
 
+@pytest.mark.backend_independent
 def test_identity_attention_has_distance_zero():
     attention = np.broadcast_to(np.eye(17), (2, 3, 17, 17))
     distance = analysis.mean_attention_distance([attention] * 2, (4, 4), 16)
@@ -94,6 +102,7 @@ def test_identity_attention_has_distance_zero():
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.backend_independent
 def test_attention_k_patches_away_gives_k_times_the_patch_size(k):
     rows, cols, patch = 3, 7, 16
     # Patch (r, c) looks k columns right, or k left where that would leave the grid.
@@ -108,6 +117,7 @@ def test_attention_k_patches_away_gives_k_times_the_patch_size(k):
     np.testing.assert_allclose(distance, np.full((1, 2), k * patch), rtol=1e-12)
 
 
+@pytest.mark.backend_independent
 def test_attention_distance_is_per_head_and_uses_rectangular_pixels():
     rows, cols = 3, 3
     down = one_hot_attention([(i + 3) % 9 if i < 6 else i - 3 for i in range(9)], 9)  # 1 row away
@@ -116,6 +126,7 @@ def test_attention_distance_is_per_head_and_uses_rectangular_pixels():
     np.testing.assert_allclose(distance, [[0.0, 8.0]], rtol=1e-12)
 
 
+@pytest.mark.backend_independent
 def test_attention_distance_averages_diagonal_distances():
     # On a 2x2 grid of 10-pixel patches each patch looks at the opposite corner: 10 * sqrt(2).
     attention = one_hot_attention([3, 2, 1, 0], 4)
@@ -126,6 +137,7 @@ def test_attention_distance_averages_diagonal_distances():
 # --- position-embedding similarity --------------------------------------------------------------
 
 
+@pytest.mark.backend_independent
 def test_position_embedding_from_a_2d_function_gives_the_expected_similarity():
     rows, cols, a, b = 4, 6, 0.7, 0.4
     r, c = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
@@ -141,6 +153,7 @@ def test_position_embedding_from_a_2d_function_gives_the_expected_similarity():
     np.testing.assert_allclose(similarity[1, 2, 1, 2], 1.0)
 
 
+@pytest.mark.backend_independent
 def test_position_embedding_similarity_of_a_gap_model_uses_every_token():
     embedding = np.array([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [1.0, 1.0]])
     similarity = analysis.position_embedding_similarity(embedding, (2, 2))
@@ -150,6 +163,7 @@ def test_position_embedding_similarity_of_a_gap_model_uses_every_token():
 # --- embedding filters --------------------------------------------------------------------------
 
 
+@pytest.mark.backend_independent
 def test_filter_components_recover_the_directions_of_largest_variance():
     rng = np.random.default_rng(0)
     basis = np.linalg.qr(rng.normal(size=(2 * 2 * 3, 3)))[0].T  # 3 orthonormal directions
@@ -168,6 +182,7 @@ def test_filter_components_recover_the_directions_of_largest_variance():
     np.testing.assert_allclose(ratio, np.array([100.0, 9.0, 1.0]) / 110.0, rtol=1e-9)
 
 
+@pytest.mark.backend_independent
 def test_filter_components_are_limited_by_the_number_requested():
     kernel = np.random.default_rng(1).normal(size=(4, 4, 3, 32))
     components, ratio = analysis.embedding_filter_components(kernel, num_components=6)
@@ -236,11 +251,13 @@ def test_model_without_a_patch_embedding_is_refused():
         analysis.token_grid(model)
 
 
+@pytest.mark.backend_independent
 def test_attention_arrays_of_mixed_shapes_are_refused():
     with pytest.raises(ValueError, match="all of one shape"):
         analysis.mean_attention_distance([np.ones((1, 2, 5, 5)), np.ones((1, 2, 4, 4))], 2, 16)
 
 
+@pytest.mark.backend_independent
 def test_one_stacked_array_gives_the_same_answers_as_a_list_of_layers():
     attentions = [np.random.default_rng(seed).dirichlet(np.ones(5), size=(2, 3, 5))
                   for seed in (0, 1)]

@@ -61,6 +61,7 @@ def test_throughput_benchmark_runs_jax_data_parallel_over_cpu_devices(tmp_path):
     assert "| tiny | train | vit_keras-jax-dp2 |" in result.stdout
 
 
+@pytest.mark.backend_independent
 def test_throughput_benchmark_rejects_devices_that_do_not_divide_the_batch():
     result = subprocess.run([sys.executable, BENCHMARK, "--batch_size", "8", "--implementations",
                              "vit_keras-jax-dp3"], cwd=REPO_ROOT, capture_output=True, text=True,
@@ -70,12 +71,14 @@ def test_throughput_benchmark_rejects_devices_that_do_not_divide_the_batch():
         result.stderr)
 
 
+@pytest.mark.backend_independent
 def test_throughput_benchmark_rejects_an_unknown_implementation():
     result = subprocess.run([sys.executable, BENCHMARK, "--implementations", "no_such_peer"],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "Unknown implementation 'no_such_peer'" in result.stderr
 
 
+@pytest.mark.backend_independent
 def test_throughput_report_gives_the_fraction_of_peak_for_all_steps_and_for_the_fastest():
     throughput = _benchmark_module("throughput")
     config = {**throughput.MODELS["ViT-Ti/16"], "name": "ViT-Ti/16"}
@@ -96,6 +99,7 @@ def test_throughput_report_gives_the_fraction_of_peak_for_all_steps_and_for_the_
     assert "| 51% / 65% |" in table
 
 
+@pytest.mark.backend_independent
 def test_throughput_benchmark_reprints_an_earlier_run_from_its_json():
     earlier = os.path.join(REPO_ROOT, "benchmarks", "results", "throughput-cpu2-2026-11-23.json")
     result = subprocess.run([sys.executable, BENCHMARK, "--from_json", earlier], cwd=REPO_ROOT,
@@ -111,6 +115,7 @@ def test_throughput_benchmark_reprints_an_earlier_run_from_its_json():
     assert new_row.split("|")[7].strip() == old_row.split("|")[7].strip() + " / 95%"
 
 
+@pytest.mark.backend_independent
 def test_products_of_a_block_add_up_to_the_forward_flops_of_a_layer():
     throughput, products = _benchmark_module("throughput"), _benchmark_module("products")
     config = {**throughput.MODELS["ViT-Ti/16"], "name": "ViT-Ti/16"}

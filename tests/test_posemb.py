@@ -16,6 +16,8 @@ from vit_keras import resample_position_embeddings
 
 from conftest import REPO_ROOT
 
+# Pure NumPy against SciPy and torch oracles: the Keras backend plays no part.
+pytestmark = pytest.mark.backend_independent
 
 
 @pytest.fixture(autouse=True)
