@@ -1,18 +1,21 @@
 # Two commands do everything on a fresh clone (Python >= 3.10, no network beyond PyPI):
 #   make demo   - set up .venv and run the main job (apps/finetune.py on the bundled digits data)
-#   make test   - set up .venv and run the test suite on the TensorFlow, JAX and torch backends
+#   make test   - set up .venv, lint (ruff) and run the test suite on the TensorFlow, JAX and torch
+#                 backends
+#   make docs   - build the documentation site strictly into site/ (a broken link or reference fails)
 VENV ?= .venv
 PYTHON ?= python3
 BACKEND ?= jax
 BACKENDS ?= jax tensorflow torch
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test $(addprefix test-,$(BACKENDS))
+.PHONY: setup demo lint docs test $(addprefix test-,$(BACKENDS))
 
-$(VENV)/.installed: pyproject.toml
+# pyproject.toml states ranges; constraints.txt pins the exact versions the tests run with.
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[all,export,test]"
+	$(PY) -m pip install --quiet -e ".[all,export,test,docs]" -c constraints.txt
 	touch $@
 
 setup: $(VENV)/.installed
@@ -27,7 +30,13 @@ demo: setup
 TEST_JOBS ?= 2
 PYTEST_TMP ?= $(or $(TMPDIR),/tmp)/vit_keras-pytest
 
-test: setup
+lint: setup
+	$(VENV)/bin/ruff check .
+
+docs: setup
+	$(VENV)/bin/mkdocs build --strict --quiet --site-dir site
+
+test: lint
 	@$(MAKE) --no-print-directory -j$(TEST_JOBS) --output-sync=target \
 	  $(addprefix test-,$(BACKENDS)) && echo "all backends passed"
 
