@@ -24,7 +24,7 @@ TARGET_SECONDS = 300
 
 
 def measure(backend, output_dir):
-    run_dir = os.path.join(output_dir, f"finetune_digits_ViT-digits")
+    run_dir = os.path.join(output_dir, "finetune_digits_ViT-digits")
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, never a resumed one
     command = [sys.executable, "apps/finetune.py", "--backend", backend, "--output_dir",
                output_dir, "--verbose", "2"]

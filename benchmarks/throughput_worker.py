@@ -7,7 +7,6 @@ Prints one JSON object on its last line of stdout.
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -106,7 +105,6 @@ def keras_steps(implementation, config, args):
 
 
 def timm_steps(config, args, compiled):
-    import timm  # pylint: disable=import-outside-toplevel,unused-import
     import torch  # pylint: disable=import-outside-toplevel
     from timm.models.vision_transformer import VisionTransformer  # pylint: disable=import-outside-toplevel
 
@@ -162,10 +160,11 @@ def main():
     else:
         import keras  # pylint: disable=import-outside-toplevel
         library = keras.backend.backend()
-        if args.implementation == "vit_keras":
-            # First, as in any program: on JAX its import tunes glibc before JAX starts its CPU
-            # client, which the GEMM below would do (see vit_keras/xla_cpu.py).
-            import vit_keras  # pylint: disable=import-outside-toplevel,unused-import
+        if args.implementation == "vit_keras" and library == "jax":
+            # As the apps do, before JAX starts its CPU client (the GEMM below would start it).
+            import vit_keras  # pylint: disable=import-outside-toplevel
+
+            vit_keras.keep_freed_host_memory()
     result = {"implementation": args.implementation, "library": library,
               "peak_flops": gemm_peak(library), "runs": []}
     print(f"  {library} fp32 GEMM peak: {result['peak_flops'] / 1e9:.1f} GFLOP/s", file=sys.stderr,

@@ -12,8 +12,8 @@ import textwrap
 sys.modules.setdefault("triton", None)
 
 import keras  # noqa: E402
-import numpy as np
-import pytest
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 BACKENDS = ("tensorflow", "jax", "torch")
 

@@ -10,7 +10,6 @@ Tolerance: fp32 with exact GELU on both sides, max|a - b| / max|b| <= 1e-4 (seen
 
 import logging
 import os
-import sys
 from functools import partial
 
 import keras
@@ -310,7 +309,8 @@ def test_huggingface_pytorch_bin_and_pooler_as_representation_layer(tmp_path):
     torch.save(reference.state_dict(), tmp_path / "pytorch_model.bin")
     reference.config.to_json_file(tmp_path / "config.json")
     model = vit_keras.build_model_from_checkpoint(str(tmp_path), include_preprocessing=False)
-    assert model.get_layer("pre_logits").units == D and "head" not in [l.name for l in model.layers]
+    assert model.get_layer("pre_logits").units == D
+    assert "head" not in [layer.name for layer in model.layers]
     with torch.no_grad():
         expected = reference(torch.from_numpy(images()).permute(0, 3, 1, 2)).pooler_output.numpy()
     assert relative(keras_logits(model, images()), expected) < RTOL

@@ -33,3 +33,33 @@ from vit_keras.resnet import ResidualUnit, ResNetStage, ResNetStem, StdConv2D
 from vit_keras.xla_cpu import keep_freed_host_memory
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "build_model",
+    "build_model_from_checkpoint",
+    "load_pretrained",
+    "save_npz",
+    "VARIANTS",
+    "ViTConfig",
+    "get_config",
+    "PatchEmbedding",
+    "ClassToken",
+    "AddPositionEmbs",
+    "MultiHeadDotProductAttention",
+    "MlpBlock",
+    "TransformerBlock",
+    "TokenPooling",
+    "StdConv2D",
+    "ResidualUnit",
+    "ResNetStage",
+    "ResNetStem",
+    "resample_position_embeddings",
+    "attention_scores",
+    "attention_rollout",
+    "mean_attention_distance",
+    "position_embedding_similarity",
+    "embedding_filter_components",
+    "token_grid",
+    "token_size_pixels",
+    "keep_freed_host_memory",
+]

@@ -9,3 +9,5 @@ from vit_keras.checkpoints.loader import (
     read_checkpoint,
     save_npz,
 )
+
+__all__ = ["Checkpoint", "architecture", "load_pretrained", "read_checkpoint", "save_npz"]

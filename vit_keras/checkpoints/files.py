@@ -46,7 +46,8 @@ def read_npz(path):
             except ValueError as error:
                 raise ValueError(
                     f"Refusing to load {path!r}: array {key!r} is a pickled object array, and "
-                    f"unpickling can execute code. Checkpoints must hold numeric arrays only.") from error
+                    f"unpickling can execute code. Checkpoints must hold numeric arrays only."
+                ) from error
             if array.dtype.kind == "V" and array.dtype.itemsize == 2:
                 import ml_dtypes  # pylint: disable=import-outside-toplevel
                 array = array.view(ml_dtypes.bfloat16).astype(np.float32)

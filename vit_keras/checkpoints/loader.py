@@ -138,12 +138,15 @@ def _reconcile_heads(params, weights):
     return [k for k in _HEAD if k in weights]
 
 
+def _without_unit_axes(shape):
+    return tuple(d for d in shape if d != 1)
+
+
 def _fits(array, shape):
     """`array` reshaped to `shape` if it equals it up to unit axes (e.g. GroupNorm's (1, 1, 1, C))."""
     if tuple(array.shape) == tuple(shape):
         return array
-    squeeze = lambda s: tuple(d for d in s if d != 1)  # pylint: disable=unnecessary-lambda-assignment
-    if squeeze(array.shape) == squeeze(shape):
+    if _without_unit_axes(array.shape) == _without_unit_axes(shape):
         return array.reshape(shape)
     return None
 

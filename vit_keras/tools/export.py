@@ -15,7 +15,7 @@ artifact returns float32 `logits` and `probabilities` `(batch, num_classes)`; a 
 model with class names also returns `top_k_indices` (int32) and `top_k_names` (string) `(batch, k)`.
 
 Class names travel as a `class_names.json` (a JSON list of strings, one per output class) beside the
-`.keras` file, or from any `.json` list or `.txt` file with one name per line 
+`.keras` file, or from any `.json` list or `.txt` file with one name per line
 (`vit_keras.tools.run_folder.load_class_names`).
 
 Exact GELU: TensorFlow computes it as `0.5 * x * erfc(-x / sqrt(2))`. The LiteRT converter fuses
@@ -307,9 +307,14 @@ def verify_saved_model(export_dir, model, images=None):
     loaded = tf.saved_model.load(export_dir)
     serving = loaded.signatures[SERVING_SIGNATURE]
     by_bytes = loaded.signatures[BYTES_SIGNATURE]
-    png = lambda batch: tf.stack([tf.io.encode_png(tf.cast(image, tf.uint8)) for image in batch])
-    from_pixels = lambda x: serving(images=tf.constant(x))["logits"].numpy()
-    from_png = lambda x: by_bytes(image_bytes=png(x))["logits"].numpy()
+
+    def from_pixels(x):
+        return serving(images=tf.constant(x))["logits"].numpy()
+
+    def from_png(x):
+        png = tf.stack([tf.io.encode_png(tf.cast(image, tf.uint8)) for image in x])
+        return by_bytes(image_bytes=png)["logits"].numpy()
+
     return [
         _compare(export_dir, SERVING_SIGNATURE, _in_two_batches(from_pixels, images), reference,
                  RELATIVE_TOLERANCE),
