@@ -10,7 +10,7 @@ import math
 import keras
 from keras import ops
 
-from vit_keras.xla_cpu import einsum, materialize_gradient, on_xla_cpu
+from vit_keras.xla_cpu import einsum, materialize_gradient, workarounds_active
 
 _PACKAGE = "vit_keras"
 _MLP_BIAS_INIT = keras.initializers.RandomNormal(stddev=1e-6)
@@ -223,14 +223,15 @@ class MultiHeadDotProductAttention(keras.layers.Layer):
 
         It does on torch (scaled_dot_product_attention) and on JAX accelerators (cuDNN flash
         attention, Splash on TPU). On JAX's CPU and on TensorFlow it is an unfused softmax in a
-        token-major layout, which differentiates slower than the head-major one in `call`.
+        token-major layout, which differentiates slower than the head-major one in `call`; JAX's
+        CPU takes it anyway with the XLA:CPU workarounds switched off (`vit_keras.xla_cpu`).
         float16 takes the explicit path too: the fused kernels accumulate float16 products into
         float32, which XLA on CPU cannot do (jax: "precision F16_F16_F32 is not supported").
         """
         if self.compute_dtype == "float16":
             return False
         backend = keras.backend.backend()
-        return backend == "torch" or (backend == "jax" and not on_xla_cpu())
+        return backend == "torch" or (backend == "jax" and not workarounds_active())
 
     def compute_output_spec(self, x, training=None, return_attention_scores=False):
         y = keras.KerasTensor(x.shape, dtype=self.compute_dtype)
@@ -272,19 +273,20 @@ class MlpBlock(keras.layers.Layer):
 
     def call(self, x, training=None):
         x = self._project(self.dense_0, x)
-        if self.approximate_gelu or keras.backend.backend() == "torch":
-            x = ops.gelu(x, approximate=self.approximate_gelu)  # torch: one fused kernel
+        if self.approximate_gelu or not workarounds_active():
+            x = ops.gelu(x, approximate=self.approximate_gelu)
         else:
             # x·Φ(x) through erf, as torch and TensorFlow write it; jax.nn.gelu goes through erfc,
-            # which XLA:CPU expands into exp and selects: 18% of a ViT-S/16 training step.
+            # which XLA:CPU expands into exponentials and selects.
             x = 0.5 * x * (1.0 + ops.erf(x * (1.0 / math.sqrt(2.0))))
         x = self._dropout(x, training=training)
         return self._dropout(self._project(self.dense_1, x), training=training)
 
     @staticmethod
     def _project(dense, x):
-        """`dense(x)`; on JAX on CPU through `xla_cpu.einsum`, for its bfloat16 products."""
-        if not on_xla_cpu() or dense.quantization_mode or dense.lora_enabled:
+        """`dense(x)`; with the XLA:CPU workarounds active through `xla_cpu.einsum`, for its
+        bfloat16 products."""
+        if not workarounds_active() or dense.quantization_mode or dense.lora_enabled:
             return dense(x)
         return einsum("btd,dn->btn", x, dense.kernel) + dense.bias
 

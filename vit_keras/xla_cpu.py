@@ -1,55 +1,94 @@
-"""Three workarounds that let the JAX backend train a ViT on CPU as fast as PyTorch does.
+"""Workarounds that let the JAX backend train a ViT on CPU as fast as PyTorch does.
 
-Found by profiling a ViT-Ti/16 training step (batch 8, 2 cores) with `jax.profiler`; without
-them the step took ~2x as long as timm's (README, "Performance", has the numbers):
+Found by profiling ViT training steps on CPU with `jax.profiler` (the performance docs have the
+measurements). Two of them live in the layers and sit behind one switch; the third changes the
+process's memory allocator and is an explicit opt-in.
+
+The switch: `VIT_KERAS_XLA_CPU_WORKAROUNDS=0|1` (read when a layer first needs it; default 1) or
+`set_workarounds(enabled)` (also a context manager), which takes effect for models traced after
+it. Switched on, the workarounds apply where Keras runs on JAX with a CPU device and nowhere else
+(`workarounds_active()`); switched off, the layers are plain Keras there too: `keras.ops.einsum`
+and `Dense` calls, no gradient barrier, attention through `keras.ops.dot_product_attention` and
+GELU through `keras.ops.gelu`. Both compute the same function, up to float rounding.
 
 1. XLA fuses the elementwise part of each LayerNorm backward, and the residual additions between
    blocks, into *every* consumer of the residual stream's gradient instead of computing that
    gradient once. Each layer's weight-gradient then recomputes the chain from the loss down to
-   that layer, a cost that grows with the square of the depth: a third of the step for 12 blocks.
-   `materialize_gradient` marks the block boundary: an identity whose cotangent passes through a
-   conditional, which XLA does not fuse across. (`jax.lax.optimization_barrier` would say this
-   directly, but XLA:CPU removes it before fusion.)
-2. XLA:CPU allocates each execution's scratch buffer (557 MB for that step) with `malloc`; glibc
-   maps a block that large afresh with `mmap` and unmaps it on `free`, so every step page-faults
-   the whole buffer in again (150k faults, 0.3 CPU-seconds per step). `keep_freed_host_memory`
-   makes glibc serve large blocks from its heap and keep them, so a step reuses earlier steps'
-   pages (on a busy machine some steps still extend the heap by one buffer before it settles).
-   `import vit_keras` applies it on the JAX backend unless `VIT_KERAS_KEEP_HOST_MEMORY=0`.
-3. Under `mixed_bfloat16`, XLA:CPU runs a bfloat16 product whose result is bfloat16 as a float32
-   product: it converts both operands, so mixed precision trained no faster than float32. A
-   product of bfloat16 operands with a float32 result stays bfloat16 (1.6-1.9x the float32
-   speed on an AVX512-BF16 CPU). `einsum` asks for that, rounds the result to bfloat16, and does
-   the same in both gradients, which JAX would otherwise derive as float32 x bfloat16 products.
+   that layer, a cost that grows with the square of the depth. `materialize_gradient` marks the
+   block boundary: an identity whose cotangent passes through a conditional, which XLA does not
+   fuse across. (`jax.lax.optimization_barrier` would say this directly, but XLA:CPU removes it
+   before fusion.) Attention takes an explicit head-major path, which XLA:CPU differentiates
+   faster than the token-major softmax `keras.ops.dot_product_attention` is on CPU, and GELU is
+   written through `erf`: `jax.nn.gelu` goes through `erfc`, which XLA:CPU expands into
+   exponentials and selects.
+2. Under `mixed_bfloat16`, XLA:CPU runs a bfloat16 product whose result is bfloat16 as a float32
+   product: it converts both operands, so mixed precision trains no faster than float32. A
+   product of bfloat16 operands with a float32 result stays bfloat16. `einsum` asks for that,
+   rounds the result to bfloat16, and does the same in both gradients, which JAX would otherwise
+   derive as float32 x bfloat16 products.
+3. XLA:CPU allocates each execution's scratch buffer with `malloc`; glibc maps a block that large
+   afresh with `mmap` and unmaps it on `free`, so every step page-faults the whole buffer in
+   again. `keep_freed_host_memory()` makes glibc serve large blocks from its heap and keep them,
+   so a step reuses earlier steps' pages. It changes the whole process, so the library never
+   calls it: a program opts in, before JAX starts (see its docstring for the environment-only
+   equivalent).
 """
 
 import ctypes
 import functools
+import os
 import sys
 
 import keras
 from keras import ops
 
+SWITCH = "VIT_KERAS_XLA_CPU_WORKAROUNDS"
+
 # glibc's mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 
+# set_workarounds' setting; None: the environment's, read when first needed.
+_enabled = None
 
-def keep_freed_host_memory(trim_threshold=1 << 30):
-    """Makes glibc keep freed memory for reuse instead of returning it to the kernel.
 
-    One malloc arena for the threads that have not allocated yet (other arenas map large blocks
-    whatever the settings), no `mmap` for large blocks, and up to `trim_threshold` bytes kept free
-    at the top of the heap. It reaches only threads that have not allocated yet, so it must run
-    before JAX starts its CPU client. Returns whether it was applied (False off glibc/Linux).
+def _environment_setting():
+    value = os.environ.get(SWITCH, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{SWITCH}={value!r} is not a setting; use 0 (workarounds off) or 1 "
+                         f"(on where Keras runs on JAX with a CPU device, the default).")
+    return value == "1"
+
+
+def workarounds_enabled():
+    """The switch: `set_workarounds`' setting, else `VIT_KERAS_XLA_CPU_WORKAROUNDS` (default on)."""
+    global _enabled  # pylint: disable=global-statement
+    if _enabled is None:
+        _enabled = _environment_setting()
+    return _enabled
+
+
+class set_workarounds:  # pylint: disable=invalid-name  (a function to its callers)
+    """Switches the layers' XLA:CPU workarounds on or off for models traced from now on.
+
+    `enabled=None` returns to the environment's setting. A compiled function keeps the choice it
+    was traced with: build or trace the model after switching (a Keras model's `fit`/`predict`
+    retrace after `model.compile`). Also a context manager that restores the previous setting:
+
+        with vit_keras.xla_cpu.set_workarounds(False):
+            plain_logits = jax.jit(forward)(x)
     """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):  # another C library (musl)
-        return False
-    settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, int(trim_threshold)))
-    return all(mallopt(parameter, value) == 1 for parameter, value in settings)
+
+    def __init__(self, enabled):
+        global _enabled  # pylint: disable=global-statement
+        self._previous = _enabled
+        _enabled = None if enabled is None else bool(enabled)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        global _enabled  # pylint: disable=global-statement
+        _enabled = self._previous
 
 
 @functools.cache
@@ -60,8 +99,39 @@ def _jax_platform():
 
 
 def on_xla_cpu():
-    """Whether Keras runs on JAX with a CPU as its device: where these workarounds apply."""
+    """Whether Keras runs on JAX with a CPU as its device, whatever the switch says."""
     return keras.backend.backend() == "jax" and _jax_platform() == "cpu"
+
+
+def workarounds_active():
+    """Whether the layers apply the workarounds now: on XLA:CPU with the switch on."""
+    return on_xla_cpu() and workarounds_enabled()
+
+
+def keep_freed_host_memory(trim_threshold=1 << 30):
+    """Makes glibc keep freed memory for reuse instead of returning it to the kernel (item 3).
+
+    One malloc arena for the threads that have not allocated yet (other arenas map large blocks
+    whatever the settings), no `mmap` for large blocks, and up to `trim_threshold` bytes kept free
+    at the top of the heap. The price is memory the process keeps rather than returns.
+
+    It changes the whole process and reaches only threads that have not allocated yet, so call it
+    first thing, before JAX creates its CPU client (before the first array, `jax.devices()` or
+    model). The same settings from the process's start, for every thread, without code:
+
+        GLIBC_TUNABLES=glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1073741824
+
+    (glibc's tunables call the functions `mallopt` does.) Returns whether it was applied (False
+    off Linux or on another C library).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # another C library (musl)
+        return False
+    settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, int(trim_threshold)))
+    return all(mallopt(parameter, value) == 1 for parameter, value in settings)
 
 
 @functools.cache
@@ -83,24 +153,26 @@ def _jax_cpu_barrier():
 
 
 def materialize_gradient(x):
-    """Identity on `x`; on JAX on CPU its gradient is computed once, not fused into consumers.
+    """Identity on `x` (any shape); with the workarounds active its gradient is computed once, not
+    fused into every consumer (item 1).
 
     Elsewhere it is a plain identity: on accelerators a conditional costs a host round trip.
     """
-    return _jax_cpu_barrier()(x) if on_xla_cpu() else x
+    return _jax_cpu_barrier()(x) if workarounds_active() else x
 
 
 def einsum(equation, a, b):
-    """`keras.ops.einsum(equation, a, b)`, with bfloat16 products on JAX on CPU (see item 3).
+    """`keras.ops.einsum(equation, a, b)`, with bfloat16 products where the workarounds are active
+    (item 2).
 
     `equation` names both operands and the result (no `...`), and every index of an operand
     appears once in it and also in the other operand or the result, so that each gradient is an
-    einsum too; anything else raises a `ValueError` on every backend. On JAX on CPU with two
-    bfloat16 operands, products accumulate in float32 and the result is rounded to bfloat16, as
-    XLA does for bfloat16 elsewhere; otherwise this is `keras.ops.einsum`.
+    einsum too; anything else raises a `ValueError` on every backend. With the workarounds active
+    and two bfloat16 operands, products accumulate in float32 and the result is rounded to
+    bfloat16, as XLA does for bfloat16 elsewhere; otherwise this is `keras.ops.einsum`.
     """
     equation = _checked(equation.replace(" ", ""))
-    if not on_xla_cpu():
+    if not workarounds_active():
         return ops.einsum(equation, a, b)
     a, b = ops.convert_to_tensor(a), ops.convert_to_tensor(b)  # variables: their autocast value
     if a.dtype == b.dtype == "bfloat16":
