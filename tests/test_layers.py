@@ -1,6 +1,7 @@
 """The layers, one behaviour per test, checked against NumPy references written from the paper."""
 
 import math
+import warnings
 
 import keras
 import numpy as np
@@ -8,8 +9,9 @@ import pytest
 
 import vit_keras
 from vit_keras import layers
+from vit_keras.model import transformer_blocks
 
-from conftest import randomize_weights
+from conftest import random_images, randomize_weights, tiny_data, tiny_model
 
 
 def _layer_cases():
@@ -129,6 +131,89 @@ def test_fused_and_explicit_attention_paths_match_a_numpy_reference():
 def test_attention_rejects_hidden_size_not_divisible_by_heads():
     with pytest.raises(ValueError, match="Hidden size 30 is not divisible by the number of heads 4"):
         layers.MultiHeadDotProductAttention(4).build((None, 7, 30))
+
+
+_PROJECTIONS = ("query", "key", "value", "out")
+
+
+def _force_attention_path(monkeypatch, fused):
+    """Every backend checks both attention paths: the fused one (`keras.ops.dot_product_attention`,
+    an unfused softmax where no kernel exists) and the explicit one its backend may not take."""
+    monkeypatch.setattr(layers.MultiHeadDotProductAttention, "_fused", property(lambda _: fused))
+
+
+def _attention_layers(model):
+    return [block.attention for block in transformer_blocks(model)]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["explicit", "fused"])
+def test_int8_quantized_vit_stays_close_to_the_float_model(tiny_config, fused, monkeypatch):
+    """int8 rounds each kernel column, and each input row of a projection, to 127 steps of its
+    largest magnitude: about 0.4% per operand, a few of them adding up over the projections of
+    two blocks and the head to about 1% of the largest logit. The 5% bound leaves room for that
+    and still fails by far when a projection multiplies by the int8 values without their scale
+    (the largest logit is then off by more than itself)."""
+    _force_attention_path(monkeypatch, fused)
+    model = randomize_weights(tiny_model(tiny_config))
+    images = random_images(4, 8, 8)
+    expected = keras.ops.convert_to_numpy(model(images))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # one warning per layer that has nothing to quantize
+        model.quantize("int8")
+    for attention in _attention_layers(model):
+        for name in _PROJECTIONS:
+            projection = getattr(attention, name)
+            assert projection.quantization_mode == "int8", name
+            assert keras.backend.standardize_dtype(projection.kernel.dtype) == "int8", name
+    logits = keras.ops.convert_to_numpy(model(images))
+    error = np.max(np.abs(logits - expected)) / np.max(np.abs(expected))
+    assert 1e-4 < error < 0.05, error  # above float32 noise: the int8 arithmetic ran
+
+
+def _lora_delta(projection):
+    a, b = (keras.ops.convert_to_numpy(w) for w in (projection.lora_kernel_a,
+                                                     projection.lora_kernel_b))
+    return projection.lora_alpha / projection.lora_rank * np.matmul(a, b)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["explicit", "fused"])
+def test_lora_on_attention_projections_adds_its_delta_and_trains_only_itself(
+        tiny_config, fused, monkeypatch):
+    """With nonzero LoRA weights the logits are those of the model whose kernels have
+    `lora_alpha / rank * lora_kernel_a @ lora_kernel_b` added; training moves the LoRA weights
+    and leaves the frozen kernels alone."""
+    _force_attention_path(monkeypatch, fused)
+    model = randomize_weights(tiny_model(tiny_config))
+    merged = randomize_weights(tiny_model(tiny_config))  # the same weights
+    images = random_images(4, 8, 8)
+    without_lora = keras.ops.convert_to_numpy(model(images))
+    rng = np.random.default_rng(7)
+    for attention, reference in zip(_attention_layers(model), _attention_layers(merged)):
+        for name in _PROJECTIONS:
+            projection = getattr(attention, name)
+            projection.enable_lora(2, lora_alpha=3)
+            for weight in (projection.lora_kernel_a, projection.lora_kernel_b):
+                weight.assign(rng.normal(0, 0.3, weight.shape).astype("float32"))
+            kernel = getattr(reference, name).kernel
+            kernel.assign(keras.ops.convert_to_numpy(kernel) + _lora_delta(projection))
+    logits = keras.ops.convert_to_numpy(model(images))
+    np.testing.assert_allclose(logits, keras.ops.convert_to_numpy(merged(images)),
+                               rtol=1e-4, atol=1e-5)
+    assert np.max(np.abs(logits - without_lora)) > 0.1 * np.max(np.abs(without_lora))
+
+    projections = [getattr(a, name) for a in _attention_layers(model) for name in _PROJECTIONS]
+    for projection in projections:
+        assert [w.name for w in projection.non_trainable_weights] == ["kernel"]
+        assert sorted(w.name for w in projection.trainable_weights) == [
+            "bias", "lora_kernel_a", "lora_kernel_b"]
+    before = {id(w): keras.ops.convert_to_numpy(w) for w in model.weights}
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="categorical_crossentropy")
+    model.fit(*tiny_data(), batch_size=8, epochs=1, verbose=0)
+    for projection in projections:
+        (kernel,) = projection.non_trainable_weights
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(kernel), before[id(kernel)])
+        for weight in (projection.lora_kernel_a, projection.lora_kernel_b):
+            assert np.any(keras.ops.convert_to_numpy(weight) != before[id(weight)]), weight.path
 
 
 def _numpy_layer_norm(x, gamma, beta, eps):

@@ -164,6 +164,8 @@ class MultiHeadDotProductAttention(keras.layers.Layer):
     Attention runs through `keras.ops.dot_product_attention` where that reaches a fused kernel
     (see `_fused`). Elsewhere, and for attention dropout and `return_attention_scores`, it is an
     explicit float32 softmax over q, k and v from one matrix multiply in a head-major layout.
+    Quantized (`model.quantize`) or LoRA-enabled (`enable_lora`) projections are called as layers
+    on either path, so their own arithmetic applies.
     """
 
     def __init__(self, num_heads, attention_dropout=0.0, **kwargs):
@@ -203,7 +205,10 @@ class MultiHeadDotProductAttention(keras.layers.Layer):
         probs = ops.softmax(ops.cast(logits, "float32"), axis=-1)
         attended = einsum(
             "bhqk,bhkd->bhqd", self._dropout(ops.cast(probs, q.dtype), training=training), v)
-        y = einsum("bhtk,hkd->btd", attended, self.out.kernel) + self.out.bias
+        if self._adapted:
+            y = self.out(ops.transpose(attended, (0, 2, 1, 3)))
+        else:
+            y = einsum("bhtk,hkd->btd", attended, self.out.kernel) + self.out.bias
         return (y, probs) if return_attention_scores else y
 
     def _project_qkv(self, x):
@@ -212,10 +217,20 @@ class MultiHeadDotProductAttention(keras.layers.Layer):
         One matrix multiply with the three kernels side by side: on CPU a few large products use
         the cores better than many small ones.
         """
+        if self._adapted:
+            return [ops.transpose(projection(x), (0, 2, 1, 3))
+                    for projection in (self.query, self.key, self.value)]
         kernel = ops.concatenate([self.query.kernel, self.key.kernel, self.value.kernel], axis=1)
         bias = ops.concatenate([self.query.bias, self.key.bias, self.value.bias], axis=0)
         qkv = einsum("btd,dhk->bhtk", x, kernel) + ops.expand_dims(bias, 1)
         return ops.split(qkv, 3, axis=1)
+
+    @property
+    def _adapted(self):
+        """Whether a projection is quantized or LoRA-enabled: its `kernel` is then not the weight
+        its call multiplies by (int8 values without their scale), so the layer must be called."""
+        return any(projection.quantization_mode or projection.lora_enabled
+                   for projection in (self.query, self.key, self.value, self.out))
 
     @property
     def _fused(self):
