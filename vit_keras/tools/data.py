@@ -320,11 +320,14 @@ def _to_rgb(image, label):
 
 # --- preprocessing and augmentation -------------------------------------------------------------
 
-def inception_crop(image, image_size, area_range=(0.05, 1.0), aspect_ratio_range=(3 / 4, 4 / 3)):
+def inception_crop(image, image_size, *, seed, area_range=(0.05, 1.0),
+                   aspect_ratio_range=(3 / 4, 4 / 3)):
     """vit_jax's train-time crop: a random box covering `area_range` of the image with an aspect
-    ratio in `aspect_ratio_range`, resized (bilinear) to `image_size`. Returns float32 [0, 255]."""
-    begin, size, _ = tf.image.sample_distorted_bounding_box(
-        tf.shape(image), bounding_boxes=tf.zeros([0, 0, 4]), area_range=area_range,
+    ratio in `aspect_ratio_range`, resized (bilinear) to `image_size`. Returns float32 [0, 255].
+
+    `seed`: int `(2,)`; the box is a stateless draw, the same for the same seed."""
+    begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
+        tf.shape(image), bounding_boxes=tf.zeros([0, 0, 4]), seed=seed, area_range=area_range,
         aspect_ratio_range=aspect_ratio_range, min_object_covered=0.0,
         use_image_if_no_bounding_boxes=True)
     return resize(tf.slice(image, begin, size), image_size)
@@ -352,39 +355,92 @@ class Augmentation:
 
 
 def make_pipeline(splits, split, *, image_size, batch_size, training=False, augmentation=None,
-                  shuffle_buffer=10_000, repeat=None, drop_remainder=None, seed=0):
+                  shuffle_buffer=10_000, repeat=None, drop_remainder=None, seed=0, start_batch=0):
     """The `tf.data` input of one split: `(images float32 (B, S, S, 3) in [0, 255], one-hot labels)`.
 
     Training pipelines shuffle, repeat forever, drop the last partial batch and augment;
     evaluation pipelines resize, keep every example once, and keep the order.
+
+    A training stream is a pure function of `seed` and the example index `i` counted from the
+    stream's start: pass `p = i // n` over the split's `n` examples is shuffled (`shuffle_buffer`
+    at a time) with a seed drawn from `(seed, p)`, and example `i`'s crop and flip are stateless
+    draws seeded by `(seed, i)`. Nothing depends on thread timing, on TensorFlow's global seed or
+    on earlier iterations. `start_batch=b` starts the stream at its batch `b` (examples from
+    `b * batch_size`): a run resumed after `e` epochs of `s` steps passes `e * s` and sees the
+    batches the uninterrupted run would have; getting there reads, without augmenting, at most
+    one pass. The exception: RandAugment, MixUp and CutMix (off by default) draw from their
+    layers' own stateful `SeedGenerator`s in whatever order tf.data's parallel calls take, and a
+    resumed run starts them again from their seed, so runs using them are not reproducible.
     """
     augmentation = augmentation or Augmentation()
     repeat = training if repeat is None else repeat
     drop_remainder = training if drop_remainder is None else drop_remainder
     num_classes = splits.num_classes
-    ds = splits.source(split)
-    if training:
-        ds = ds.shuffle(min(shuffle_buffer, max(1, splits.num_examples[split])), seed=seed,
-                        reshuffle_each_iteration=True)
-    if repeat:
-        ds = ds.repeat()
+    if not training:
+        if start_batch:
+            raise ValueError(f"start_batch={start_batch} is for training streams; evaluation "
+                             f"pipelines always start at the split's first example.")
+        ds = splits.source(split)
+    else:
+        ds = _training_stream(splits, split, shuffle_buffer, repeat, seed, start_batch * batch_size)
 
-    def preprocess(image, label):
+    def preprocess(index, image, label):
         if training:
-            image = inception_crop(image, image_size, area_range=tuple(augmentation.crop_area))
+            crop_seed, flip_seed = tf.unstack(tf.random.experimental.stateless_split(
+                _stream_seed(seed, _AUGMENT, index), 2))
+            image = inception_crop(image, image_size, seed=crop_seed,
+                                   area_range=tuple(augmentation.crop_area))
             if augmentation.flip:
-                image = tf.image.random_flip_left_right(image)
+                image = tf.image.stateless_random_flip_left_right(image, flip_seed)
         else:
             image = resize(image, image_size)
         image = tf.ensure_shape(image, (image_size, image_size, 3))
         return image, tf.one_hot(label, num_classes, dtype=tf.float32)
 
-    ds = ds.map(preprocess, num_parallel_calls=tf.data.AUTOTUNE)
+    if training:
+        ds = ds.map(lambda index, example: preprocess(index, *example),
+                    num_parallel_calls=tf.data.AUTOTUNE)
+    else:
+        ds = ds.map(lambda image, label: preprocess(None, image, label),
+                    num_parallel_calls=tf.data.AUTOTUNE)
     ds = ds.batch(batch_size, drop_remainder=drop_remainder)
     if training:
         for layer in batch_augmentations(augmentation, seed):
             ds = ds.map(_apply_batch_layer(layer), num_parallel_calls=tf.data.AUTOTUNE)
     return ds.prefetch(tf.data.AUTOTUNE)
+
+
+# Purposes of the stateless seeds drawn from (seed, purpose, index).
+_ORDER, _AUGMENT = 1, 2
+# Dataset.shuffle combines its seed with the graph-level seed; fixed inside the per-pass function
+# (a graph of its own), it keeps the order independent of the caller's tf.random.set_seed.
+_GRAPH_SEED = 0x5EED
+
+
+def _stream_seed(seed, purpose, index):
+    """A stateless seed, int64 `(2,)`, for `purpose` at `index` of the stream seeded by `seed`."""
+    return tf.random.experimental.stateless_fold_in(tf.constant([seed, purpose], tf.int64), index)
+
+
+def _training_stream(splits, split, shuffle_buffer, repeat, seed, start_example):
+    """`(index int64, (image, label))` from example `start_example` of the shuffled passes."""
+    count = max(1, splits.num_examples[split])
+    buffer = min(shuffle_buffer, count)
+    source = splits.source(split)  # built once, outside the traced function
+
+    def one_pass(number):
+        tf.random.set_seed(_GRAPH_SEED)  # in this traced function: its graph's seed alone
+        order = tf.random.stateless_uniform([], _stream_seed(seed, _ORDER, number), minval=None,
+                                            maxval=None, dtype=tf.int64)
+        return source.shuffle(buffer, seed=order, reshuffle_each_iteration=False)
+
+    first_pass = start_example // count if repeat else 0
+    passes = tf.data.Dataset.counter(first_pass) if repeat else tf.data.Dataset.range(1)
+    ds = passes.flat_map(one_pass).enumerate(first_pass * count)
+    ds = ds.skip(start_example - first_pass * count)
+    if repeat:
+        ds = ds.apply(tf.data.experimental.assert_cardinality(tf.data.INFINITE_CARDINALITY))
+    return ds
 
 
 def batch_augmentations(augmentation, seed=0):
