@@ -268,10 +268,15 @@ def run(config, app="finetune", log=print, started=None):
         epochs = max(1, math.ceil(recipe.total_steps * accum / steps_per_epoch))
     total_updates = max(1, epochs * steps_per_epoch // accum)
 
+    backup = callbacks_lib.AtomicBackupAndRestore(folder.backup)
+    resume_epoch = backup.resume_epoch
     augmentation = augmentation_for(config)
+    # Keras keeps one iterator over a repeated stream across epochs: epoch e reads batches
+    # e * steps_per_epoch onwards, so a resumed run starts the stream where its backup stopped.
     train_ds = data.make_pipeline(splits, "train", image_size=recipe.image_size,
                                   batch_size=recipe.batch_size, training=True,
-                                  augmentation=augmentation, seed=config.seed)
+                                  augmentation=augmentation, seed=config.seed,
+                                  start_batch=resume_epoch * steps_per_epoch)
     eval_batch = config.eval_batch_size - config.eval_batch_size % replicas or replicas
     eval_sets = {split: data.make_pipeline(splits, split, image_size=recipe.image_size,
                                            batch_size=eval_batch)
@@ -291,9 +296,7 @@ def run(config, app="finetune", log=print, started=None):
         recipes_lib.compile_model(model, optimizer, recipe.label_smoothing, jit_compile)
 
     nan_guard = callbacks_lib.StopOnNaN()
-    backup = callbacks_lib.AtomicBackupAndRestore(folder.backup)
     backup.guard = nan_guard
-    resume_epoch = backup.resume_epoch
     if resume_epoch:
         log(f"Resuming {folder.path} from its backup after epoch {resume_epoch} of {epochs}.")
     throughput = callbacks_lib.Throughput(recipe.batch_size, steps_per_epoch)
