@@ -13,6 +13,7 @@ import numpy as np
 from vit_keras.tools import callbacks as callbacks_lib
 from vit_keras.tools import distribution as distribution_lib
 from vit_keras.tools import recipes as recipes_lib
+from vit_keras.tools.config_flags import option
 from vit_keras.tools.run_folder import RunFolder
 
 
@@ -20,55 +21,102 @@ from vit_keras.tools.run_folder import RunFolder
 class RunConfig:
     """Everything a training run needs; `None` means "the recipe's (or the dataset's) default".
 
-    The apps fill this from flags; `resolve` turns it into concrete values.
+    Each field declared with `option` is also the training apps' flag of the same name, default
+    and help (`config_flags.define_flags`); `resolve_recipe` turns the values into a recipe.
     """
 
-    dataset: str = "digits"
-    data_dir: str = None
-    download: bool = True
-    val_fraction: float = None
+    # data
+    dataset: str = option(
+        "digits", "digits (scikit-learn's bundled 8x8 digits, offline), folder:PATH (one "
+        "sub-folder per class, or PATH/train + PATH/val [+ PATH/test]), or a tfds name "
+        "(cifar10, cifar100, oxford_iiit_pet, oxford_flowers102, imagenet2012, ...).")
+    data_dir: str = option(None, "tfds data directory (default ~/tensorflow_datasets).")
+    download: bool = option(
+        True, "Let tfds download and prepare a dataset that is not in --data_dir (needs the "
+        "network; without it the run fails at once with instructions).")
+    val_fraction: float = option(
+        None, "Fraction of train held out as val when the dataset has no val split (default 0.1 "
+        "for folders, 0.02 for tfds as vit_jax's train[98%:]).")
     # model
-    model: str = None               # a variant name; default ViT-digits (digits) or ViT-B/16
-    weights: str = None             # a checkpoint load_pretrained reads, or a .keras file
-    classifier: str = None          # "token" or "gap"; default "gap" for ViT-digits, else "token"
-    image_size: int = None
-    dropout: float = None
-    attention_dropout: float = 0.0
-    drop_path_rate: float = 0.0
-    representation_size: int = None
+    model: str = option(
+        None, "Variant (ViT-Ti/16, ViT-S/16, ViT-B/16, ViT-L/16, ...; see vit_keras.VARIANTS) or "
+        "ViT-digits. Default: ViT-digits on digits without --weights, ViT-B/16 otherwise; with "
+        "--weights the checkpoint decides.")
+    weights: str = option(
+        None, "Pretrained weights: any file vit_keras.load_pretrained reads (vit_jax .npz, timm "
+        ".pth/.safetensors, a Hugging Face folder) or a .keras file. A new head is "
+        "zero-initialised and position embeddings are resampled to --image_size.")
+    classifier: str = option(
+        None, "Class token or global average pooling (default: gap for ViT-digits, token "
+        "otherwise; with --weights the checkpoint decides).", choices=("token", "gap"))
+    image_size: int = option(None, "Training and evaluation resolution (recipe default: 384 "
+                             "fine-tuning, 224 pre-training, 16 digits).")
+    dropout: float = option(None, "Dropout rate (recipe default: 0.0 fine-tuning, 0.1 "
+                            "otherwise).")
+    attention_dropout: float = option(0.0, "Dropout on the attention probabilities.")
+    drop_path_rate: float = option(0.0, "Stochastic depth of the last block.")
+    representation_size: int = option(
+        None, "Width of a pre-logits layer (Dense + tanh) before the head (new models only).")
     # recipe
-    recipe: str = "auto"            # auto: finetune with --weights, digits on digits, else pretrain
-    optimizer: str = None
-    learning_rate: float = None
-    momentum: float = None
-    weight_decay: float = None
-    grad_clip_norm: float = None
-    warmup_steps: int = None
-    decay: str = None
-    total_steps: int = None
-    epochs: int = None
-    steps_per_epoch: int = None
-    batch_size: int = None
-    eval_batch_size: int = 256
-    accum_steps: int = 1
-    label_smoothing: float = None
+    recipe: str = option(
+        "auto", "Base recipe: auto = finetune with --weights, digits on the digits data, pretrain "
+        "otherwise. The flags below override single values.",
+        choices=("auto", *recipes_lib.RECIPES))
+    optimizer: str = option(None, "sgd (momentum, fine-tuning) or adamw (pre-training, digits).",
+                            choices=("sgd", "adamw"))
+    learning_rate: float = option(
+        None, "Peak learning rate (recipe default: 0.03 fine-tuning, 1e-3 pre-training, 3e-3 "
+        "digits).")
+    momentum: float = option(None, "SGD momentum (default 0.9).")
+    weight_decay: float = option(
+        None, "Decoupled weight decay (default 0 fine-tuning, 0.1 pre-training and digits).")
+    grad_clip_norm: float = option(None, "Global-norm gradient clipping; 0 turns it off "
+                                   "(default 1.0).")
+    warmup_steps: int = option(None, "Linear warm-up in optimizer updates (default 500 "
+                               "fine-tuning, 10000 pre-training, 78 digits).")
+    decay: str = option(None, "Decay after the warm-up (default cosine fine-tuning, linear "
+                        "pre-training).", choices=("cosine", "linear"))
+    total_steps: int = option(
+        None, "Optimizer updates in all (default 10000 fine-tuning); sets --epochs to "
+        "ceil(total_steps * accum_steps / steps_per_epoch).")
+    epochs: int = option(None, "Epochs (default: from --total_steps; 30 on digits).")
+    steps_per_epoch: int = option(None, "Batches per epoch (default: training images // batch "
+                                  "size).")
+    batch_size: int = option(None, "Global batch size (default 512 fine-tuning, 4096 "
+                             "pre-training, 32 digits).")
+    eval_batch_size: int = option(256, "Batch size of validation and test.")
+    accum_steps: int = option(1, "Gradient accumulation: batches averaged per update.")
+    label_smoothing: float = option(None, "Label smoothing (default 0; 0.1 on digits).")
     # augmentation
-    crop_min_area: float = None     # inception crop area range (crop_min_area, 1)
-    flip: bool = None
-    randaugment: str = None         # "NUM_OPS,MAGNITUDE", e.g. "2,0.5"
-    mixup: float = 0.0
-    cutmix: float = 0.0
-    # engine
-    mixed_precision: str = "none"   # none, bfloat16, float16
-    jit_compile: bool = None        # default: on for jax/tensorflow, off for torch
-    distribution: str = "none"
-    model_parallel_size: int = None
+    crop_min_area: float = option(
+        None, "Inception crop: smallest crop area fraction (default 0.05 as vit_jax; 0.8 on "
+        "digits).")
+    flip: bool = option(None, "Random horizontal flip (default on; off on digits).")
+    randaugment: str = option(
+        None, "RandAugment as NUM_OPS,MAGNITUDE (e.g. 2,0.5; keras.layers.RandAugment).")
+    mixup: float = option(0.0, "MixUp alpha (0: off; keras.layers.MixUp).")
+    cutmix: float = option(0.0, "CutMix factor (0: off; keras.layers.CutMix).")
+    # compute
+    mixed_precision: str = option(
+        "none", "Mixed precision policy (variables stay float32; float16 adds loss scaling).",
+        choices=("none", "bfloat16", "float16"))
+    jit_compile: bool = option(
+        None, "XLA/jit compilation of the train step (default: on for jax and tensorflow, off "
+        "for torch, where torch.compile of a ViT step takes minutes on CPU).")
+    distribution: str = option(
+        "none", "data_parallel: keras DataParallel over all local devices (jax) or "
+        "tf.distribute.MirroredStrategy (tensorflow); model_parallel: keras ModelParallel "
+        "sharding attention and MLP kernels (jax only). torch has neither.",
+        choices=distribution_lib.DISTRIBUTIONS)
+    model_parallel_size: int = option(
+        None, "Devices on the mesh's model axis for model_parallel (default: all).")
     # run
-    output_dir: str = "saved_models"
-    run_name: str = None
-    seed: int = 0
-    verbose: int = 1
-    flags_text: str = None          # written to flags.txt (the app's --flagfile)
+    output_dir: str = option("saved_models", "Where run folders are written.")
+    run_name: str = option(
+        None, "Run folder name (default APP_DATASET_MODEL); the same name resumes the run.")
+    seed: int = option(0, "Seed of the initialisation, the data order and the splits.")
+    verbose: int = option(1, "Keras fit verbosity: 1 progress bars, 2 one line per epoch.")
+    flags_text: str = None          # written to flags.txt (the app's --flagfile); not a flag
 
 
 def choose_recipe(config):
