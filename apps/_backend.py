@@ -4,10 +4,17 @@ Every app begins with:
 
     import _backend
     _backend.start_app()   # before `import keras` / `import vit_keras`
+
+(Python puts a script's folder first on `sys.path`, so `import _backend` finds this file.)
 """
 
 import os
 import sys
+
+# Run from a checkout without installing the package.
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _CHECKOUT not in sys.path:
+    sys.path.insert(0, _CHECKOUT)
 
 BACKENDS = ("jax", "tensorflow", "torch")
 
@@ -44,11 +51,17 @@ def select_backend(argv=None):
     return backend
 
 
+def flag_module(depth=1):
+    """absl's name for the module `depth` frames above the caller: the module whose `--help` lists
+    the flags defined under it (absl names the script `sys.argv[0]`)."""
+    name = sys._getframe(depth + 1).f_globals["__name__"]  # pylint: disable=protected-access
+    return sys.argv[0] if name == "__main__" else name
+
+
 def start_app(only=None, help_text=None):
     """Reads `--backend`, defines its absl flag and sets the apps' runtime defaults.
 
-    Call before importing keras or vit_keras (on JAX, `import vit_keras` must also come before JAX
-    starts: see `vit_keras.xla_cpu`).
+    Call before importing keras or vit_keras.
 
     Args:
       only: a backend the app always runs on (the exporter: "tensorflow"); `--backend` may then
@@ -66,11 +79,10 @@ def start_app(only=None, help_text=None):
     from absl import flags  # pylint: disable=import-outside-toplevel
 
     # Filed under the calling app's module: an app's `--help` lists only its own flags.
-    app = sys._getframe(1).f_globals["__name__"]  # pylint: disable=protected-access
     if "backend" not in flags.FLAGS:
         flags.DEFINE_enum(
             "backend", only, [only] if only else BACKENDS,
             help_text or "Keras backend, chosen before Keras is imported (default: KERAS_BACKEND, "
                          "else Keras' own default).",
-            module_name=app if app != "__main__" else sys.argv[0])  # as absl names the script
+            module_name=flag_module())
     return backend

@@ -8,22 +8,21 @@ Prints the parameter count, the ResNet's feature-map size and the Transformer's 
 `--weights` takes any checkpoint `vit_keras.load_pretrained` reads (the official `.npz`, timm state
 dicts); position embeddings are resampled on the feature-map grid when the image size differs, and
 a head of another class count is zero-initialised. After saving, the file is reloaded with
-`keras.models.load_model` and its logits compared with the built model's; the program exits with
-status 1 if they differ.
+`keras.models.load_model` and its logits, and the features under the head, compared with the built
+model's; the program exits with status 1 if they differ.
 """
 
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-import _backend  # noqa: E402
+import _backend
 
 _backend.start_app()  # before keras is imported
 
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 from absl import logging  # noqa: E402
-import numpy as np  # noqa: E402
+
+import _common  # noqa: E402
 
 flags.DEFINE_string("variant", "R50+ViT-B/16", "Hybrid variant, e.g. R50+ViT-B/16, R+ViT-Ti/16.")
 flags.DEFINE_list("image_size", ["384"], "Image size: one number or height,width.")
@@ -48,11 +47,8 @@ def main(argv):
     if FLAGS.variant not in hybrids:
         raise app.UsageError(f"--variant {FLAGS.variant!r} is not a hybrid; expected one of "
                              f"{', '.join(hybrids)}.")
-    sizes = [int(s) for s in FLAGS.image_size]
-    if len(sizes) not in (1, 2):
-        raise app.UsageError(f"--image_size takes one number or height,width; got {sizes}.")
     model = vit_keras.build_model(
-        FLAGS.variant, image_size=sizes[0] if len(sizes) == 1 else tuple(sizes),
+        FLAGS.variant, image_size=_common.parse_image_size(FLAGS.image_size),
         num_classes=FLAGS.num_classes, hybrid_numerics=FLAGS.hybrid_numerics,
         weights=FLAGS.weights)
     _, rows, cols, channels = model.get_layer("resnet").output.shape
@@ -62,15 +58,10 @@ def main(argv):
 
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
     model.save(FLAGS.out)
-    # Logits and the features under the head: a fresh head is zeros, its logits prove nothing.
-    images = np.random.default_rng(0).uniform(0, 255, (1, *model.input_shape[1:])).astype("float32")
-    expected, found = (
-        [np.asarray(a) for a in keras.Model(m.input, [m.output, m.get_layer("head").input])
-         .predict_on_batch(images)]
-        for m in (model, keras.models.load_model(FLAGS.out)))
-    difference = max(float(np.max(np.abs(f - e))) for f, e in zip(found, expected))
-    if difference > 1e-5 * max(1.0, *(float(np.max(np.abs(e))) for e in expected)):
-        logging.error("Reloaded %s differs from the built model by %g.", FLAGS.out, difference)
+    try:
+        difference = _common.verify_reload(model, FLAGS.out)
+    except _common.ReloadMismatchError as error:
+        logging.error("%s", error)
         return 1
     print(f"Wrote {FLAGS.out} (backend {keras.backend.backend()}, weights "
           f"{FLAGS.weights or 'initial'}; reloaded: max difference {difference:.2g}).")

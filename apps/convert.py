@@ -8,22 +8,21 @@ Formats: vit_jax and big_vision `.npz`, timm state dicts (`.pth`, `.bin`, `.safe
 Face `save_pretrained` folders (or their `model.safetensors`). The checkpoint determines the
 architecture; `--variant` only checks it. A different `--image_size` resamples the position
 embeddings, a different `--num_classes` gets a zero-initialised head. After saving, the file is
-reloaded with `keras.models.load_model` and its logits compared with the converted model's; the
-program exits with status 1 if they differ.
+reloaded with `keras.models.load_model` and its logits, and the features under the head, compared
+with the converted model's; the program exits with status 1 if they differ.
 """
 
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-import _backend  # noqa: E402
+import _backend
 
 _backend.start_app()  # before keras is imported
 
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 from absl import logging  # noqa: E402
-import numpy as np  # noqa: E402
+
+import _common  # noqa: E402
 
 flags.DEFINE_string("weights", None, "Checkpoint file or Hugging Face folder.", required=True)
 flags.DEFINE_string("out", None, "Output .keras file, e.g. saved_models/NAME.keras.", required=True)
@@ -48,26 +47,17 @@ def main(argv):
 
     if not FLAGS.out.endswith(".keras"):
         raise app.UsageError(f"--out must end with .keras; got {FLAGS.out!r}.")
-    image_size = None
-    if FLAGS.image_size:
-        sizes = [int(s) for s in FLAGS.image_size]
-        if len(sizes) not in (1, 2):
-            raise app.UsageError(f"--image_size takes one number or height,width; got {sizes}.")
-        image_size = sizes[0] if len(sizes) == 1 else tuple(sizes)
+    image_size = _common.parse_image_size(FLAGS.image_size) if FLAGS.image_size else None
     model = vit_keras.build_model_from_checkpoint(
         FLAGS.weights, variant=FLAGS.variant, image_size=image_size,
         num_classes=FLAGS.num_classes, num_heads=FLAGS.num_heads,
         interpolation=FLAGS.interpolation, antialias=FLAGS.antialias)
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
     model.save(FLAGS.out)
-
-    images = np.random.default_rng(0).uniform(0, 255, (1, *model.input_shape[1:])).astype("float32")
-    expected = np.asarray(model.predict_on_batch(images))
-    reloaded = keras.models.load_model(FLAGS.out)
-    found = np.asarray(reloaded.predict_on_batch(images))
-    difference = float(np.max(np.abs(found - expected)))
-    if difference > 1e-5 * max(1.0, float(np.max(np.abs(expected)))):
-        logging.error("Reloaded %s differs from the converted model by %g.", FLAGS.out, difference)
+    try:
+        difference = _common.verify_reload(model, FLAGS.out)
+    except _common.ReloadMismatchError as error:
+        logging.error("%s", error)
         return 1
     height, width = model.input_shape[1:3]
     print(f"Wrote {FLAGS.out}: {model.name}, {height}x{width}, output {model.output_shape[1:]}, "

@@ -12,10 +12,7 @@ that were used for training, so the same held-out split is evaluated; flags over
 import os
 import sys
 
-_APPS = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_APPS))
-sys.path.insert(0, _APPS)
-import _backend  # noqa: E402
+import _backend
 
 _backend.start_app()  # before keras is imported
 

@@ -19,9 +19,7 @@ a `.keras` file are backend-independent. Class names come from `--class_names` o
 import os
 import sys
 
-# Runs from a checkout without installing the package.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import _backend  # noqa: E402
+import _backend
 
 _backend.start_app(  # before keras is imported
     only="tensorflow", help_text="Export always runs on TensorFlow, whatever backend trained the model.")
@@ -30,8 +28,8 @@ from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 from absl import logging  # noqa: E402
 
+import _common  # noqa: E402
 from vit_keras.tools import export as vit_export  # noqa: E402
-from vit_keras.tools import run_folder  # noqa: E402
 
 flags.DEFINE_string("model", None, "The .keras file to export.", required=True)
 flags.DEFINE_multi_enum("format", None, vit_export.FORMATS,
@@ -63,8 +61,7 @@ def main(argv):
     if not os.path.isfile(FLAGS.model):
         raise app.UsageError(f"--model {FLAGS.model} is not a file.")
     name = FLAGS.name or os.path.basename(os.path.dirname(os.path.abspath(FLAGS.model)))
-    class_names = (run_folder.load_class_names(FLAGS.class_names) if FLAGS.class_names
-                   else vit_export.find_class_names(FLAGS.model))
+    class_names = _common.read_class_names(FLAGS.class_names, FLAGS.model)
     model = vit_export.load_model(FLAGS.model)
     for export_format in formats:
         try:

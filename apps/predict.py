@@ -8,18 +8,16 @@ evaluation preprocessing). Class names come from --class_names or from class_nam
 model (written by apps/finetune.py and apps/train.py); otherwise classes are numbered.
 """
 
-import os
 import sys
 
-_APPS = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_APPS))
-sys.path.insert(0, _APPS)
-import _backend  # noqa: E402
+import _backend
 
 _backend.start_app()  # before keras is imported
 
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
+
+import _common  # noqa: E402
 
 flags.DEFINE_string("model", None, "The .keras file.", required=True)
 flags.DEFINE_integer("top_k", 5, "Classes listed per image.")
@@ -28,15 +26,6 @@ flags.DEFINE_string("class_names", None,
                     "class_names.json beside the model).")
 flags.DEFINE_string("json", None, "Also write the predictions as JSON to this path.")
 FLAGS = flags.FLAGS
-
-
-def read_class_names(path, model_path):
-    """Names from --class_names, else from the model's run folder, else `[]` (numbered classes)."""
-    from vit_keras.tools import run_folder
-
-    if path:
-        return run_folder.load_class_names(path) if os.path.exists(path) else []
-    return run_folder.RunFolder.of_model(model_path).read_class_names() or []
 
 
 def main(argv):
@@ -48,6 +37,7 @@ def main(argv):
     import vit_keras  # noqa: F401  (registers the layers for loading)
     from vit_keras.tools import data, run_folder, training
 
+    class_names = _common.read_class_names(FLAGS.class_names, FLAGS.model) or []
     model = keras.saving.load_model(FLAGS.model, compile=False)
     try:
         images = data.load_image_files(files, model.input_shape[1])
@@ -55,7 +45,6 @@ def main(argv):
         print(f"ERROR: {error}", file=sys.stderr)
         return 2
     logits = keras.ops.convert_to_numpy(model.predict(images, verbose=0))
-    class_names = read_class_names(FLAGS.class_names, FLAGS.model)
     predictions = training.top_k_predictions(logits, class_names, FLAGS.top_k)
     for file, ranked in zip(files, predictions):
         print(file)

@@ -12,30 +12,22 @@ scale). Takes the same flags as apps/finetune.py (`--help` lists them); only --r
 pretrain here, so --weights is an initialisation, not a switch to the fine-tuning recipe.
 """
 
-import os
-import sys
+import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import finetune  # noqa: E402  (selects the backend and defines every flag)
+_STARTED = time.perf_counter()
+import _backend  # noqa: E402
+
+_backend.start_app()  # before keras is imported
 
 from absl import app  # noqa: E402
-from absl import flags  # noqa: E402
 
-flags.adopt_module_key_flags(finetune)  # `--help` lists every flag
+import _common  # noqa: E402
 
-finetune.APP_NAME = "train"
-finetune.FLAGS.set_default("recipe", "pretrain")
-finetune.FLAGS["recipe"].help = (
-    "Base recipe: pretrain (the paper's), digits (the default on the digits data), or finetune. "
-    "The flags below override single values.")
-
-
-def main(argv):
-    # The digits data keeps its own recipe unless --recipe is given explicitly.
-    if finetune.FLAGS.dataset == "digits" and not finetune.FLAGS["recipe"].present:
-        finetune.FLAGS.recipe = "digits"
-    return finetune.main(argv)
-
+# apps/finetune.py's flags; only --recipe defaults to the paper's pre-training recipe.
+main = _common.training_app(
+    "train", _STARTED, recipe="pretrain",
+    recipe_help="Base recipe: pretrain (the paper's), digits (the default on the digits data), or "
+                "finetune. The flags below override single values.")
 
 if __name__ == "__main__":
     app.run(main)

@@ -11,7 +11,7 @@ import vit_keras
 from conftest import REPO_ROOT, TINY_CONFIG, random_images, randomize_weights, run_app
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "apps"))
-import _backend  # noqa: E402
+import _common  # noqa: E402
 
 
 @pytest.fixture
@@ -27,6 +27,7 @@ def test_convert_writes_a_loadable_model_at_a_new_size(tmp_path, checkpoint):
                      "--num_classes", "10")
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"backend {keras.backend.backend()}" in result.stdout
+    assert "(reloaded: max difference" in result.stdout
     loaded = keras.models.load_model(out)
     assert loaded.input_shape == (None, 24, 20, 3) and loaded.output_shape == (None, 10)
     expected = vit_keras.build_model_from_checkpoint(checkpoint, image_size=(24, 20),
@@ -48,32 +49,21 @@ def test_convert_refuses_a_wrong_variant(tmp_path, checkpoint):
     assert not os.path.exists(tmp_path / "x.keras")
 
 
-@pytest.mark.parametrize("argv", [["app", "--backend", "torch", "--out", "x"],
-                                  ["app", "--out", "x", "--backend=torch"]])
-def test_select_backend_reads_the_flag_anywhere(monkeypatch, argv):
-    monkeypatch.setenv("KERAS_BACKEND", "tensorflow")
-    monkeypatch.setitem(sys.modules, "keras", None)  # as in an app, before keras is imported
-    assert _backend.select_backend(argv) == "torch"
-    assert os.environ["KERAS_BACKEND"] == "torch"
-
-
-def test_select_backend_errors(monkeypatch):
-    monkeypatch.setenv("KERAS_BACKEND", "tensorflow")
-    assert _backend.select_backend(["app"]) is None
-    assert os.environ["KERAS_BACKEND"] == "tensorflow"
-    with pytest.raises(ValueError, match="Unknown backend 'mxnet'"):
-        _backend.select_backend(["app", "--backend", "mxnet"])
-    other = "jax" if keras.backend.backend() != "jax" else "torch"
-    with pytest.raises(ValueError, match="before importing keras"):
-        _backend.select_backend(["app", "--backend", other])  # keras is already imported here
-
-
-def test_start_app_defines_the_backend_flag_once_and_sets_defaults(monkeypatch):
-    from absl import flags
-
-    monkeypatch.setattr(sys, "argv", ["app", "--backend", keras.backend.backend()])
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    assert _backend.start_app() == keras.backend.backend()
-    assert _backend.start_app() == keras.backend.backend()  # a second app module: no duplicate flag
-    assert "backend" in flags.FLAGS
-    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+def test_reload_verification_sees_the_features_under_a_zero_head(tmp_path):
+    """A new head is zeros, so the logits of any two models with it agree; the check must also
+    compare what the head takes, or a reload that lost the converted weights would pass."""
+    converted = randomize_weights(vit_keras.build_model(TINY_CONFIG, image_size=16, num_classes=7))
+    head = converted.get_layer("head")
+    head.set_weights([np.zeros_like(w) for w in head.get_weights()])
+    good, corrupted = str(tmp_path / "good.keras"), str(tmp_path / "corrupted.keras")
+    converted.save(good)
+    assert _common.verify_reload(converted, good) <= 1e-5
+    other = randomize_weights(vit_keras.build_model(TINY_CONFIG, image_size=16, num_classes=7),
+                              seed=1)
+    other.get_layer("head").set_weights(head.get_weights())
+    other.save(corrupted)
+    x = random_images(1, 16, 16)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(converted(x)),  # the old check
+                                  keras.ops.convert_to_numpy(other(x)))
+    with pytest.raises(_common.ReloadMismatchError, match="features under the head"):
+        _common.verify_reload(converted, corrupted)

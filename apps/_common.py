@@ -1,0 +1,111 @@
+"""What several apps share, once. Import after `_backend.start_app()` (Keras comes in lazily)."""
+
+import os
+import sys
+
+from absl import app
+from absl import flags
+import numpy as np
+
+import _backend
+
+FLAGS = flags.FLAGS
+
+
+def parse_image_size(values):
+    """An `--image_size` list flag (one number, or height,width) → an int or `(height, width)`."""
+    try:
+        sizes = [int(value) for value in values]
+    except ValueError:
+        sizes = None
+    if not sizes or len(sizes) > 2 or min(sizes) < 1:
+        raise app.UsageError(f"--image_size takes one positive number or height,width; got "
+                             f"{','.join(values)!r}.")
+    return sizes[0] if len(sizes) == 1 else tuple(sizes)
+
+
+def read_class_names(path, model_path):
+    """Class names from `path` (`--class_names`: a JSON list or one name per line), else from
+    `class_names.json` in the model's run folder, else `None` (classes are numbered)."""
+    from vit_keras.tools.run_folder import RunFolder, load_class_names
+
+    if path:
+        if not os.path.isfile(path):
+            raise app.UsageError(f"--class_names {path} is not a file.")
+        return load_class_names(path)
+    return RunFolder.of_model(model_path).read_class_names()
+
+
+class ReloadMismatchError(Exception):
+    """A saved `.keras` file does not compute what the model that wrote it computes."""
+
+
+def verify_reload(model, path, tolerance=1e-5):
+    """Reloads `path` and compares it with `model` on a fixed random image; returns the largest
+    difference, or raises `ReloadMismatchError`.
+
+    Compares the logits and, where the model has a `head` layer, the features it takes: a new
+    head is zero-initialised, and zeros match zeros whatever the weights under them hold.
+    """
+    import keras
+
+    reloaded = keras.models.load_model(path)
+    images = np.random.default_rng(0).uniform(0, 255, (1, *model.input_shape[1:])).astype(
+        "float32")
+
+    def outputs(m):
+        names = {layer.name for layer in m.layers}
+        probe = keras.Model(m.input, [m.output, *([m.get_layer("head").input]
+                                                  if "head" in names else [])])
+        return [np.asarray(a, dtype=np.float64) for a in probe.predict_on_batch(images)]
+
+    expected, found = outputs(model), outputs(reloaded)
+    if [e.shape for e in expected] != [f.shape for f in found]:
+        raise ReloadMismatchError(f"Reloaded {path} has outputs of shapes "
+                                  f"{[f.shape for f in found]}, not {[e.shape for e in expected]}.")
+    difference = max(float(np.max(np.abs(f - e))) for f, e in zip(found, expected))
+    scale = max(1.0, *(float(np.max(np.abs(e))) for e in expected))
+    if not difference <= tolerance * scale:  # NaN fails too
+        raise ReloadMismatchError(f"Reloaded {path} differs from the model that wrote it by "
+                                  f"{difference:g} (logits or the features under the head).")
+    return difference
+
+
+def training_app(name, started, recipe="auto", recipe_help=None):
+    """Defines the training flags (the `option` fields of `vit_keras.tools.training.RunConfig`)
+    under the calling app and returns its absl main, which runs `training.run` and reports.
+
+    Args:
+      name: the app's name: run folders are called NAME_DATASET_MODEL by default.
+      started: `time.perf_counter()` at the app's start (the run's wall time counts from it).
+      recipe: the `--recipe` default. Other than "auto", the digits data still gets the digits
+        recipe unless `--recipe` is given.
+      recipe_help: the `--recipe` help (default: `RunConfig`'s, which explains "auto").
+    """
+    from vit_keras.tools import config_flags, training
+
+    recipe_flag = {"default": recipe, **({"help": recipe_help} if recipe_help else {})}
+    config_flags.define_flags(training.RunConfig, module_name=_backend.flag_module(),
+                              recipe=recipe_flag)
+
+    def main(argv):
+        if len(argv) > 1:
+            raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+        from vit_keras.tools import callbacks, data
+        from vit_keras.tools.run_folder import RunFolder
+
+        if recipe != "auto" and FLAGS.dataset == "digits" and not FLAGS["recipe"].present:
+            FLAGS.recipe = "digits"  # before flags.txt records it: a rerun then replays the same
+        config = config_flags.from_flags(training.RunConfig, flags_text=FLAGS.flags_into_string())
+        try:
+            metrics = training.run(config, app=name, started=started)
+        except (data.DatasetNotPreparedError, callbacks.NonFiniteLossError) as error:
+            print(f"\nERROR: {error}", file=sys.stderr)
+            return 2
+        print()
+        print(training.metrics_table(metrics))
+        print(f"\nSaved model: {metrics['model_path']}")
+        print(f"Metrics:     {RunFolder.of_model(metrics['model_path']).metrics}")
+        return 0
+
+    return main
