@@ -17,6 +17,8 @@ if _CHECKOUT not in sys.path:
     sys.path.insert(0, _CHECKOUT)
 
 BACKENDS = ("jax", "tensorflow", "torch")
+# Set to 0 to leave glibc's malloc untouched on JAX (see start_app).
+KEEP_HOST_MEMORY = "VIT_KERAS_KEEP_HOST_MEMORY"
 
 
 def select_backend(argv=None):
@@ -61,7 +63,9 @@ def flag_module(depth=1):
 def start_app(only=None, help_text=None):
     """Reads `--backend`, defines its absl flag and sets the apps' runtime defaults.
 
-    Call before importing keras or vit_keras.
+    Call before importing keras or vit_keras. On JAX it also calls
+    `vit_keras.keep_freed_host_memory()` before JAX starts its CPU client (the app's first array),
+    unless `VIT_KERAS_KEEP_HOST_MEMORY=0`: see `vit_keras.xla_cpu`.
 
     Args:
       only: a backend the app always runs on (the exporter: "tensorflow"); `--backend` may then
@@ -76,6 +80,13 @@ def start_app(only=None, help_text=None):
     # torch's OpenMP threads spin while waiting; beside tf.data's threads on a small CPU that made
     # training steps 5-10x slower here. Passive waiting costs nothing measurable on an idle machine.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if ((backend or os.environ.get("KERAS_BACKEND")) == "jax"
+            and os.environ.get(KEEP_HOST_MEMORY, "1").strip() != "0"):
+        # XLA:CPU mallocs each step's scratch buffer; without this every step page-faults it in
+        # again. Importing keras on JAX starts no CPU client yet, so this still comes first.
+        import vit_keras  # pylint: disable=import-outside-toplevel
+
+        vit_keras.keep_freed_host_memory()
     from absl import flags  # pylint: disable=import-outside-toplevel
 
     # Filed under the calling app's module: an app's `--help` lists only its own flags.

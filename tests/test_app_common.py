@@ -1,7 +1,9 @@
-"""What the apps share: `apps/_backend.py` (the backend, before Keras) and `apps/_common.py`
-(--image_size, class names)."""
+"""What the apps share: `apps/_backend.py` (the backend, before Keras; glibc's malloc on JAX) and
+`apps/_common.py` (--image_size, class names)."""
 
+import json
 import os
+import subprocess
 import sys
 
 import keras
@@ -40,10 +42,71 @@ def test_start_app_defines_the_backend_flag_once_and_sets_defaults(monkeypatch):
 
     monkeypatch.setattr(sys, "argv", ["app", "--backend", keras.backend.backend()])
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setenv(_backend.KEEP_HOST_MEMORY, "0")  # leave this test process's malloc alone
     assert _backend.start_app() == keras.backend.backend()
     assert _backend.start_app() == keras.backend.backend()  # a second app module: no duplicate flag
     assert "backend" in flags.FLAGS
     assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+# Runs apps/predict.py --help with ctypes' mallopt replaced by a recorder that also notes whether
+# JAX's CPU client had started: glibc's setting reaches only threads that have not allocated yet.
+_MALLOPT_CODE = """
+import ctypes, json, runpy, sys
+
+calls = []
+
+def client_started():
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import xla_bridge
+    return xla_bridge.backends_are_initialized()
+
+class Recording(ctypes.CDLL):
+    def __getattr__(self, name):
+        if name != "mallopt":
+            return super().__getattr__(name)
+        def mallopt(parameter, value):
+            calls.append({"parameter": parameter, "value": value, "client": client_started()})
+            return 1
+        return mallopt
+
+ctypes.CDLL = Recording
+sys.path.insert(0, "apps")  # as Python does for a script
+sys.argv = ["apps/predict.py", *sys.argv[1:], "--helpshort"]
+try:
+    runpy.run_path("apps/predict.py", run_name="__main__")
+except SystemExit:  # absl exits after the help
+    pass
+import keras
+print(json.dumps({"calls": calls, "backend": keras.backend.backend()}))
+"""
+
+
+@pytest.mark.jax_subprocess
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt is Linux-only")
+@pytest.mark.parametrize("argv, env, backend, applied", [
+    (["--backend", "jax"], {"KERAS_BACKEND": "torch"}, "jax", True),  # the flag wins
+    ([], {"KERAS_BACKEND": "jax"}, "jax", True),
+    ([], {"KERAS_BACKEND": "jax", _backend.KEEP_HOST_MEMORY: "0"}, "jax", False),
+    (["--backend", "torch"], {"KERAS_BACKEND": "jax"}, "torch", False),
+])
+def test_an_app_keeps_freed_host_memory_on_jax_before_its_cpu_client_starts(
+        argv, env, backend, applied):
+    environment = {name: value for name, value in os.environ.items()
+                   if name != _backend.KEEP_HOST_MEMORY}
+    environment.update(TF_CPP_MIN_LOG_LEVEL="3", **env)
+    result = subprocess.run([sys.executable, "-c", _MALLOPT_CODE, *argv], cwd=REPO_ROOT,
+                            env=environment, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert found["backend"] == backend
+    if applied:  # keep_freed_host_memory's three settings, all before JAX's CPU client
+        assert [(c["parameter"], c["value"]) for c in found["calls"]] == [
+            (-8, 1), (-4, 0), (-1, 1 << 30)], found
+        assert not any(c["client"] for c in found["calls"]), found
+    else:
+        assert found["calls"] == [], found
 
 
 @pytest.mark.backend_independent
