@@ -129,3 +129,30 @@ def test_read_class_names_from_the_flag_then_the_run_folder(tmp_path):
     assert _common.read_class_names(str(tmp_path / "names.txt"), str(model)) == ["bird", "fish"]
     with pytest.raises(app.UsageError, match="--class_names .*missing.txt is not a file"):
         _common.read_class_names(str(tmp_path / "missing.txt"), str(model))
+
+
+@pytest.mark.backend_independent
+def test_run_config_fields_are_the_training_flags():
+    from absl import flags
+
+    from vit_keras.tools import config_flags, training
+
+    flag_values = flags.FlagValues()
+    config_flags.define_flags(training.RunConfig, flag_values=flag_values,
+                              recipe={"default": "pretrain"})
+    fields = config_flags.flag_fields(training.RunConfig)
+    assert {f.name for f in fields} == set(flag_values) and "flags_text" not in flag_values
+    for field in fields:
+        flag = flag_values[field.name]
+        assert flag.help.endswith(field.metadata["help"]), field.name
+        assert flag.default == ("pretrain" if field.name == "recipe" else field.default), field.name
+    assert flag_values["recipe"].parser.enum_values == ["auto", "finetune", "pretrain", "digits"]
+    flag_values(["app", "--batch_size=8", "--noflip", "--learning_rate=0.5", "--decay=linear"])
+    config = config_flags.from_flags(training.RunConfig, flag_values, flags_text="x")
+    assert (config.batch_size, config.flip, config.learning_rate, config.decay, config.recipe,
+            config.flags_text) == (8, False, 0.5, "linear", "pretrain", "x")
+    with pytest.raises(flags.IllegalFlagValueError):
+        flag_values["decay"].parse("step")
+    with pytest.raises(ValueError, match="no flag fields"):
+        config_flags.define_flags(training.RunConfig, flag_values=flags.FlagValues(),
+                                  recipes={"default": "x"})
