@@ -1,7 +1,6 @@
 """Training callbacks: atomic checkpoint and backup (a killed run never leaves a truncated file),
 NaN guard, throughput."""
 
-import base64
 import json
 import os
 import time
@@ -29,19 +28,26 @@ class AtomicModelCheckpoint(keras.callbacks.Callback):
 
 
 class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
-    """`BackupAndRestore` that commits each epoch's backup atomically, random state included.
+    """`BackupAndRestore` that commits each epoch's backup atomically and resumes a run exactly.
 
     A backup is `epoch-N.weights.h5` (weights and optimizer state: Keras' `save_weights` writes
-    both) and `training_metadata.json`, which names that file and holds `random_state(model)`:
-    the dropout and drop-path generators' states are in `model.variables` but not in
+    both) and `training_metadata.json`, which names that file and holds the states of the
+    model's `SeedGenerator`s (dropout, drop path): they are in `model.variables` but not in
     `model.weights`, so without them a resumed run would replay the first epoch's dropout masks.
     The JSON is replaced last, with `os.replace`: a SIGKILL at any moment leaves either the
     previous backup or the new one, never weights of one epoch with the epoch count of another,
     nor a truncated file.
+
+    On torch, Keras' `Dropout` without a seed draws from torch's global generator (torch cannot
+    seed its fused dropout), and so does the `DataLoader` Keras wraps the input in, each time it
+    creates an iterator: once per `fit` for a repeated `tf.data` stream, once per epoch for
+    arrays, so a resumed `fit` makes a draw the uninterrupted one did not. The callback therefore
+    seeds that generator from `(seed, epoch)` at each epoch's first step.
     """
 
-    def __init__(self, backup_dir, **kwargs):
+    def __init__(self, backup_dir, seed=0, **kwargs):
         super().__init__(backup_dir, double_checkpoint=False, **kwargs)
+        self.seed = seed
 
     guard = None  # a StopOnNaN: nothing is written once the loss is not finite
 
@@ -55,7 +61,7 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
         self.model.save_weights(temporary, overwrite=True)
         os.replace(temporary, os.path.join(self.backup_dir, name))
         atomic_write_json({"epoch": self._current_epoch, "batch": self._last_batch_seen,
-                           "weights": name, "random_state": random_state(self.model)},
+                           "weights": name, "seed_generators": seed_generator_states(self.model)},
                           self._training_metadata_path)
         stale = (previous or {}).get("weights", "latest.weights.h5")
         if stale != name and os.path.exists(os.path.join(self.backup_dir, stale)):
@@ -69,19 +75,19 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
         self._weights_path = os.path.join(self.backup_dir,
                                           metadata.get("weights", "latest.weights.h5"))
         super()._load_model()
-        if "random_state" in metadata:
-            set_random_state(self.model, metadata["random_state"])
-            self._torch_state = metadata["random_state"]
+        if "seed_generators" in metadata:
+            set_seed_generator_states(self.model, metadata["seed_generators"])
 
-    _torch_state = None
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
 
     def on_train_batch_begin(self, batch, logs=None):
-        # Keras on torch wraps tf.data in a DataLoader whose iterator, created as `fit` fetches
-        # its first batch, draws a seed from torch's global generator: a draw the uninterrupted
-        # run made in its first epoch. Restored after it, the generator is where the backup was.
-        if self._torch_state is not None:
-            set_torch_random_state(self._torch_state)
-            self._torch_state = None
+        if batch == 0 and keras.backend.backend() == "torch":
+            import torch
+
+            # After the first batch is fetched: after any iterator the epoch created.
+            seed = np.random.SeedSequence([self.seed, self._epoch]).generate_state(1)[0]
+            torch.manual_seed(int(seed))
 
     def _read_metadata(self):
         try:
@@ -99,62 +105,27 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
             return 0
 
 
-def _seed_variables(model):
+def _seed_generator_variables(model):
     weights = {id(w) for w in model.weights}
     return [v for v in model.variables if id(v) not in weights]
 
 
-def random_state(model):
-    """What a resumed run needs to draw the random numbers the uninterrupted run would have, and
-    `save_weights` leaves out, as JSON: `{"seed_generators": [[variable path, [ints]], ...],
-    "torch": base64 or absent, "torch_cuda": [base64, ...] or absent}`.
-
-    The model's `SeedGenerator` states (dropout, drop path); on torch also the global
-    generators, from which Keras' `Dropout` without a seed draws (torch cannot seed a fused
-    dropout, so Keras calls `torch.nn.functional.dropout`).
-    """
-    state = {"seed_generators": [[v.path, np.asarray(keras.ops.convert_to_numpy(v)).tolist()]
-                                 for v in _seed_variables(model)]}
-    if keras.backend.backend() == "torch":
-        import torch
-
-        state["torch"] = _b64(torch.get_rng_state())
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["torch_cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
-    return state
+def seed_generator_states(model):
+    """`[[variable path, [ints]], ...]`: the states of `model`'s `SeedGenerator`s, in order."""
+    return [[v.path, np.asarray(keras.ops.convert_to_numpy(v)).tolist()]
+            for v in _seed_generator_variables(model)]
 
 
-def set_random_state(model, state):
-    """Restores the `SeedGenerator` states of what `random_state` returned, by position (their
-    variables' paths carry a per-process counter); `set_torch_random_state` restores the rest."""
-    variables = _seed_variables(model)
-    saved = state["seed_generators"]
-    if len(variables) != len(saved):
-        raise ValueError(f"The backup holds {len(saved)} random-generator states but the model "
+def set_seed_generator_states(model, states):
+    """Restores what `seed_generator_states` returned, by position: the variables' paths carry a
+    per-process counter."""
+    variables = _seed_generator_variables(model)
+    if len(variables) != len(states):
+        raise ValueError(f"The backup holds {len(states)} random-generator states but the model "
                          f"has {len(variables)}: it was built with other dropout or drop-path "
                          f"settings than the run that wrote the backup.")
-    for variable, (_, values) in zip(variables, saved):
+    for variable, (_, values) in zip(variables, states):
         variable.assign(np.asarray(values, dtype=variable.dtype))
-
-
-def set_torch_random_state(state):
-    """Restores torch's global generators from what `random_state` returned (if it has them)."""
-    if "torch" in state:
-        import torch
-
-        torch.set_rng_state(_from_b64(state["torch"]))
-        if "torch_cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([_from_b64(s) for s in state["torch_cuda"]])
-
-
-def _b64(tensor):
-    return base64.b64encode(tensor.numpy().tobytes()).decode("ascii")
-
-
-def _from_b64(text):
-    import torch
-
-    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
 
 
 class NonFiniteLossError(RuntimeError):

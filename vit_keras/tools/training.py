@@ -316,7 +316,7 @@ def run(config, app="finetune", log=print, started=None):
         epochs = max(1, math.ceil(recipe.total_steps * accum / steps_per_epoch))
     total_updates = max(1, epochs * steps_per_epoch // accum)
 
-    backup = callbacks_lib.AtomicBackupAndRestore(folder.backup)
+    backup = callbacks_lib.AtomicBackupAndRestore(folder.backup, seed=config.seed)
     resume_epoch = backup.resume_epoch
     augmentation = augmentation_for(config)
     # Keras keeps one iterator over a repeated stream across epochs: epoch e reads batches
