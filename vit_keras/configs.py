@@ -76,6 +76,7 @@ _HYBRIDS = (
 )
 
 VARIANTS = types.MappingProxyType({config.name: config for config in _VITS + _HYBRIDS})
+"""Every variant of the paper (ViTs and hybrids) by name, read-only."""
 
 
 def get_config(variant):

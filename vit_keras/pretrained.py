@@ -32,14 +32,15 @@ def build_model(variant, *, weights=None, image_size=224, num_classes=1000, incl
         [-1, 1] (the original weights' convention); `False`: inputs are already normalised.
       classifier: `"token"` (class token) or `"gap"` (global average pooling, no class token).
       representation_size: width of the optional `pre_logits` layer (Dense + tanh) before the head.
-      dropout, attention_dropout: dropout rates after embeddings/attention/MLP and on attention
-        probabilities.
+      dropout: dropout rate after the embeddings, the attention and the MLP.
+      attention_dropout: dropout rate on the attention probabilities.
       drop_path_rate: stochastic depth of the last block; earlier blocks get linearly less.
       channels: number of input channels.
       layer_norm_epsilon: 1e-6 as in the original models.
       approximate_gelu: the tanh GELU of Flax (exact erf GELU, as in timm and Hugging Face, if False).
       hybrid_numerics: hybrids only: the weight-standardisation and GroupNorm epsilons of
         `"vit_jax"` (the original models) or `"timm"` (see `vit_keras.resnet.NUMERICS`).
+      name: the model's name (default: the variant's, with "/" replaced by "_").
 
     Returns:
       A `keras.Model` mapping `(batch, height, width, channels)` to logits `(batch, num_classes)`
@@ -93,7 +94,9 @@ def build_model_from_checkpoint(path, *, variant=None, image_size=None, num_clas
       num_classes: default: the checkpoint's head; another count gets a zero-initialised head.
       include_top: default: `True` when the checkpoint has a head or `num_classes` is given.
       num_heads: for timm files of non-standard width (the file does not store it).
-      strict, interpolation, antialias: as in `load_pretrained`.
+      strict: as in `vit_keras.load_pretrained`.
+      interpolation: as in `vit_keras.load_pretrained`.
+      antialias: as in `vit_keras.load_pretrained`.
       **build_kwargs: any other `build_model` argument (e.g. `include_preprocessing`, `dropout`),
         overriding what the checkpoint says.
 

@@ -136,7 +136,7 @@ def make_optimizer(recipe, total_steps=None, accum_steps=1):
 
 def use_jit_compile():
     """XLA on JAX and TensorFlow; not on torch, where Keras' `jit_compile` (torch.compile) takes
-    minutes to compile a ViT training step on CPU and gives no speed-up (see PERFORMANCE notes)."""
+    minutes to compile a ViT training step on CPU and gives no speed-up (docs/performance.md)."""
     return keras.backend.backend() in ("jax", "tensorflow")
 
 
