@@ -2,12 +2,10 @@
 command line, reproduce the logits of the backend that trained them."""
 
 import concurrent.futures
-import json
 import os
 import subprocess
 import sys
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf

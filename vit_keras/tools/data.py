@@ -181,9 +181,10 @@ def folder_splits(path, val_fraction=0.1, seed=0):
         split_files["train"] = (files, labels)
         for split, folder in (("val", "val"), ("test", "test")):
             if os.path.isdir(os.path.join(path, folder)):
-                f, l, _, b = scan_folder(os.path.join(path, folder), class_names)
-                split_files[split] = (f, l)
-                bad += b
+                split_paths, split_labels, _, unreadable = scan_folder(
+                    os.path.join(path, folder), class_names)
+                split_files[split] = (split_paths, split_labels)
+                bad += unreadable
         if "val" not in split_files:
             split_files["train"], split_files["val"] = _hold_out(files, labels, val_fraction, seed)
             notes.append(f"{path}: no val/ folder; holding out {val_fraction:.0%} of train/ as val.")
@@ -260,8 +261,9 @@ def tfds_splits(name, data_dir=None, val_fraction=0.02, download=True):
     try:
         builder = tfds.builder(name, data_dir=data_dir)
     except Exception as error:
-        raise ValueError(f"Unknown dataset {name!r}: {error}. Use 'digits', 'folder:PATH' or a tfds "
-                         f"name such as cifar10, cifar100, oxford_iiit_pet, oxford_flowers102.") from None
+        raise ValueError(
+            f"Unknown dataset {name!r}: {error}. Use 'digits', 'folder:PATH' or a tfds name such as "
+            f"cifar10, cifar100, oxford_iiit_pet, oxford_flowers102.") from None
     where = data_dir or "~/tensorflow_datasets"
     if not builder.is_prepared():
         how = (f"Prepare it on a machine with network access with\n"
