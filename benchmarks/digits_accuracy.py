@@ -1,5 +1,6 @@
 """Measures the main job's claim (docs/performance.md): `python apps/finetune.py --backend B` with
-no other flags reaches >= 95% held-out test accuracy on the digits data in under 5 minutes, on each backend.
+no other flags reaches >= 95% held-out test accuracy on the digits data in under 5 minutes, on
+each backend.
 
     python benchmarks/digits_accuracy.py                       # all three backends, one at a time
     python benchmarks/digits_accuracy.py --backends jax torch --json digits.json
