@@ -13,7 +13,13 @@ from keras import ops
 from vit_keras.xla_cpu import einsum, materialize_gradient, workarounds_active
 
 _PACKAGE = "vit_keras"
-_MLP_BIAS_INIT = keras.initializers.RandomNormal(stddev=1e-6)
+
+
+def _mlp_bias_initializer():
+    """normal(stddev 1e-6), as vit_jax. One per weight, made when the layer is built: an
+    initializer made at import would take its seed before `keras.utils.set_random_seed` runs, and
+    one shared by several weights would give them all the same values."""
+    return keras.initializers.RandomNormal(stddev=1e-6)
 
 
 def _xavier_uniform(fan_in, fan_out):
@@ -279,11 +285,11 @@ class MlpBlock(keras.layers.Layer):
         hidden = input_shape[-1]
         self.dense_0 = keras.layers.Dense(
             self.mlp_dim, kernel_initializer=_xavier_uniform(hidden, self.mlp_dim),
-            bias_initializer=_MLP_BIAS_INIT, dtype=self.dtype_policy, name="Dense_0")
+            bias_initializer=_mlp_bias_initializer(), dtype=self.dtype_policy, name="Dense_0")
         self.dense_0.build(input_shape)
         self.dense_1 = keras.layers.Dense(
             hidden, kernel_initializer=_xavier_uniform(self.mlp_dim, hidden),
-            bias_initializer=_MLP_BIAS_INIT, dtype=self.dtype_policy, name="Dense_1")
+            bias_initializer=_mlp_bias_initializer(), dtype=self.dtype_policy, name="Dense_1")
         self.dense_1.build((*input_shape[:-1], self.mlp_dim))
 
     def call(self, x, training=None):
