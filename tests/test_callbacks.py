@@ -84,3 +84,81 @@ def test_metrics_json_is_written_atomically(tmp_path):
     run_folder.atomic_write_json({"test_accuracy": np.float32(0.5), "shape": (1, 2)}, path)
     assert json.load(open(path)) == {"test_accuracy": 0.5, "shape": [1, 2]}
     assert os.listdir(tmp_path) == ["metrics.json"]
+
+
+def _dropout_model(tiny_config, seed):
+    from vit_keras import build_model
+
+    keras.utils.set_random_seed(seed)
+    model = build_model(tiny_config, image_size=8, num_classes=3, dropout=0.3)
+    recipes.compile_model(model, recipes.make_optimizer(recipes.DIGITS_RECIPE, 8))
+    return model
+
+
+class _Crash(keras.callbacks.Callback):
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise KeyboardInterrupt  # stands in for a kill after the epoch before was backed up
+
+
+def test_resumed_fit_continues_exactly_where_the_backup_left_off(tmp_path, tiny_config):
+    """Weights, optimizer state (AdamW moments, step count) and dropout generators come back:
+    epochs after the resume have the uninterrupted run's losses to the bit, on every backend."""
+    x, y = tiny_data(n=32)
+
+    def fit(model, backup, epochs_seen=None):
+        callbacks_list = [callbacks.AtomicBackupAndRestore(str(tmp_path / backup))]
+        if epochs_seen is not None:
+            callbacks_list.append(_Crash(epochs_seen))
+        return model.fit(x, y, batch_size=8, epochs=4, shuffle=False, verbose=0,
+                         callbacks=callbacks_list).history["loss"]
+
+    uninterrupted = fit(_dropout_model(tiny_config, 0), "a")
+    with pytest.raises(KeyboardInterrupt):
+        fit(_dropout_model(tiny_config, 0), "b", epochs_seen=2)
+    metadata = json.load(open(tmp_path / "b" / "training_metadata.json"))
+    assert metadata["epoch"] == 2 and metadata["weights"] == "epoch-2.weights.h5"
+    # The dropout after the embedding and, in each of the 2 blocks, after attention and in the MLP.
+    assert len(metadata["seed_generators"]) == 1 + 2 * 2
+    # Another seed: every value the continuation uses must come from the backup.
+    resumed = fit(_dropout_model(tiny_config, 1), "b")
+    assert resumed == uninterrupted[2:]
+
+
+def test_a_kill_between_the_weights_and_the_metadata_keeps_the_previous_backup(
+        tmp_path, tiny_config, monkeypatch):
+    x, y = tiny_data()
+    model = tiny_model(tiny_config)
+    recipes.compile_model(model, "adam")
+    weights = []
+    record = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: weights.append(
+        [keras.ops.convert_to_numpy(w).copy() for w in model.weights]))
+    commits = []
+
+    def commit_or_die(data, path):
+        if commits:  # the second epoch: its weights file is written, its metadata is not
+            raise KeyboardInterrupt
+        commits.append(data)
+        run_folder.atomic_write_json(data, path)
+
+    monkeypatch.setattr(callbacks, "atomic_write_json", commit_or_die)
+    backup = callbacks.AtomicBackupAndRestore(str(tmp_path / "backup"))
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, y, epochs=3, verbose=0, callbacks=[record, backup])
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path / "backup")) == [
+        "epoch-1.weights.h5", "epoch-2.weights.h5", "training_metadata.json"]
+    assert backup.resume_epoch == 1
+    fresh = tiny_model(tiny_config)
+    recipes.compile_model(fresh, "adam")
+    restored = []
+    fresh.fit(x, y, epochs=1, verbose=0, callbacks=[
+        callbacks.AtomicBackupAndRestore(str(tmp_path / "backup")),
+        keras.callbacks.LambdaCallback(on_train_begin=lambda logs: restored.extend(
+            keras.ops.convert_to_numpy(w).copy() for w in fresh.weights))])
+    for value, expected in zip(restored, weights[0]):  # epoch 1's weights, not epoch 2's
+        np.testing.assert_array_equal(value, expected)
