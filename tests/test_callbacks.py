@@ -162,3 +162,16 @@ def test_a_kill_between_the_weights_and_the_metadata_keeps_the_previous_backup(
             keras.ops.convert_to_numpy(w).copy() for w in fresh.weights))])
     for value, expected in zip(restored, weights[0]):  # epoch 1's weights, not epoch 2's
         np.testing.assert_array_equal(value, expected)
+
+
+def test_a_backup_without_its_weights_file_is_an_error_not_a_fresh_start(tmp_path, tiny_config):
+    backup = tmp_path / "backup"
+    backup.mkdir()
+    (backup / "training_metadata.json").write_text(
+        json.dumps({"epoch": 3, "batch": 0, "weights": "epoch-3.weights.h5"}))
+    model = tiny_model(tiny_config)
+    recipes.compile_model(model, "sgd")
+    x, y = tiny_data()
+    with pytest.raises(FileNotFoundError, match="epoch-3.weights.h5 is missing"):
+        model.fit(x, y, epochs=5, verbose=0,
+                  callbacks=[callbacks.AtomicBackupAndRestore(str(backup))])

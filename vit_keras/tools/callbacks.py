@@ -74,6 +74,11 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
         # Backups written before the file was named in the metadata used Keras' name.
         self._weights_path = os.path.join(self.backup_dir,
                                           metadata.get("weights", "latest.weights.h5"))
+        if not os.path.exists(self._weights_path):  # Keras would resume from fresh weights
+            raise FileNotFoundError(
+                f"The backup in {self.backup_dir} is of epoch {metadata.get('epoch')} but its "
+                f"weights file {self._weights_path} is missing; delete {self.backup_dir} to "
+                f"start the run afresh.")
         super()._load_model()
         if "seed_generators" in metadata:
             set_seed_generator_states(self.model, metadata["seed_generators"])

@@ -269,7 +269,7 @@ def plot_history(history, path):
 
 def _rng_seed(seed):
     keras.utils.set_random_seed(seed)
-    import tensorflow as tf  # tf.data shuffles and crops with TensorFlow's global seed
+    import tensorflow as tf  # TF ops without a seed of their own read its global seed
 
     tf.random.set_seed(seed)
 
