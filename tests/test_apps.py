@@ -32,17 +32,9 @@ def _app(name, *args, env=None, timeout=600, check=True):
     return result
 
 
-# vit_keras.layers' MLP-bias initializer is made at import, its seed an unseeded Python `random`
-# draw, so each process starts from other MLP biases (stddev 1e-6) whatever --seed says; with
-# `random` seeded first, two runs of the command start alike and compare to the bit.
-_SEEDED_FINETUNE = ("import random, runpy, sys; random.seed(0); sys.path.insert(0, 'apps'); "
-                    "sys.argv[0] = 'apps/finetune.py'; "
-                    "runpy.run_path('apps/finetune.py', run_name='__main__')")
-
-
 def _resume_command(output):
     """12 tiny epochs of finetune.py on digits. `--backend` stands last on purpose."""
-    return [sys.executable, "-c", _SEEDED_FINETUNE, *TINY, "--epochs", "12", "--output_dir",
+    return [sys.executable, "apps/finetune.py", *TINY, "--epochs", "12", "--output_dir",
             str(output), "--run_name", "resume", "--backend", BACKEND]
 
 
@@ -97,7 +89,8 @@ def test_killed_and_resumed_run_reproduces_the_uninterrupted_run_exactly(resumed
                                                                          uninterrupted_run):
     """Bit for bit on all three backends: the input stream is a function of (seed, example
     index), the backup holds weights, optimizer and dropout-generator states, and a training step
-    on the CPU is deterministic. The SIGKILL lands after any of the 12 epochs' backups."""
+    on the CPU is deterministic. The SIGKILL lands after any of the 12 epochs' backups. Equal in
+    every run so far: 3 on JAX, 2 on TensorFlow, 2 on torch (plus one by hand on each)."""
     from vit_keras.tools.training import read_history
 
     resumed = read_history(resumed_run["dir"] / "history.csv")
@@ -126,8 +119,9 @@ def test_run_folder_holds_model_metrics_flags_logs_and_curves(resumed_run):
     assert "| test accuracy" in resumed_run["second"]
     assert not [f for f in os.listdir(run_dir) if ".tmp" in f]
     # 12 short epochs on 4-token images: far from the default run's 97%, but clearly learning.
-    # Deterministic for a backend and CPU; over --seed 0..7 on each backend (24 runs) the test
-    # accuracy was 0.28 to 0.62 (mean 0.44), twice chance at the least.
+    # Deterministic for a backend and CPU. Over --seed 0..7 on each backend (24 runs) the test
+    # accuracy was 0.36 to 0.59 (mean 0.44, sd 0.07); 24 more with the MLP biases of an earlier
+    # initializer gave 0.28 to 0.62. Chance is 0.1.
     assert metrics["test_accuracy"] > 0.2
 
 
