@@ -1,14 +1,13 @@
 """Training callbacks: atomic checkpoint and backup (a killed run never leaves a truncated file),
 NaN guard, throughput."""
 
-import json
 import os
 import time
 
 import keras
 import numpy as np
 
-from vit_keras.tools.run_folder import atomic_save_model, atomic_write_json
+from vit_keras.tools.run_folder import atomic_save_model, atomic_write_json, read_json
 
 
 class AtomicModelCheckpoint(keras.callbacks.Callback):
@@ -95,11 +94,7 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
             torch.manual_seed(int(seed))
 
     def _read_metadata(self):
-        try:
-            with open(self._training_metadata_path) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return None
+        return read_json(self._training_metadata_path)
 
     @property
     def resume_epoch(self):

@@ -43,6 +43,15 @@ def _json_default(value):
     return str(value)
 
 
+def read_json(path):
+    """The JSON value in `path`, or `None` when the file is absent or unreadable."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 def load_class_names(path):
     """Class names from a JSON list of strings or a text file with one name per line."""
     with open(path, encoding="utf-8") as f:
@@ -102,11 +111,7 @@ class RunFolder:
 
     def read_metrics(self):
         """The run's `metrics.json` as a dict, or `None` when absent or unreadable."""
-        try:
-            with open(self.metrics) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return None
+        return read_json(self.metrics)
 
     def temporary_files(self):
         """Names in the folder left by an interrupted atomic write (none after a clean run)."""
