@@ -35,6 +35,8 @@ def test_throughput_benchmark_measures_vit_keras_on_a_tiny_model(tmp_path, dtype
     report = json.loads(output.read_text())
     for mode in ("inference", "train"):
         (row,) = [r for r in report["rows"] if r["mode"] == mode]
+        # No timing bound: the bounds are physical (a measured time is positive, and no step can
+        # beat the GEMM peak the same script measured), so a loaded machine cannot fail them.
         assert row["median"] > 0 and 0 < row["median_fraction_of_peak"] < 1
     assert f"| tiny | train | vit_keras-{backend} |" in result.stdout
     assert report["gemm_peak_flops"][backend][0] > 1e8

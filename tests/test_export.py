@@ -159,7 +159,9 @@ def test_litert_quantized_export_reports_top1_agreement(model, litert_dir, quant
     assert verification.tolerance is None and verification.passed
     assert 0.0 <= verification.top1_agreement <= 1.0
     assert not _has_flex_ops(vit_export.litert_ops(path))
-    # Quantised weights move logits by about a percent of their scale, not more.
+    # The model and the verification images are seeded, so this measures one fixed number:
+    # 0.013 for dynamic_int8 and 0.0005 for float16 (TF 2.x, measured 2026-11-25); the bound
+    # leaves room for converter releases, and fails when quantisation stops being per-channel.
     assert verification.max_rel_diff < 0.1, verification.summary()
 
 
