@@ -16,6 +16,7 @@ from vit_keras.analysis import (
     token_size_pixels,
 )
 from vit_keras.checkpoints import load_pretrained, save_npz
+from vit_keras.labels import class_names
 from vit_keras.configs import VARIANTS, ViTConfig, get_config
 from vit_keras.layers import (
     AddPositionEmbs,
@@ -29,6 +30,7 @@ from vit_keras.layers import (
 from vit_keras.model import attention_scores
 from vit_keras.posemb import resample_position_embeddings
 from vit_keras.pretrained import build_model, build_model_from_checkpoint
+from vit_keras.releases import Release, list_weights
 from vit_keras.resnet import ResidualUnit, ResNetStage, ResNetStem, StdConv2D
 from vit_keras.xla_cpu import keep_freed_host_memory
 
@@ -37,6 +39,9 @@ __version__ = "0.1.0"
 __all__ = [
     "build_model",
     "build_model_from_checkpoint",
+    "list_weights",
+    "Release",
+    "class_names",
     "load_pretrained",
     "save_npz",
     "VARIANTS",

@@ -80,7 +80,8 @@ VARIANTS = types.MappingProxyType({config.name: config for config in _VITS + _HY
 
 
 def get_config(variant):
-    """Resolves a variant name, a `ViTConfig` or a mapping of `ViTConfig` fields to a `ViTConfig`."""
+    """Resolves a variant name (`"ViT-B/16"`, or `"ViT-B_16"` as the published files spell it), a
+    `ViTConfig` or a mapping of `ViTConfig` fields to a `ViTConfig`."""
     if isinstance(variant, ViTConfig):
         return variant
     if isinstance(variant, dict):
@@ -92,4 +93,7 @@ def get_config(variant):
         return ViTConfig(**fields)
     if variant in VARIANTS:
         return VARIANTS[variant]
+    official = variant.replace("_", "/") if isinstance(variant, str) else None
+    if official in VARIANTS:  # the release files' spelling, "ViT-B_16"
+        return VARIANTS[official]
     raise ValueError(f"Unknown variant {variant!r}; known variants: {', '.join(VARIANTS)}.")

@@ -12,7 +12,7 @@ from vit_keras import layers
 from vit_keras import resnet
 
 
-def build_vit(variant, *, image_size=224, num_classes=1000, include_top=True,
+def build_vit(variant, *, image_size=None, num_classes=None, include_top=True,
               include_preprocessing=True, classifier="token", representation_size=None,
               dropout=0.0, attention_dropout=0.0, drop_path_rate=0.0, channels=3,
               layer_norm_epsilon=1e-6, approximate_gelu=False, hybrid_numerics="vit_jax",
@@ -20,7 +20,8 @@ def build_vit(variant, *, image_size=224, num_classes=1000, include_top=True,
     """The architecture half of `vit_keras.build_model`: every argument but `weights`, documented
     there. Returns the freshly initialised `keras.Model`."""
     config = configs.get_config(variant)
-    height, width = geometry.pair(image_size, "image size")
+    height, width = geometry.pair(224 if image_size is None else image_size, "image size")
+    num_classes = 1000 if num_classes is None else num_classes
     if classifier not in layers.TokenPooling.MODES:
         raise ValueError(f"Unknown classifier {classifier!r}; expected one of "
                          f"{layers.TokenPooling.MODES}.")

@@ -5,13 +5,55 @@ The model builder (`model.py`) knows nothing of checkpoints and the checkpoint l
 (`checkpoints/`) builds no models; this facade depends on both, so imports point one way.
 """
 
+import os
+
 from vit_keras import configs
+from vit_keras import download
 from vit_keras import geometry
 from vit_keras import model as model_lib
+from vit_keras import releases
 from vit_keras.checkpoints import loader
 
+HUB_PREFIX = "hf-hub:"
+_CHECKPOINT_SUFFIXES = (".npz", ".pth", ".pt", ".bin", ".safetensors", ".keras", ".h5")
 
-def build_model(variant, *, weights=None, image_size=224, num_classes=1000, include_top=True,
+
+def resolve_weights(weights, variant=None, image_size=None):
+    """The local checkpoint a `weights=` argument names, downloading it if it is published.
+
+    Args:
+      weights: a path (file or Hugging Face folder); a release name (see `vit_keras.list_weights`,
+        e.g. `"augreg_in21k_ft_in1k"`), which needs `variant`; or `"hf-hub:<repo id>"`, a
+        Hugging Face hub repository (timm or transformers layout, fetched with huggingface_hub).
+        A `Checkpoint` passes through.
+      variant: the variant a release name is looked up for.
+      image_size: picks among a release's resolutions (see `vit_keras.releases.find_release`).
+
+    Returns:
+      `(checkpoint, release)`: a path or `Checkpoint`, and the `Release` it is (or None).
+
+    Raises:
+      ValueError: for a release the variant does not have (the message lists those it has).
+      vit_keras.download.WeightsUnavailableError: when a release cannot be downloaded.
+    """
+    if isinstance(weights, os.PathLike):
+        weights = os.fspath(weights)
+    if not isinstance(weights, str) or os.path.exists(weights):
+        return weights, None
+    if weights.startswith(HUB_PREFIX):
+        repo_id = weights[len(HUB_PREFIX):]
+        return download.fetch_hub(repo_id), releases.release_for_hub_id(repo_id)
+    if "/" in weights or os.sep in weights or weights.endswith(_CHECKPOINT_SUFFIXES):
+        raise FileNotFoundError(f"No checkpoint at {weights!r}.")
+    if variant is None:
+        raise ValueError(f"weights={weights!r} is not a file; as a release name it needs the "
+                         f"variant (e.g. build_model('ViT-B/16', weights={weights!r})). Releases: "
+                         f"{', '.join(releases.RELEASE_NAMES)}.")
+    release = releases.find_release(variant, weights, image_size)
+    return download.fetch(release.path), release
+
+
+def build_model(variant, *, weights=None, image_size=None, num_classes=None, include_top=True,
                 include_preprocessing=True, classifier="token", representation_size=None,
                 dropout=0.0, attention_dropout=0.0, drop_path_rate=0.0, channels=3,
                 layer_norm_epsilon=1e-6, approximate_gelu=False, hybrid_numerics="vit_jax",
@@ -21,17 +63,25 @@ def build_model(variant, *, weights=None, image_size=224, num_classes=1000, incl
     Args:
       variant: a name from `vit_keras.VARIANTS` (e.g. `"ViT-B/16"`), a `ViTConfig`, or a dict of
         `ViTConfig` fields for a custom architecture.
-      weights: optional checkpoint (vit_jax/big_vision `.npz`, timm or Hugging Face state dict or
-        folder) loaded after building with `vit_keras.load_pretrained` (strict, position
-        embeddings resampled, a head of another class count zero-initialised).
-      image_size: `int` or `(height, width)`; multiples of the patch size.
-      num_classes: size of the classification head.
+      weights: optional weights loaded after building with `vit_keras.load_pretrained` (strict,
+        position embeddings resampled, a head of another class count zero-initialised): a
+        published release by name (`"imagenet21k"`, `"imagenet21k+imagenet2012"`,
+        `"augreg_in21k"`, `"augreg_in21k_ft_in1k"`, `"augreg_in1k"`; `vit_keras.list_weights`
+        lists them), downloaded once into the cache (see `vit_keras.download`); a checkpoint
+        file or folder (vit_jax/big_vision `.npz`, timm or Hugging Face state dict); or
+        `"hf-hub:<repo id>"` (see `resolve_weights`).
+      image_size: `int` or `(height, width)`; multiples of the patch size. Default: the
+        release's resolution (the file nearest to `image_size` is taken when a release has
+        several), else 224.
+      num_classes: size of the classification head. Default: the release's (1000 or 21843),
+        else 1000.
       include_top: with `False` the model ends at the pooled `(batch, features)` representation
         (after the final LayerNorm and the representation layer, if any) and has no head.
       include_preprocessing: `True`: inputs are RGB pixels in [0, 255], rescaled in the graph to
         [-1, 1] (the original weights' convention); `False`: inputs are already normalised.
       classifier: `"token"` (class token) or `"gap"` (global average pooling, no class token).
-      representation_size: width of the optional `pre_logits` layer (Dense + tanh) before the head.
+      representation_size: width of the optional `pre_logits` layer (Dense + tanh) before the head
+        (default: none, or the release file's, which has one in the original ImageNet-21k files).
       dropout: dropout rate after the embeddings, the attention and the MLP.
       attention_dropout: dropout rate on the attention probabilities.
       drop_path_rate: stochastic depth of the last block; earlier blocks get linearly less.
@@ -46,6 +96,13 @@ def build_model(variant, *, weights=None, image_size=224, num_classes=1000, incl
       A `keras.Model` mapping `(batch, height, width, channels)` to logits `(batch, num_classes)`
       (float32 under mixed precision) or, without the top, to features `(batch, features)`.
     """
+    checkpoint, release = resolve_weights(weights, variant, image_size)
+    if release is not None:
+        image_size = release.image_size if image_size is None else image_size
+        num_classes = release.num_classes if num_classes is None else num_classes
+        checkpoint = loader.read_checkpoint(checkpoint)
+        if representation_size is None:  # the file decides, as its head does
+            representation_size = loader.architecture(checkpoint)["representation_size"]
     model = model_lib.build_vit(
         variant, image_size=image_size, num_classes=num_classes, include_top=include_top,
         include_preprocessing=include_preprocessing, classifier=classifier,
@@ -53,8 +110,8 @@ def build_model(variant, *, weights=None, image_size=224, num_classes=1000, incl
         attention_dropout=attention_dropout, drop_path_rate=drop_path_rate, channels=channels,
         layer_norm_epsilon=layer_norm_epsilon, approximate_gelu=approximate_gelu,
         hybrid_numerics=hybrid_numerics, name=name)
-    if weights is not None:
-        loader.load_pretrained(model, weights)
+    if checkpoint is not None:
+        loader.load_pretrained(model, checkpoint)
     return model
 
 
@@ -87,7 +144,8 @@ def build_model_from_checkpoint(path, *, variant=None, image_size=None, num_clas
     representation layer, channels and (for Hugging Face) LayerNorm epsilon and GELU variant.
 
     Args:
-      path: any checkpoint `read_checkpoint` accepts.
+      path: any checkpoint `read_checkpoint` accepts, a release name (with `variant`) or
+        `"hf-hub:<repo id>"` (see `resolve_weights`).
       variant: optional variant name; an error if the checkpoint holds another architecture.
       image_size: `int` or `(height, width)`; default: the checkpoint's own resolution. Position
         embeddings are resampled when it differs (see `vit_keras.load_pretrained`).
@@ -105,6 +163,7 @@ def build_model_from_checkpoint(path, *, variant=None, image_size=None, num_clas
     """
     if variant is not None and num_heads is None:
         num_heads = configs.get_config(variant).num_heads
+    path, _ = resolve_weights(path, variant, image_size)
     checkpoint = loader.read_checkpoint(path, num_heads=num_heads)
     arch = loader.architecture(checkpoint)
     config = _variant_for(arch["config"], variant, checkpoint.path)

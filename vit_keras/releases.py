@@ -1,0 +1,207 @@
+"""The release table: every published checkpoint of the paper's models as one record of data.
+
+A release is a set of weights for one variant (`imagenet21k`, `augreg_in21k_ft_in1k`, ...), at
+one or more resolutions. Each record names its file by its path below the official bucket
+(`OFFICIAL_BASE_URL`), so a mirror can replace the base and keep the paths. File names are the
+facts of google-research/vision_transformer's README and of timm's `default_cfgs`
+(`vision_transformer.py`, `vision_transformer_hybrid.py`; a test compares them); Hugging Face hub
+ids are listed where the hub holds the same weights with the same head.
+"""
+
+import dataclasses
+
+from vit_keras import configs
+
+OFFICIAL_BASE_URL = "https://storage.googleapis.com/"
+"""The bucket every `Release.path` is relative to (`VIT_KERAS_WEIGHTS_MIRROR` replaces it)."""
+
+CLASS_NAME_FILES = {"imagenet2012": None, "imagenet21k": "bit_models/imagenet21k_wordnet_lemmas.txt"}
+"""The class-name lists a release can name: ImageNet-1k's ship in the package (`None`), the 21k
+list is fetched from this path below the bucket (through the same mirror and cache)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    """One checkpoint file of a release.
+
+    Attributes:
+      variant: a key of `vit_keras.VARIANTS`.
+      name: the release (`"imagenet21k"`, `"augreg_in21k_ft_in1k"`, ...); one release can have
+        files at several resolutions.
+      path: the file below `OFFICIAL_BASE_URL`.
+      image_size: the resolution the weights were trained or fine-tuned at.
+      num_classes: the head's classes (21843 for ImageNet-21k, 1000 for ImageNet-1k).
+      representation_size: width of the `pre_logits` layer (original ImageNet-21k files), or None.
+      classifier: `"token"` for all published ViTs.
+      class_names: the key in `CLASS_NAME_FILES` of the head's class names.
+      hf_hub_id: the same weights on the Hugging Face hub (`timm/...` state dicts, `google/...`
+        transformers folders), or None.
+    """
+
+    variant: str
+    name: str
+    path: str
+    image_size: int
+    num_classes: int
+    representation_size: int | None = None
+    classifier: str = "token"
+    class_names: str = "imagenet2012"
+    hf_hub_id: str | None = None
+
+    @property
+    def url(self):
+        return OFFICIAL_BASE_URL + self.path
+
+    @property
+    def spec(self):
+        """How `build_model` names this file: `"ViT-B/16", weights="<name>", image_size=<size>`."""
+        return f"{self.variant} {self.name} @ {self.image_size}"
+
+
+# --- The original releases (the paper): vit_models/imagenet21k[+imagenet2012]/ -------------------
+_ORIGINAL_21K = {  # variant: (file stem, hidden size = pre_logits width)
+    "ViT-B/16": ("ViT-B_16", 768), "ViT-B/32": ("ViT-B_32", 768), "ViT-L/16": ("ViT-L_16", 1024),
+    "ViT-L/32": ("ViT-L_32", 1024), "ViT-H/14": ("ViT-H_14", 1280),
+    "R50+ViT-B/16": ("R50+ViT-B_16", 768),
+}
+# Fine-tuned on ImageNet-1k at 384 (plain file names) and, for B/16 and L/16, also at 224
+# ("-224" files). H/14 was released pre-trained only.
+_ORIGINAL_FT = {  # variant: {image size: (file stem, Hugging Face hub id)}
+    "ViT-B/16": {224: ("ViT-B_16-224", "google/vit-base-patch16-224"),
+                 384: ("ViT-B_16", "google/vit-base-patch16-384")},
+    "ViT-B/32": {384: ("ViT-B_32", "google/vit-base-patch32-384")},
+    "ViT-L/16": {224: ("ViT-L_16-224", "google/vit-large-patch16-224"),
+                 384: ("ViT-L_16", "google/vit-large-patch16-384")},
+    "ViT-L/32": {384: ("ViT-L_32", "google/vit-large-patch32-384")},
+    "R50+ViT-B/16": {384: ("R50+ViT-B_16", "timm/vit_base_r50_s16_384.orig_in21k_ft_in1k")},
+}
+
+# --- The AugReg releases ("How to train your ViT"): vit_models/augreg/ ----------------------------
+# The ImageNet-21k pre-training run of each variant is named by its hyper-parameters; fine-tuned
+# files append the fine-tuning run. timm's model name gives the hub id `timm/<name>.<release>`.
+_AUGREG_21K = {  # variant: (pre-training run, timm model name without the resolution)
+    "ViT-Ti/16": ("Ti_16-i21k-300ep-lr_0.001-aug_none-wd_0.03-do_0.0-sd_0.0", "vit_tiny_patch16"),
+    "ViT-S/32": ("S_32-i21k-300ep-lr_0.001-aug_light1-wd_0.03-do_0.0-sd_0.0", "vit_small_patch32"),
+    "ViT-S/16": ("S_16-i21k-300ep-lr_0.001-aug_light1-wd_0.03-do_0.0-sd_0.0", "vit_small_patch16"),
+    "ViT-B/32": ("B_32-i21k-300ep-lr_0.001-aug_medium1-wd_0.03-do_0.0-sd_0.0", "vit_base_patch32"),
+    "ViT-B/16": ("B_16-i21k-300ep-lr_0.001-aug_medium1-wd_0.1-do_0.0-sd_0.0", "vit_base_patch16"),
+    "ViT-B/8": ("B_8-i21k-300ep-lr_0.001-aug_medium1-wd_0.1-do_0.0-sd_0.0", "vit_base_patch8"),
+    "ViT-L/16": ("L_16-i21k-300ep-lr_0.001-aug_medium1-wd_0.1-do_0.1-sd_0.1", "vit_large_patch16"),
+    "R+ViT-Ti/16": ("R_Ti_16-i21k-300ep-lr_0.001-aug_none-wd_0.03-do_0.0-sd_0.0",
+                    "vit_tiny_r_s16_p8"),
+    "R26+ViT-S/32": ("R26_S_32-i21k-300ep-lr_0.001-aug_medium2-wd_0.03-do_0.0-sd_0.0",
+                     "vit_small_r26_s32"),
+    "R50+ViT-L/32": ("R50_L_32-i21k-300ep-lr_0.001-aug_medium2-wd_0.1-do_0.0-sd_0.0",
+                     "vit_large_r50_s32"),
+}
+_FT_1K = "--imagenet2012-steps_20k-lr_{lr}-res_{size}"
+# Which pre-training run each fine-tuned file starts from, where it is not the one above (the
+# authors fine-tuned the best run per resolution), and the fine-tuning learning rate.
+_AUGREG_FT = {  # variant: {image size: (pre-training run or None for the one above, lr)}
+    "ViT-Ti/16": {224: (None, "0.03"), 384: (None, "0.03")},
+    "ViT-S/32": {224: (None, "0.03"), 384: (None, "0.03")},
+    "ViT-S/16": {224: (None, "0.03"), 384: (None, "0.03")},
+    "ViT-B/32": {224: (None, "0.03"),
+                 384: ("B_32-i21k-300ep-lr_0.001-aug_light1-wd_0.1-do_0.0-sd_0.0", "0.03")},
+    "ViT-B/16": {224: (None, "0.01"), 384: (None, "0.01")},
+    "ViT-B/8": {224: (None, "0.01")},
+    "ViT-L/16": {224: (None, "0.01"), 384: (None, "0.01")},
+    "R+ViT-Ti/16": {224: (None, "0.03"), 384: (None, "0.03")},
+    "R26+ViT-S/32": {224: ("R26_S_32-i21k-300ep-lr_0.001-aug_light0-wd_0.03-do_0.1-sd_0.1", "0.03"),
+                     384: (None, "0.03")},
+    "R50+ViT-L/32": {224: ("R50_L_32-i21k-300ep-lr_0.001-aug_medium1-wd_0.1-do_0.1-sd_0.1", "0.01"),
+                     384: (None, "0.01")},
+}
+_AUGREG_1K = {  # variant: (ImageNet-1k training run, timm model name without the resolution)
+    "ViT-S/16": ("S_16-i1k-300ep-lr_0.001-aug_medium2-wd_0.1-do_0.0-sd_0.0", "vit_small_patch16"),
+    "ViT-B/32": ("B_32-i1k-300ep-lr_0.001-aug_medium2-wd_0.1-do_0.1-sd_0.1", "vit_base_patch32"),
+    "ViT-B/16": ("B_16-i1k-300ep-lr_0.001-aug_strong2-wd_0.1-do_0.1-sd_0.1", "vit_base_patch16"),
+}
+
+
+def _table():
+    rows = []
+    for variant, (stem, width) in _ORIGINAL_21K.items():
+        rows.append(Release(variant, "imagenet21k", f"vit_models/imagenet21k/{stem}.npz", 224,
+                            21843, representation_size=width, class_names="imagenet21k"))
+    for variant, sizes in _ORIGINAL_FT.items():
+        for size, (stem, hub_id) in sizes.items():
+            rows.append(Release(variant, "imagenet21k+imagenet2012",
+                                f"vit_models/imagenet21k+imagenet2012/{stem}.npz", size, 1000,
+                                hf_hub_id=hub_id))
+    for variant, (run, timm_name) in _AUGREG_21K.items():
+        rows.append(Release(variant, "augreg_in21k", f"vit_models/augreg/{run}.npz", 224, 21843,
+                            class_names="imagenet21k",
+                            hf_hub_id=f"timm/{timm_name}_224.augreg_in21k"))
+        for size, (start, lr) in _AUGREG_FT[variant].items():
+            path = f"vit_models/augreg/{start or run}{_FT_1K.format(lr=lr, size=size)}.npz"
+            rows.append(Release(variant, "augreg_in21k_ft_in1k", path, size, 1000,
+                                hf_hub_id=f"timm/{timm_name}_{size}.augreg_in21k_ft_in1k"))
+    for variant, (run, timm_name) in _AUGREG_1K.items():
+        for size in (224, 384):
+            path = f"vit_models/augreg/{run}{_FT_1K.format(lr='0.01', size=size)}.npz"
+            rows.append(Release(variant, "augreg_in1k", path, size, 1000,
+                                hf_hub_id=f"timm/{timm_name}_{size}.augreg_in1k"))
+    return tuple(rows)
+
+
+RELEASES = _table()
+"""Every published file, as `Release` records, in the order `list_weights` shows them."""
+
+RELEASE_NAMES = tuple(dict.fromkeys(release.name for release in RELEASES))
+
+
+def list_weights(variant=None):
+    """The published weights: all `Release` records, or those of one variant.
+
+    Args:
+      variant: a variant name (`"ViT-B/16"` or the official spelling `"ViT-B_16"`), or None.
+
+    Returns:
+      A list of `Release` (variant, release name, image size, classes, file path, hub id).
+    """
+    if variant is None:
+        return list(RELEASES)
+    name = configs.get_config(variant).name
+    return [release for release in RELEASES if release.variant == name]
+
+
+def _closeness(size, wanted):
+    # Resampling from the nearest resolution keeps the most of what was learned; between two at
+    # the same distance the larger one has the finer position grid.
+    return abs(size - wanted), -size
+
+
+def find_release(variant, name, image_size=None):
+    """The file of release `name` for `variant` at `image_size`.
+
+    Args:
+      variant: a variant name (either spelling) or a `ViTConfig` of a published variant.
+      name: a release name (see `RELEASE_NAMES`).
+      image_size: None for the release's smallest resolution; otherwise the file at that
+        resolution, or at the nearest one (its position embeddings are resampled on loading).
+        `(height, width)` compares by the geometric mean of the two.
+
+    Raises:
+      ValueError: naming the releases `variant` has, when it has no release `name`.
+    """
+    config = configs.get_config(variant)
+    own = list_weights(config.name)
+    files = [release for release in own if release.name == name]
+    if not files:
+        known = sorted({release.name for release in own})
+        raise ValueError(
+            f"{config.name} has no release {name!r}; "
+            + (f"its releases are: {', '.join(known)}." if known else
+               f"no weights are published for it. Variants with weights: "
+               f"{', '.join(dict.fromkeys(r.variant for r in RELEASES))}."))
+    if image_size is None:
+        return min(files, key=lambda release: release.image_size)
+    if isinstance(image_size, (tuple, list)):
+        image_size = (image_size[0] * image_size[1]) ** 0.5
+    return min(files, key=lambda release: _closeness(release.image_size, image_size))
+
+
+def release_for_hub_id(hub_id):
+    """The `Release` whose weights the hub repository `hub_id` holds, or None."""
+    return next((release for release in RELEASES if release.hf_hub_id == hub_id), None)
