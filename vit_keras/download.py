@@ -21,7 +21,7 @@ from vit_keras import releases
 
 MIRROR_VARIABLE = "VIT_KERAS_WEIGHTS_MIRROR"
 HOME_VARIABLE = "VIT_KERAS_HOME"
-TIMEOUT_SECONDS = 10
+TIMEOUT_SECONDS = 5
 """How long a connection attempt, or a stalled download, waits before failing."""
 
 _CHUNK = 1 << 20

@@ -1,0 +1,362 @@
+"""Published weights by name: the release table against timm's, the download cache (resume,
+atomicity, offline errors) against a local stand-in for the bucket, and models built from
+releases. Nothing here reaches the internet: `weights_mirror.MirrorServer` serves synthetic files
+at the official paths and `VIT_KERAS_WEIGHTS_MIRROR` points at it."""
+
+import os
+import re
+import socket
+import time
+import urllib.parse
+
+import keras
+import numpy as np
+import pytest
+
+from conftest import random_images
+import vit_keras
+from vit_keras import download
+from vit_keras import geometry
+from vit_keras import releases
+from weights_mirror import MirrorServer, write_class_names, write_release
+
+backend_independent = pytest.mark.backend_independent
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty weights cache for this test."""
+    folder = tmp_path / "cache"
+    monkeypatch.setenv(download.HOME_VARIABLE, str(folder))
+    return folder
+
+
+@pytest.fixture
+def blob_server(tmp_path, monkeypatch, cache):
+    """A mirror serving 3 MB of random bytes at a release's official path."""
+    release = releases.find_release("ViT-B/16", "augreg_in21k")
+    path = tmp_path / "bucket" / release.path
+    path.parent.mkdir(parents=True)
+    path.write_bytes(np.random.default_rng(0).bytes(3 << 20))
+    server = MirrorServer(tmp_path / "bucket")
+    monkeypatch.setenv(download.MIRROR_VARIABLE, server.url)
+    yield server, release.path, path.read_bytes()
+    server.stop()
+
+
+# --- The table --------------------------------------------------------------------------------
+
+@backend_independent
+def test_every_release_names_a_variant_a_well_formed_url_and_a_consistent_head():
+    sizes = {"imagenet2012": 1000, "imagenet21k": 21843}
+    seen = set()
+    for release in releases.RELEASES:
+        config = vit_keras.VARIANTS[release.variant]
+        url = urllib.parse.urlparse(release.url)
+        assert (url.scheme, url.netloc) == ("https", "storage.googleapis.com"), release
+        assert url.path.startswith("/vit_models/") and url.path.endswith(".npz"), release
+        assert not re.search(r"\s|//", url.path), release
+        assert release.num_classes == sizes[release.class_names], release
+        assert release.representation_size in (None, config.hidden_size), release
+        assert release.image_size % geometry.pixels_per_token(config) == 0, release
+        assert (release.variant, release.name, release.image_size) not in seen, release
+        seen.add((release.variant, release.name, release.image_size))
+    assert len({r.path for r in releases.RELEASES}) == len(releases.RELEASES)
+
+
+@backend_independent
+def test_the_table_covers_the_original_and_augreg_releases_the_paper_and_its_sequel_published():
+    def names(variant):
+        return {r.name for r in vit_keras.list_weights(variant)}
+
+    for variant in ("ViT-B/16", "ViT-B/32", "ViT-L/16", "ViT-L/32", "R50+ViT-B/16"):
+        assert {"imagenet21k", "imagenet21k+imagenet2012"} <= names(variant), variant
+    assert names("ViT-H/14") == {"imagenet21k"}  # the only H/14 file released
+    for variant in ("ViT-Ti/16", "ViT-S/16", "ViT-S/32", "ViT-B/16", "ViT-B/32", "ViT-B/8",
+                    "ViT-L/16", "R+ViT-Ti/16", "R26+ViT-S/32", "R50+ViT-L/32"):
+        assert {"augreg_in21k", "augreg_in21k_ft_in1k"} <= names(variant), variant
+    for variant in ("ViT-S/16", "ViT-B/16", "ViT-B/32"):
+        assert {r.image_size for r in vit_keras.list_weights(variant)
+                if r.name == "augreg_in1k"} == {224, 384}
+    assert vit_keras.list_weights("ViT-B_16") == vit_keras.list_weights("ViT-B/16")
+
+
+@backend_independent
+def test_augreg_files_classes_and_sizes_match_timms_default_cfgs():
+    from timm.models import get_pretrained_cfg, list_pretrained
+
+    timm_augreg = set()
+    for name in list_pretrained():
+        cfg = get_pretrained_cfg(name)
+        if cfg is not None and cfg.url and "/vit_models/augreg/" in cfg.url:
+            timm_augreg.add(cfg.url)
+    ours = {r.url for r in releases.RELEASES if r.name.startswith("augreg")}
+    assert ours == timm_augreg  # the same 35 files, byte for byte in their names
+    for release in releases.RELEASES:
+        if not (release.hf_hub_id or "").startswith("timm/"):
+            continue
+        cfg = get_pretrained_cfg(release.hf_hub_id[len("timm/"):])
+        assert cfg is not None, release.hf_hub_id
+        if "/vit_models/" in (cfg.url or ""):
+            assert cfg.url == release.url, release
+        assert cfg.num_classes == release.num_classes, release
+        assert cfg.input_size[1:] == (release.image_size, release.image_size), release
+
+
+@backend_independent
+def test_hugging_face_ids_name_the_same_size_patch_and_resolution():
+    widths = {"base": 768, "large": 1024, "huge": 1280}
+    for release in releases.RELEASES:
+        match = re.fullmatch(r"google/vit-(\w+)-patch(\d+)-(\d+)", release.hf_hub_id or "")
+        if match:
+            config = vit_keras.VARIANTS[release.variant]
+            assert widths[match[1]] == config.hidden_size, release
+            assert int(match[2]) == config.patch_size and int(match[3]) == release.image_size
+            assert release.num_classes == 1000  # the google/ ids in the table carry the 1k head
+
+
+@backend_independent
+def test_a_release_is_found_by_name_at_the_nearest_resolution():
+    def size(**kwargs):
+        return releases.find_release("ViT-B/16", "imagenet21k+imagenet2012", **kwargs).image_size
+
+    assert size() == 224  # the smallest
+    assert (size(image_size=224), size(image_size=384), size(image_size=300)) == (224, 384, 224)
+    assert size(image_size=320) == 384 and size(image_size=(256, 512)) == 384  # sqrt(256*512)=362
+    assert releases.find_release("ViT-B_32", "imagenet21k+imagenet2012").image_size == 384
+    assert releases.release_for_hub_id("google/vit-base-patch16-384").image_size == 384
+
+
+@backend_independent
+def test_an_unknown_release_lists_the_variants_releases():
+    with pytest.raises(ValueError, match="its releases are: augreg_in21k, augreg_in21k_ft_in1k"):
+        vit_keras.build_model("ViT-Ti/16", weights="imagenet21k")
+    with pytest.raises(ValueError, match="no weights are published for it"):
+        releases.find_release("R26+ViT-B/32", "augreg_in21k")
+    with pytest.raises(ValueError, match="needs the variant.*augreg_in21k_ft_in1k"):
+        vit_keras.build_model_from_checkpoint("augreg_in21k")
+    with pytest.raises(FileNotFoundError, match="No checkpoint at 'missing.npz'"):
+        vit_keras.build_model("ViT-Ti/16", weights="missing.npz")
+
+
+# --- The download cache ----------------------------------------------------------------------
+
+@backend_independent
+def test_a_download_is_cached_and_a_second_call_touches_no_network(blob_server, cache):
+    server, path, content = blob_server
+    local = download.fetch(path, progress=False)
+    assert local == download.cache_path(path) and local.startswith(str(cache))
+    assert open(local, "rb").read() == content
+    assert os.listdir(os.path.dirname(local)) == [os.path.basename(local)]  # no .part left
+    server.stop()
+    assert download.fetch(path, progress=False) == local
+    assert len(server.requests) == 1
+
+
+@backend_independent
+def test_a_download_cut_off_mid_file_is_not_trusted_and_resumes(blob_server, cache):
+    server, path, content = blob_server
+    server.cut_next_response_after(1 << 20)
+    with pytest.raises(download.WeightsUnavailableError, match=r"after 1048576 of 3145728 bytes"):
+        download.fetch(path, progress=False)
+    assert not os.path.exists(download.cache_path(path))
+    assert os.path.getsize(download.cache_path(path) + ".part") == 1 << 20
+    local = download.fetch(path, progress=False)
+    assert server.requests[-1][1] == "bytes=1048576-"  # only the missing part was asked for
+    assert open(local, "rb").read() == content
+    assert not os.path.exists(local + ".part")
+
+
+@backend_independent
+def test_a_server_that_ignores_range_restarts_the_download(blob_server, cache):
+    server, path, content = blob_server
+    server.cut_next_response_after(1 << 20)
+    with pytest.raises(download.WeightsUnavailableError):
+        download.fetch(path, progress=False)
+    server.ignore_range()
+    assert open(download.fetch(path, progress=False), "rb").read() == content
+
+
+@backend_independent
+def test_a_mirror_folder_is_read_in_place(tmp_path, monkeypatch, cache):
+    path = "vit_models/augreg/example.npz"
+    (tmp_path / "vit_models" / "augreg").mkdir(parents=True)
+    (tmp_path / path).write_bytes(b"weights")
+    monkeypatch.setenv(download.MIRROR_VARIABLE, str(tmp_path))
+    assert download.fetch(path) == str(tmp_path / path)
+    assert not cache.exists()
+    with pytest.raises(download.WeightsUnavailableError, match="has no 'vit_models/x.npz'"):
+        download.fetch("vit_models/x.npz")
+
+
+def _assert_names_where_to_go(message, path, url):
+    assert url in message
+    assert download.cache_path(path) in message and download.MIRROR_VARIABLE in message
+
+
+@backend_independent
+def test_an_unreachable_source_fails_within_seconds_with_what_to_do(monkeypatch, cache):
+    path = releases.find_release("ViT-B/16", "imagenet21k").path
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # nothing listens there once closed
+    monkeypatch.setenv(download.MIRROR_VARIABLE, f"http://127.0.0.1:{port}/")
+    started = time.monotonic()
+    with pytest.raises(download.WeightsUnavailableError) as refused:
+        download.fetch(path)
+    assert time.monotonic() - started < 10
+    _assert_names_where_to_go(str(refused.value), path, f"http://127.0.0.1:{port}/{path}")
+
+    # A host that accepts the connection and never answers (a black hole, a captive proxy).
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        monkeypatch.setenv(download.MIRROR_VARIABLE, f"http://127.0.0.1:{silent.getsockname()[1]}")
+        started = time.monotonic()
+        with pytest.raises(download.WeightsUnavailableError, match="timed out"):
+            download.fetch(path)
+        assert time.monotonic() - started < 10
+    assert not os.path.exists(download.cache_path(path))
+
+
+@backend_independent
+def test_a_missing_file_on_the_server_names_the_url(blob_server):
+    server, _, _ = blob_server
+    with pytest.raises(download.WeightsUnavailableError, match=r"HTTP 404.*place the file by hand"):
+        download.fetch("vit_models/imagenet21k/ViT-X_1.npz")
+
+
+@backend_independent
+def test_the_official_bucket_is_the_default_source(monkeypatch):
+    monkeypatch.delenv(download.MIRROR_VARIABLE, raising=False)
+    release = releases.find_release("ViT-B/16", "imagenet21k+imagenet2012", image_size=384)
+    assert download.url_for(release.path) == release.url
+    monkeypatch.setenv(download.MIRROR_VARIABLE, "https://mirror.example/vit")
+    assert download.url_for(release.path) == f"https://mirror.example/vit/{release.path}"
+
+
+# --- Class names -------------------------------------------------------------------------------
+
+@backend_independent
+def test_imagenet2012_class_names_ship_in_wordnet_order():
+    names = vit_keras.class_names("imagenet2012")
+    synsets = vit_keras.labels.imagenet2012_synsets()
+    assert len(names) == len(set(synsets)) == 1000 and list(synsets) == sorted(synsets)
+    assert names[0] == "tench, Tinca tinca" and names[207] == "golden retriever"
+    assert vit_keras.class_names(releases.find_release("ViT-B/16", "augreg_in1k")) == names
+
+
+@backend_independent
+def test_imagenet21k_class_names_come_through_the_mirror_and_are_checked(tmp_path, monkeypatch,
+                                                                         cache):
+    path = write_class_names(tmp_path, "imagenet21k", 21843)
+    monkeypatch.setenv(download.MIRROR_VARIABLE, str(tmp_path))
+    names = vit_keras.class_names(releases.find_release("ViT-Ti/16", "augreg_in21k"))
+    assert len(names) == 21843 and names[5] == "imagenet21k class 5"
+    write_class_names(tmp_path, "imagenet21k", 100)
+    with pytest.raises(ValueError, match="has 100 names, not 21843"):
+        vit_keras.class_names("imagenet21k")
+    assert os.path.exists(path)
+
+
+# --- Models from releases (every backend) ------------------------------------------------------
+
+TINY_RELEASES = [("ViT-Ti/16", "augreg_in21k", 224), ("ViT-Ti/16", "augreg_in21k_ft_in1k", 224),
+                 ("ViT-Ti/16", "augreg_in21k_ft_in1k", 384)]
+
+
+@pytest.fixture(scope="module")
+def bucket(tmp_path_factory):
+    """The ViT-Ti/16 releases as synthetic files at their official paths, served on 127.0.0.1."""
+    root = tmp_path_factory.mktemp("bucket")
+    files = {}
+    for seed, (variant, name, size) in enumerate(TINY_RELEASES):
+        release = releases.find_release(variant, name, size)
+        files[release] = write_release(root, release, seed=seed)
+    server = MirrorServer(root)
+    yield server, files
+    server.stop()
+
+
+@pytest.fixture
+def from_bucket(bucket, monkeypatch, cache):
+    server, files = bucket
+    monkeypatch.setenv(download.MIRROR_VARIABLE, server.url)
+    del server.requests[:]
+    return server, files
+
+
+def _logits(model, size, seed=0):
+    return keras.ops.convert_to_numpy(model(random_images(2, size, size, seed=seed)))
+
+
+def test_a_release_decides_image_size_and_classes_and_loads_the_same_weights(from_bucket):
+    server, files = from_bucket
+    release = releases.find_release("ViT-Ti/16", "augreg_in21k")
+    model = vit_keras.build_model("ViT-Ti_16", weights="augreg_in21k")
+    assert model.input_shape == (None, 224, 224, 3) and model.output_shape == (None, 21843)
+    assert [path for path, _ in server.requests] == ["/" + release.path]
+    reference = vit_keras.load_pretrained(
+        vit_keras.build_model("ViT-Ti/16", num_classes=21843), files[release])
+    np.testing.assert_array_equal(_logits(model, 224), _logits(reference, 224))
+
+
+def test_image_size_picks_the_releases_file_at_that_resolution(from_bucket):
+    server, files = from_bucket
+    release = releases.find_release("ViT-Ti/16", "augreg_in21k_ft_in1k", 384)
+    model = vit_keras.build_model("ViT-Ti/16", weights="augreg_in21k_ft_in1k", image_size=384)
+    assert model.output_shape == (None, 1000)
+    assert server.requests[-1][0] == "/" + release.path
+    stored = np.load(files[release])["Transformer/posembed_input/pos_embedding"]
+    np.testing.assert_array_equal(  # no resampling at the file's own resolution
+        keras.ops.convert_to_numpy(model.get_layer("posembed_input").weights[0]), stored)
+
+
+def test_explicit_image_size_and_classes_resample_the_nearest_file_and_add_a_zero_head(
+        from_bucket):
+    server, _ = from_bucket
+    model = vit_keras.build_model("ViT-Ti/16", weights="augreg_in21k_ft_in1k", image_size=256,
+                                  num_classes=10)
+    assert server.requests[-1][0].endswith("res_224.npz")  # 224 is nearer to 256 than 384
+    assert model.get_layer("posembed_input").weights[0].shape == (1, 1 + 16 * 16, 192)
+    assert model.output_shape == (None, 10) and not np.any(_logits(model, 256))
+    features = keras.Model(model.input, model.get_layer("head").input)
+    assert np.std(keras.ops.convert_to_numpy(features(random_images(2, 256, 256)))) > 1e-3
+
+
+def test_build_model_from_checkpoint_takes_a_release_name(from_bucket):
+    model = vit_keras.build_model_from_checkpoint("augreg_in21k_ft_in1k", variant="ViT-Ti/16",
+                                                  image_size=384)
+    assert model.input_shape == (None, 384, 384, 3) and model.output_shape == (None, 1000)
+    with pytest.raises(ValueError, match="does not hold a ViT-S/16"):
+        vit_keras.build_model_from_checkpoint(
+            download.fetch(releases.find_release("ViT-Ti/16", "augreg_in21k_ft_in1k").path),
+            variant="ViT-S/16")
+
+
+def test_a_hub_id_loads_through_huggingface_hub_with_its_releases_size(tmp_path, monkeypatch):
+    """huggingface_hub's download is replaced by a folder holding what the hub repository holds
+    (a timm state dict); the rest (release lookup by hub id, format, logits) is the real path,
+    checked against timm's own model as the oracle."""
+    import huggingface_hub
+    import safetensors.torch
+    import timm
+    import torch
+
+    hub_id = "timm/vit_tiny_patch16_384.augreg_in21k_ft_in1k"
+    torch.manual_seed(0)
+    oracle = timm.create_model(hub_id[len("timm/"):].split(".")[0], pretrained=False).eval()
+    safetensors.torch.save_file(oracle.state_dict(), str(tmp_path / "model.safetensors"))
+    asked = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo_id, **kwargs: asked.append(repo_id) or str(tmp_path))
+    model = vit_keras.build_model("ViT-Ti/16", weights="hf-hub:" + hub_id)
+    assert asked == [hub_id] and model.input_shape == (None, 384, 384, 3)
+    images = random_images(1, 384, 384)
+    with torch.no_grad():
+        expected = oracle(torch.from_numpy(images / 127.5 - 1).permute(0, 3, 1, 2)).numpy()
+    np.testing.assert_allclose(_logits_of(model, images), expected, rtol=1e-4, atol=1e-4)
+
+
+def _logits_of(model, images):
+    return keras.ops.convert_to_numpy(model(images))
