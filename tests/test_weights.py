@@ -360,3 +360,39 @@ def test_a_hub_id_loads_through_huggingface_hub_with_its_releases_size(tmp_path,
 
 def _logits_of(model, images):
     return keras.ops.convert_to_numpy(model(images))
+
+
+# --- The documentation shows the table as it is ------------------------------------------------
+
+def _weights_matrix():
+    """The README's table: a row per variant, a column per release, the resolutions in a cell."""
+    lines = ["| variant | " + " | ".join(f"`{name}`" for name in releases.RELEASE_NAMES) + " |",
+             "|---" * (1 + len(releases.RELEASE_NAMES)) + "|"]
+    for variant in dict.fromkeys(r.variant for r in releases.RELEASES):
+        sizes = {name: [str(r.image_size) for r in vit_keras.list_weights(variant) if r.name == name]
+                 for name in releases.RELEASE_NAMES}
+        lines.append(f"| {variant} | " + " | ".join(", ".join(sizes[n]) or "–"
+                                                   for n in releases.RELEASE_NAMES) + " |")
+    return "\n".join(lines)
+
+
+def _weights_list():
+    """The weights page's table: every file with its classes, URL path and hub id."""
+    lines = ["| variant | release | px | classes | pre-logits | file (below `vit_models/`) | "
+             "Hugging Face hub |", "|---|---|---|---|---|---|---|"]
+    for r in releases.RELEASES:
+        lines.append(f"| {r.variant} | `{r.name}` | {r.image_size} | {r.num_classes} | "
+                     f"{r.representation_size or '–'} | `{r.path[len('vit_models/'):]}` | "
+                     f"{f'`{r.hf_hub_id}`' if r.hf_hub_id else '–'} |")
+    return "\n".join(lines)
+
+
+@backend_independent
+@pytest.mark.parametrize("document, table", [("README.md", _weights_matrix),
+                                             ("docs/weights.md", _weights_list)])
+def test_the_documented_weights_tables_are_the_release_table(document, table):
+    from conftest import REPO_ROOT
+
+    with open(os.path.join(REPO_ROOT, document), encoding="utf-8") as f:
+        text = f.read()
+    assert table() in text, f"regenerate the table in {document}:\n{table()}"

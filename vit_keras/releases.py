@@ -142,13 +142,18 @@ def _table():
             path = f"vit_models/augreg/{run}{_FT_1K.format(lr='0.01', size=size)}.npz"
             rows.append(Release(variant, "augreg_in1k", path, size, 1000,
                                 hf_hub_id=f"timm/{timm_name}_{size}.augreg_in1k"))
-    return tuple(rows)
+    order = {name: i for i, name in enumerate(configs.VARIANTS)}
+    return tuple(sorted(rows, key=lambda r: (order[r.variant], RELEASE_NAMES.index(r.name),
+                                             r.image_size)))
 
+
+RELEASE_NAMES = ("imagenet21k", "imagenet21k+imagenet2012", "augreg_in21k", "augreg_in21k_ft_in1k",
+                 "augreg_in1k")
+"""The releases: the paper's (ImageNet-21k, and fine-tuned on ImageNet-1k) and AugReg's
+("How to train your ViT": ImageNet-21k, fine-tuned on ImageNet-1k, and ImageNet-1k only)."""
 
 RELEASES = _table()
-"""Every published file, as `Release` records, in the order `list_weights` shows them."""
-
-RELEASE_NAMES = tuple(dict.fromkeys(release.name for release in RELEASES))
+"""Every published file, as `Release` records, by variant (in `VARIANTS` order) and release."""
 
 
 def list_weights(variant=None):
