@@ -164,9 +164,15 @@ def fetch_hub(repo_id):
         raise WeightsUnavailableError(
             f"Loading hf-hub:{repo_id} needs huggingface_hub: pip install huggingface_hub.") from error
     try:
-        return huggingface_hub.snapshot_download(
+        folder = huggingface_hub.snapshot_download(
             repo_id, allow_patterns=["config.json", "*.safetensors", "*.safetensors.index.json"],
             etag_timeout=TIMEOUT_SECONDS)
+        if not any(name.endswith(".safetensors") for name in os.listdir(folder)):
+            # Older repositories hold only a pickled state dict (read with weights_only=True).
+            folder = huggingface_hub.snapshot_download(
+                repo_id, allow_patterns=["config.json", "pytorch_model.bin"],
+                etag_timeout=TIMEOUT_SECONDS)
+        return folder
     except (OSError, ValueError) as error:
         raise WeightsUnavailableError(
             f"Could not fetch hf-hub:{repo_id} from the Hugging Face hub ({error}). Without "
