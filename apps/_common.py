@@ -36,6 +36,56 @@ def read_class_names(path, model_path):
     return RunFolder.of_model(model_path).read_class_names()
 
 
+def is_release_name(weights):
+    """Whether a `--weights` value names a published release (`augreg_in21k_ft_in1k`, ...; see
+    `vit_keras.list_weights`) rather than a file: such a name needs the variant as well."""
+    from vit_keras import releases
+
+    return bool(weights) and weights in releases.RELEASE_NAMES and not os.path.exists(weights)
+
+
+def resolve_weights(weights, variant, image_size=None, variant_flag="--variant"):
+    """`--weights` → `(local checkpoint, Release or None)`, downloading a release once into the
+    cache (`vit_keras.pretrained.resolve_weights`).
+
+    A release name without a variant, a release the variant does not have, or a file that does
+    not exist is a usage error (naming `variant_flag`, the app's flag for the variant);
+    `vit_keras.download.WeightsUnavailableError` (offline) propagates: `exit_on_unavailable`
+    reports it.
+    """
+    from vit_keras import pretrained, releases
+
+    if not weights:
+        return None, None
+    if variant is None and is_release_name(weights):
+        raise app.UsageError(
+            f"--weights {weights} is a release name: pass {variant_flag} with the variant it is "
+            f"for (e.g. {variant_flag} ViT-B/16). Releases: {', '.join(releases.RELEASE_NAMES)}; "
+            f"vit_keras.list_weights() lists the variants of each.")
+    try:
+        return pretrained.resolve_weights(weights, variant, image_size)
+    except (ValueError, FileNotFoundError) as error:
+        raise app.UsageError(f"--weights {weights}: {error}") from None
+
+
+def exit_on_unavailable(main):
+    """Wraps an absl main: published weights that cannot be downloaded (no network, a mirror
+    without the file) end the app with `ERROR: <why and what to do>` and status 2, no traceback."""
+    import functools
+
+    @functools.wraps(main)
+    def wrapped(argv):
+        from vit_keras import download
+
+        try:
+            return main(argv)
+        except download.WeightsUnavailableError as error:
+            print(f"ERROR: {error}", file=sys.stderr)
+            return 2
+
+    return wrapped
+
+
 class ReloadMismatchError(Exception):
     """A saved `.keras` file does not compute what the model that wrote it computes."""
 
@@ -96,10 +146,25 @@ def training_app(name, started, recipe="auto", recipe_help=None):
 
         if recipe != "auto" and FLAGS.dataset == "digits" and not FLAGS["recipe"].present:
             FLAGS.recipe = "digits"  # before flags.txt records it: a rerun then replays the same
+        if is_release_name(FLAGS.weights):  # checked now, not after the data has loaded
+            from vit_keras import releases
+
+            if FLAGS.model is None:
+                raise app.UsageError(
+                    f"--weights {FLAGS.weights} is a release name: pass --model with the variant "
+                    f"it is for (e.g. --model ViT-B/16); vit_keras.list_weights() lists them.")
+            try:
+                releases.find_release(FLAGS.model, FLAGS.weights)
+            except ValueError as error:
+                raise app.UsageError(f"--model {FLAGS.model} --weights {FLAGS.weights}: "
+                                     f"{error}") from None
         config = config_flags.from_flags(training.RunConfig, flags_text=FLAGS.flags_into_string())
+        from vit_keras import download
+
         try:
             metrics = training.run(config, app=name, started=started)
-        except (data.DatasetNotPreparedError, callbacks.NonFiniteLossError) as error:
+        except (data.DatasetNotPreparedError, callbacks.NonFiniteLossError,
+                download.WeightsUnavailableError) as error:
             print(f"\nERROR: {error}", file=sys.stderr)
             return 2
         print()

@@ -3,10 +3,17 @@
     python apps/build_hybrid.py --variant R50+ViT-B/16 --image_size 384 --num_classes 10 \
         --weights R50+ViT-B_16.npz --out saved_models/r50_vit_b16_384.keras
     python apps/build_hybrid.py --variant R+ViT-Ti/16 --image_size 64 --out tiny.keras --backend torch
+    python apps/build_hybrid.py --variant R26+ViT-S/32 --weights augreg_in21k_ft_in1k \
+        --out saved_models/r26_s32_224.keras
 
 Prints the parameter count, the ResNet's feature-map size and the Transformer's sequence length.
 `--weights` takes any checkpoint `vit_keras.load_pretrained` reads (the official `.npz`, timm state
-dicts); position embeddings are resampled on the feature-map grid when the image size differs, and
+dicts) or a published release by name (imagenet21k, imagenet21k+imagenet2012, augreg_in21k,
+augreg_in21k_ft_in1k; `vit_keras.list_weights("R50+ViT-B/16")` lists a variant's): its file
+nearest `--image_size` is downloaded once into $VIT_KERAS_HOME (default $KERAS_HOME/vit_keras) or
+read from the mirror VIT_KERAS_WEIGHTS_MIRROR names, and `--image_size` and `--num_classes`
+default to the release's; offline, the app exits with status 2 and says where to place the file.
+Position embeddings are resampled on the feature-map grid when the image size differs, and
 a head of another class count is zero-initialised. After saving, the file is reloaded with
 `keras.models.load_model` and its logits, and the features under the head, compared with the built
 model's; the program exits with status 1 if they differ.
@@ -24,10 +31,14 @@ from absl import logging  # noqa: E402
 
 import _common  # noqa: E402
 
-flags.DEFINE_string("variant", "R50+ViT-B/16", "Hybrid variant, e.g. R50+ViT-B/16, R+ViT-Ti/16.")
-flags.DEFINE_list("image_size", ["384"], "Image size: one number or height,width.")
-flags.DEFINE_integer("num_classes", 1000, "Classes of the head.")
-flags.DEFINE_string("weights", None, "Optional checkpoint to load (.npz, timm state dict).")
+flags.DEFINE_string("variant", "R50+ViT-B/16", "Hybrid variant, e.g. R50+ViT-B/16, R+ViT-Ti/16 "
+                    "(or the official spelling R50+ViT-B_16).")
+flags.DEFINE_list("image_size", None, "Image size: one number or height,width. Default: the "
+                  "release's with a release name in --weights, else 384.")
+flags.DEFINE_integer("num_classes", None, "Classes of the head. Default: the release's with a "
+                     "release name in --weights, else 1000.")
+flags.DEFINE_string("weights", None, "Optional checkpoint to load (.npz, timm state dict) or a "
+                    "release name (e.g. augreg_in21k_ft_in1k), downloaded once.")
 flags.DEFINE_enum("hybrid_numerics", "vit_jax", ("vit_jax", "timm"),
                   "Weight-standardisation and GroupNorm epsilons: vit_jax (the original models) or "
                   "timm's.")
@@ -35,6 +46,7 @@ flags.DEFINE_string("out", None, "Output .keras file, e.g. saved_models/NAME.ker
 FLAGS = flags.FLAGS
 
 
+@_common.exit_on_unavailable
 def main(argv):
     del argv
     import keras  # pylint: disable=import-outside-toplevel
@@ -44,17 +56,29 @@ def main(argv):
     if not FLAGS.out.endswith(".keras"):
         raise app.UsageError(f"--out must end with .keras; got {FLAGS.out!r}.")
     hybrids = [name for name, config in vit_keras.VARIANTS.items() if config.is_hybrid]
-    if FLAGS.variant not in hybrids:
+    try:
+        variant = vit_keras.get_config(FLAGS.variant).name
+    except ValueError:
+        variant = FLAGS.variant
+    if variant not in hybrids:
         raise app.UsageError(f"--variant {FLAGS.variant!r} is not a hybrid; expected one of "
                              f"{', '.join(hybrids)}.")
+    image_size = _common.parse_image_size(FLAGS.image_size) if FLAGS.image_size else None
+    _, release = _common.resolve_weights(FLAGS.weights, variant, image_size)
+    if release is None:  # no weights, or a file: the defaults of the paper's fine-tuning
+        image_size = 384 if image_size is None else image_size
+        num_classes = 1000 if FLAGS.num_classes is None else FLAGS.num_classes
+    else:  # build_model takes the release's for what is not given
+        num_classes = FLAGS.num_classes
     model = vit_keras.build_model(
-        FLAGS.variant, image_size=_common.parse_image_size(FLAGS.image_size),
-        num_classes=FLAGS.num_classes, hybrid_numerics=FLAGS.hybrid_numerics,
-        weights=FLAGS.weights)
+        variant, image_size=image_size, num_classes=num_classes,
+        hybrid_numerics=FLAGS.hybrid_numerics, weights=FLAGS.weights)
     _, rows, cols, channels = model.get_layer("resnet").output.shape
     tokens = model.get_layer("posembed_input").output.shape[1]
-    print(f"{FLAGS.variant}: {model.count_params():,} parameters; feature map {rows}x{cols}x"
-          f"{channels}; sequence length {tokens}.")
+    height, width = model.input_shape[1:3]
+    print(f"{variant}: {model.count_params():,} parameters; {height}x{width} images, "
+          f"{model.output_shape[-1]} classes; feature map {rows}x{cols}x{channels}; sequence "
+          f"length {tokens}.")
 
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
     model.save(FLAGS.out)
@@ -63,8 +87,9 @@ def main(argv):
     except _common.ReloadMismatchError as error:
         logging.error("%s", error)
         return 1
+    source = f" ({release.path} at {release.image_size} px)" if release else ""
     print(f"Wrote {FLAGS.out} (backend {keras.backend.backend()}, weights "
-          f"{FLAGS.weights or 'initial'}; reloaded: max difference {difference:.2g}).")
+          f"{FLAGS.weights or 'initial'}{source}; reloaded: max difference {difference:.2g}).")
     return 0
 
 

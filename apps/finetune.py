@@ -5,6 +5,16 @@ r"""Fine-tunes (or, without --weights, trains) a Vision Transformer with model.f
         --weights ViT-B_16.npz --image_size 384 --batch_size 512
     python apps/finetune.py --backend tensorflow --dataset folder:/data/flowers \
         --weights ViT-B_16.npz --image_size 224 --batch_size 32 --epochs 5
+    python apps/finetune.py --backend jax --dataset cifar10 --model ViT-S/16 \
+        --weights augreg_in21k --image_size 224 --batch_size 128
+
+--weights takes a checkpoint file (the file decides the architecture; --model only checks it), a
+`.keras` file, `hf-hub:REPO_ID`, or a published release by name (imagenet21k,
+imagenet21k+imagenet2012, augreg_in21k, augreg_in21k_ft_in1k, augreg_in1k; see
+`vit_keras.list_weights()`), which needs --model: the release's file nearest --image_size is
+downloaded once into $VIT_KERAS_HOME (default $KERAS_HOME/vit_keras); without network access set
+VIT_KERAS_WEIGHTS_MIRROR to a URL or folder holding the bucket's paths, or the run stops at once
+with status 2 and says where to place the file.
 
 With --weights the defaults are vit_jax's fine-tuning recipe (SGD momentum 0.9, global-norm clipping
 1.0, 500 warm-up steps then cosine decay, lr 0.03, no weight decay, batch 512, 10k steps, 384 px,

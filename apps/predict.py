@@ -1,13 +1,25 @@
-r"""Classifies image files with a trained .keras model and prints the top-k classes.
+r"""Classifies image files with a trained .keras model, or a published model, and prints the
+top-k classes.
 
     python apps/predict.py --backend jax --model saved_models/finetune_digits_ViT-digits/model.keras \
         digit.png other.jpg --top_k 3
+    python apps/predict.py --model ViT-B/16 --weights augreg_in21k_ft_in1k --image_size 384 cat.jpg
+
+--model is a .keras file, or a variant (ViT-B/16, or the official spelling ViT-B_16) built with
+--weights: a published release by name (imagenet21k, imagenet21k+imagenet2012, augreg_in21k,
+augreg_in21k_ft_in1k, augreg_in1k; `vit_keras.list_weights()` lists them), downloaded once into
+$VIT_KERAS_HOME (default $KERAS_HOME/vit_keras) or read from the mirror VIT_KERAS_WEIGHTS_MIRROR
+names, or a checkpoint file. Offline, the app exits with status 2 and says where to place the file.
 
 Images are read with their own size, converted to RGB and resized to the model's input size (the
-evaluation preprocessing). Class names come from --class_names or from class_names.json beside the
-model (written by apps/finetune.py and apps/train.py); otherwise classes are numbered.
+evaluation preprocessing). Class names come from --class_names; else, for a release, from its
+dataset (ImageNet-1k's ship with the package, ImageNet-21k's are downloaded like the weights); else
+from class_names.json beside a .keras model (written by apps/finetune.py and apps/train.py);
+otherwise classes are numbered.
 """
 
+import contextlib
+import os
 import sys
 
 import _backend
@@ -19,26 +31,67 @@ from absl import flags  # noqa: E402
 
 import _common  # noqa: E402
 
-flags.DEFINE_string("model", None, "The .keras file.", required=True)
+flags.DEFINE_string("model", None, "A .keras file, or a variant (e.g. ViT-B/16) with --weights.",
+                    required=True)
+flags.DEFINE_string("weights", None,
+                    "With a variant in --model: a release name (e.g. augreg_in21k_ft_in1k), "
+                    "downloaded once, or a checkpoint file.")
+flags.DEFINE_integer("image_size", None,
+                     "With --weights: the input size (a release's file nearest to it is taken). "
+                     "Default: the release's or the checkpoint's.")
 flags.DEFINE_integer("top_k", 5, "Classes listed per image.")
 flags.DEFINE_string("class_names", None,
-                    "A JSON list or a text file with one class name per line (default: "
-                    "class_names.json beside the model).")
+                    "A JSON list or a text file with one class name per line (default: the "
+                    "release's classes, or class_names.json beside a .keras model).")
 flags.DEFINE_string("json", None, "Also write the predictions as JSON to this path.")
 FLAGS = flags.FLAGS
 
 
+def _published_model(variant, weights, image_size):
+    """`--model VARIANT --weights W`: the model and the `Release` it is (or None for a file)."""
+    import vit_keras
+
+    try:
+        variant = vit_keras.get_config(variant).name
+    except ValueError as error:
+        raise app.UsageError(f"--model {variant}: {error}") from None
+    _, release = _common.resolve_weights(weights, variant, image_size, variant_flag="--model")
+    if _common.is_release_name(weights):
+        return vit_keras.build_model(variant, weights=weights, image_size=image_size), release
+    return vit_keras.build_model_from_checkpoint(weights, variant=variant,
+                                                 image_size=image_size), release
+
+
+@_common.exit_on_unavailable
 def main(argv):
     files = argv[1:]
     if not files:
         raise app.UsageError("Give one or more image files after the flags.")
     import keras
 
-    import vit_keras  # noqa: F401  (registers the layers for loading)
+    import vit_keras  # registers the layers for loading
     from vit_keras.tools import data, run_folder, training
 
-    class_names = _common.read_class_names(FLAGS.class_names, FLAGS.model) or []
-    model = keras.saving.load_model(FLAGS.model, compile=False)
+    is_keras_file = FLAGS.model.endswith(".keras") or os.path.isfile(FLAGS.model)
+    if FLAGS.weights is None:
+        if not is_keras_file:
+            raise app.UsageError(f"--model {FLAGS.model} is not a .keras file; to classify with "
+                                 f"a published model give its variant and --weights (e.g. "
+                                 f"--model ViT-B/16 --weights augreg_in21k_ft_in1k).")
+        if FLAGS.image_size is not None:
+            raise app.UsageError("--image_size goes with --weights; a .keras model has its own.")
+        class_names = _common.read_class_names(FLAGS.class_names, FLAGS.model) or []
+        model = keras.saving.load_model(FLAGS.model, compile=False)
+    elif is_keras_file:
+        raise app.UsageError(f"--weights goes with a variant in --model (e.g. --model ViT-B/16 "
+                             f"--weights augreg_in21k_ft_in1k), not with the model file "
+                             f"{FLAGS.model}.")
+    else:
+        # stdout carries the predictions alone: a download's progress bar goes to stderr.
+        with contextlib.redirect_stdout(sys.stderr):
+            model, release = _published_model(FLAGS.model, FLAGS.weights, FLAGS.image_size)
+        class_names = _common.read_class_names(FLAGS.class_names, None) if FLAGS.class_names \
+            else (vit_keras.class_names(release) if release is not None else [])
     try:
         images = data.load_image_files(files, model.input_shape[1])
     except ValueError as error:

@@ -39,11 +39,16 @@ class RunConfig:
         "for folders, 0.02 for tfds as vit_jax's train[98%:]).")
     # model
     model: str = option(
-        None, "Variant (ViT-Ti/16, ViT-S/16, ViT-B/16, ViT-L/16, ...; see vit_keras.VARIANTS) or "
-        "ViT-digits. Default: ViT-digits on digits without --weights, ViT-B/16 otherwise; with "
-        "--weights the checkpoint decides.")
+        None, "Variant (ViT-Ti/16, ViT-S/16, ViT-B/16, ViT-L/16, ... or the official spelling "
+        "ViT-B_16; see vit_keras.VARIANTS) or ViT-digits. Default: ViT-digits on digits without "
+        "--weights, ViT-B/16 otherwise; with a checkpoint file in --weights the file decides "
+        "(--model then only checks it); a release name in --weights needs --model.")
     weights: str = option(
-        None, "Pretrained weights: any file vit_keras.load_pretrained reads (vit_jax .npz, timm "
+        None, "Pretrained weights: a published release by name (imagenet21k, "
+        "imagenet21k+imagenet2012, augreg_in21k, augreg_in21k_ft_in1k, augreg_in1k; needs "
+        "--model; the file nearest --image_size is downloaded once into $VIT_KERAS_HOME, default "
+        "$KERAS_HOME/vit_keras; $VIT_KERAS_WEIGHTS_MIRROR names a mirror URL or folder), "
+        "hf-hub:REPO_ID, any file vit_keras.load_pretrained reads (vit_jax .npz, timm "
         ".pth/.safetensors, a Hugging Face folder) or a .keras file. A new head is "
         "zero-initialised and position embeddings are resampled to --image_size.")
     classifier: str = option(
@@ -169,9 +174,11 @@ def set_precision(mixed_precision):
 
 
 def build_run_model(config, recipe, num_classes, log=print):
-    """The model of a run: from `--weights` (checkpoint or `.keras`) or freshly initialised."""
+    """The model of a run: from `--weights` (a release name with `--model`, a checkpoint or a
+    `.keras` file) or freshly initialised."""
     from vit_keras import configs as configs_lib
     from vit_keras import pretrained
+    from vit_keras import releases
 
     options = {"dropout": recipe.dropout, "attention_dropout": config.attention_dropout,
                "drop_path_rate": config.drop_path_rate}
@@ -193,6 +200,10 @@ def build_run_model(config, recipe, num_classes, log=print):
                 path, image_size=recipe.image_size, num_classes=num_classes,
                 include_top=True, **options)
     if config.weights:
+        if (config.model is None and config.weights in releases.RELEASE_NAMES
+                and not os.path.exists(config.weights)):
+            raise ValueError(f"--weights {config.weights} is a release name: pass --model with "
+                             f"the variant it is for (e.g. --model ViT-B/16).")
         return pretrained.build_model_from_checkpoint(
             config.weights, variant=config.model, image_size=recipe.image_size,
             num_classes=num_classes, include_top=True,
