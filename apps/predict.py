@@ -18,7 +18,6 @@ from class_names.json beside a .keras model (written by apps/finetune.py and app
 otherwise classes are numbered.
 """
 
-import contextlib
 import os
 import sys
 
@@ -87,9 +86,7 @@ def main(argv):
                              f"--weights augreg_in21k_ft_in1k), not with the model file "
                              f"{FLAGS.model}.")
     else:
-        # stdout carries the predictions alone: a download's progress bar goes to stderr.
-        with contextlib.redirect_stdout(sys.stderr):
-            model, release = _published_model(FLAGS.model, FLAGS.weights, FLAGS.image_size)
+        model, release = _published_model(FLAGS.model, FLAGS.weights, FLAGS.image_size)
         class_names = _common.read_class_names(FLAGS.class_names, None) if FLAGS.class_names \
             else (vit_keras.class_names(release) if release is not None else [])
     try:

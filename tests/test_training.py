@@ -89,3 +89,13 @@ def test_keras_file_weights_get_a_new_zero_head_and_resampled_position_embedding
     np.testing.assert_allclose(  # same classes and size: the model continues as it was
         keras.ops.convert_to_numpy(same.get_layer("head").kernel),
         keras.ops.convert_to_numpy(source.get_layer("head").kernel))
+
+
+@pytest.mark.backend_independent
+def test_run_names_tell_apart_variants_fine_tuned_from_one_release():
+    def name(**fields):
+        return training.default_run_name(training.RunConfig(dataset="cifar10", **fields))
+
+    assert name(model="ViT-B/16", weights="augreg_in21k") == "finetune_cifar10_ViT-B_16_augreg_in21k"
+    assert name(model="ViT-S/16", weights="augreg_in21k") == "finetune_cifar10_ViT-S_16_augreg_in21k"
+    assert name(weights="/data/ViT-B_16.npz") == "finetune_cifar10_ViT-B_16"

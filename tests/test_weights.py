@@ -142,9 +142,12 @@ def test_an_unknown_release_lists_the_variants_releases():
 # --- The download cache ----------------------------------------------------------------------
 
 @backend_independent
-def test_a_download_is_cached_and_a_second_call_touches_no_network(blob_server, cache):
+def test_a_download_is_cached_and_a_second_call_touches_no_network(blob_server, cache, capsys):
     server, path, content = blob_server
-    local = download.fetch(path, progress=False)
+    local = download.fetch(path)
+    progress = capsys.readouterr()
+    assert progress.out == ""  # stdout is the caller's; the progress goes to stderr
+    assert server.url in progress.err and "3.1 / 3.1 MB (100%)" in progress.err
     assert local == download.cache_path(path) and local.startswith(str(cache))
     assert open(local, "rb").read() == content
     assert os.listdir(os.path.dirname(local)) == [os.path.basename(local)]  # no .part left
@@ -217,6 +220,7 @@ def test_an_unreachable_source_fails_within_seconds_with_what_to_do(monkeypatch,
             download.fetch(path)
         assert time.monotonic() - started < 10
     assert not os.path.exists(download.cache_path(path))
+    assert not os.path.exists(download.cache_path(path) + ".part")  # nothing arrived, no clutter
 
 
 @backend_independent

@@ -106,6 +106,10 @@ def fetch(path, *, progress=True):
     except (urllib.error.URLError, OSError) as error:
         reason = getattr(error, "reason", None) or error
         raise _unavailable(path, url, str(reason) or type(error).__name__) from error
+    finally:
+        partial = target + ".part"
+        if os.path.isfile(partial) and not os.path.getsize(partial):
+            os.remove(partial)  # nothing arrived: leave no clutter
     return target
 
 
@@ -132,7 +136,7 @@ def _download(url, target, progress):
                 done = 0
             remaining = response.headers.get("Content-Length")
             total = done + int(remaining) if remaining is not None else None
-            bar = _progress_bar(url, total, done) if progress else None
+            bar = _Progress(url, total, done) if progress else None
             while chunk := response.read(_CHUNK):
                 out.write(chunk)
                 done += len(chunk)
@@ -146,13 +150,26 @@ def _download(url, target, progress):
         os.replace(partial, target)
 
 
-def _progress_bar(url, total, done):
-    import keras  # pylint: disable=import-outside-toplevel
+class _Progress:
+    """A one-line progress report on stderr (stdout stays the caller's: apps print results there)."""
 
-    print(f"Downloading {url}", file=sys.stderr)
-    bar = keras.utils.Progbar(total, unit_name="bytes")
-    bar.update(done)
-    return bar
+    def __init__(self, url, total, done):
+        self.total, self.shown, self.live = total, -1, sys.stderr.isatty()
+        print(f"Downloading {url}", file=sys.stderr)
+        self.update(done)
+
+    def update(self, done):
+        percent = int(100 * done / self.total) if self.total else None
+        step = percent if self.live else (percent // 10 * 10 if percent is not None else None)
+        if step == self.shown and percent is not None:
+            return
+        self.shown = step
+        size = f"{done / 1e6:.1f}" + (f" / {self.total / 1e6:.1f} MB ({percent}%)" if self.total
+                                      else " MB")
+        print(("\r  " if self.live else "  ") + size, end="" if self.live else "\n",
+              file=sys.stderr, flush=True)
+        if self.live and self.total and done >= self.total:
+            print(file=sys.stderr)
 
 
 def fetch_hub(repo_id):

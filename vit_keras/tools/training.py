@@ -10,6 +10,7 @@ import time
 import keras
 import numpy as np
 
+from vit_keras import releases as releases_lib
 from vit_keras.tools import callbacks as callbacks_lib
 from vit_keras.tools import distribution as distribution_lib
 from vit_keras.tools import recipes as recipes_lib
@@ -159,7 +160,9 @@ def default_run_name(config, app="finetune"):
     dataset = config.dataset.replace("folder:", "folder-").strip("/").replace("/", "_")
     model = (config.model or (recipes_lib.DIGITS_VIT["name"] if config.dataset == "digits" and
                               not config.weights else "ViT-B_16")).replace("/", "_")
-    if config.weights:
+    if config.weights in releases_lib.RELEASE_NAMES and not os.path.exists(config.weights):
+        model = f"{model}_{config.weights}"  # one release serves many variants
+    elif config.weights:
         model = os.path.splitext(os.path.basename(config.weights.rstrip("/")))[0]
     return f"{app}_{dataset}_{model}"
 
