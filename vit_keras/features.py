@@ -1,0 +1,201 @@
+"""Intermediate features: the encoder blocks' token activations as a model of their own.
+
+`build_feature_extractor(model, blocks, output, norm)` returns a functional `keras.Model` on the
+model's input whose outputs are chosen encoder blocks' activations, as tokens, as a patch grid (for
+dense prediction) or pooled as the model's own head pools them (for linear probing).
+`intermediate_features` runs it over a batch of images and returns NumPy arrays.
+
+The extractor is made of the model's own layers (no copies): training it trains the model, and it
+saves and reloads with `keras.models.load_model` after `import vit_keras`. Its graph stops at the
+last block asked for.
+"""
+
+import numbers
+import re
+
+import keras
+import numpy as np
+from keras import ops
+
+from vit_keras import geometry
+from vit_keras import layers
+from vit_keras import model as vit_model
+
+OUTPUTS = ("tokens", "grid", "pooled")
+
+
+@keras.saving.register_keras_serializable(package="vit_keras")
+class TokensToGrid(keras.layers.Layer):
+    """Drops the prefix tokens (the class token) and lays the patch tokens out on their grid.
+
+    Input: `(batch, num_prefix_tokens + rows * cols, hidden)`, patch tokens row-major.
+    Output: `(batch, rows, cols, hidden)`.
+    """
+
+    def __init__(self, grid, num_prefix_tokens=0, **kwargs):
+        super().__init__(**kwargs)
+        self.grid = geometry.pair(grid, "token grid")
+        self.num_prefix_tokens = int(num_prefix_tokens)
+        if self.num_prefix_tokens < 0:
+            raise ValueError(f"num_prefix_tokens must be 0 or more; got {num_prefix_tokens}.")
+
+    def build(self, input_shape):
+        rows, cols = self.grid
+        expected = self.num_prefix_tokens + rows * cols
+        if len(input_shape) != 3 or input_shape[1] not in (None, expected):
+            raise ValueError(
+                f"{self.name} expects tokens of shape (batch, {expected}, hidden) "
+                f"({self.num_prefix_tokens} prefix tokens and a {rows}x{cols} grid); got shape "
+                f"{tuple(input_shape)}.")
+
+    def call(self, x):
+        rows, cols = self.grid
+        return ops.reshape(x[:, self.num_prefix_tokens:], (-1, rows, cols, x.shape[-1]))
+
+    def compute_output_shape(self, input_shape):
+        return (input_shape[0], *self.grid, input_shape[-1])
+
+    def get_config(self):
+        return {**super().get_config(), "grid": list(self.grid),
+                "num_prefix_tokens": self.num_prefix_tokens}
+
+
+def _select_blocks(blocks, count):
+    """`blocks` as `build_feature_extractor` takes it → a list of block indices in `[0, count)`."""
+    if blocks is None:
+        return list(range(count))
+    if isinstance(blocks, bool):
+        raise ValueError(f"blocks must be None, an int or a list of block indices; got {blocks!r}.")
+    if isinstance(blocks, numbers.Integral):
+        if not 1 <= blocks <= count:
+            raise ValueError(
+                f"blocks={blocks} asks for the last {blocks} blocks; the model has {count}, so "
+                f"pass an int from 1 to {count}, or a list of indices (e.g. [-1] for the last "
+                f"block).")
+        return list(range(count - int(blocks), count))
+    try:
+        indices = list(blocks)
+    except TypeError:
+        raise ValueError(f"blocks must be None, an int or a list of block indices; got "
+                         f"{blocks!r}.") from None
+    if not indices:
+        raise ValueError("blocks is an empty list; name at least one block index.")
+    selected = []
+    for index in indices:
+        if isinstance(index, bool) or not isinstance(index, numbers.Integral):
+            raise ValueError(f"Block indices are ints; got {index!r} in blocks={blocks!r}.")
+        if not -count <= index < count:
+            raise ValueError(
+                f"Block index {index} is out of range for a model with {count} encoder blocks; "
+                f"valid indices are {-count} to {count - 1}.")
+        selected.append(int(index) % count)
+    repeated = sorted({i for i in selected if selected.count(i) > 1})
+    if repeated:
+        raise ValueError(f"blocks={blocks!r} names block(s) {repeated} more than once.")
+    return selected
+
+
+def _layer(model, kind, name, needed_for):
+    """The model's layer of class `kind` (the one named `name` if there are several)."""
+    found = [layer for layer in model.layers if isinstance(layer, kind)]
+    named = [layer for layer in found if layer.name == name]
+    if len(found) == 1 or named:
+        return (named or found)[0]
+    raise ValueError(
+        f"{needed_for} needs the model's {kind.__name__} layer {name!r}; model {model.name!r} has "
+        f"{'none' if not found else [layer.name for layer in found]}. Expected a model from "
+        f"`vit_keras.build_model` or a vit_keras .keras file.")
+
+
+def build_feature_extractor(model, blocks=None, output="tokens", norm=True):
+    """A `keras.Model` on `model.input` giving the chosen encoder blocks' activations.
+
+    Args:
+      model: a model from `build_model` (ViT, GAP or hybrid) or loaded from a vit_keras .keras file.
+      blocks: which encoder blocks: `None` for all; an int `n` for the last `n`; or a list of
+        indices, negative ones counting from the end (`[-1]` is the last block, `[0, 5, 11]`
+        three of ViT-B's twelve). Outputs come in the order given.
+      output: `"tokens"` gives `(batch, tokens, hidden)`, the prefix (class) token first, then the
+        patch tokens row-major; `"grid"` gives the patch tokens alone as `(batch, rows, cols,
+        hidden)` on the model's token grid (`vit_keras.token_grid(model)`; for hybrids the ResNet
+        feature map's); `"pooled"` gives `(batch, hidden)`, pooled by the model's own
+        `TokenPooling` (the class token, or the mean over all tokens for GAP models). A
+        representation layer (`pre_logits`) is not applied.
+      norm: apply the model's final LayerNorm (`encoder_norm`, its weights shared) to every chosen
+        block's output, as the model does to the last block's before pooling. With `norm=True` the
+        last block's `"pooled"` output is what the model's head (or `pre_logits`) takes in.
+
+    Returns:
+      A functional `keras.Model` built from the model's own layers: its outputs are a list with one
+      tensor per chosen block, or one tensor when one block is chosen. The output layers are named
+      `f"{output}_{index}"` (e.g. `tokens_11`). Training it trains `model`.
+
+    Raises:
+      ValueError: for a block index out of range, an unknown `output`, or a model without the
+        layers an option needs (`encoder_norm` for `norm=True`, `TokenPooling` for `"pooled"`).
+    """
+    if output not in OUTPUTS:
+        raise ValueError(f"Unknown output {output!r}; expected one of {OUTPUTS}.")
+    encoder = vit_model.transformer_blocks(model)
+    if not encoder:
+        raise ValueError(f"Model {model.name!r} has no TransformerBlock layers.")
+    selected = _select_blocks(blocks, len(encoder))
+    encoder_norm = (_layer(model, keras.layers.LayerNormalization, "encoder_norm", "norm=True")
+                    if norm else None)
+    if output == "grid":
+        grid = geometry.token_grid(model)
+        tokens = encoder[0].output.shape[1]
+        prefix = tokens - grid[0] * grid[1]
+        if prefix < 0:
+            raise ValueError(f"Model {model.name!r} has {tokens} tokens, fewer than its "
+                             f"{grid[0]}x{grid[1]} token grid.")
+    if output == "pooled":
+        pooling = _layer(model, layers.TokenPooling, "pooling", 'output="pooled"')
+
+    outputs = []
+    for index in selected:
+        x = encoder[index].output
+        if encoder_norm is not None:
+            x = encoder_norm(x)
+        if output == "pooled":
+            x = pooling(x)
+        # Named outputs, in the dtype they come in (encoder_norm's float32 under mixed precision).
+        name, dtype = f"{output}_{index}", x.dtype
+        if output == "grid":
+            x = TokensToGrid(grid, prefix, dtype=dtype, name=name)(x)
+        else:
+            x = keras.layers.Identity(dtype=dtype, name=name)(x)
+        outputs.append(x)
+    # TensorFlow takes a model's name as a name scope, where "+" (in hybrids' names) is refused.
+    extractor_name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{model.name}_features")
+    return keras.Model(model.input, outputs[0] if len(outputs) == 1 else outputs,
+                       name=extractor_name)
+
+
+def intermediate_features(model, images, blocks=None, output="tokens", norm=True, batch_size=16):
+    """The chosen encoder blocks' activations for a batch of images, as NumPy arrays.
+
+    Args:
+      model: a model from `build_model` (or a loaded one).
+      images: `(batch, height, width, channels)`, as the model takes them.
+      blocks: as in `build_feature_extractor`.
+      output: as in `build_feature_extractor`.
+      norm: as in `build_feature_extractor`.
+      batch_size: images per forward pass.
+
+    Returns:
+      One array per chosen block, in a list (or the array alone when one block is chosen):
+      `(batch, tokens, hidden)` for `"tokens"`, `(batch, rows, cols, hidden)` for `"grid"`,
+      `(batch, hidden)` for `"pooled"`. Computed in inference mode (no dropout).
+    """
+    images = np.asarray(images)
+    if not len(images):
+        raise ValueError(f"Expected at least one image; got an array of shape {images.shape}.")
+    extractor = build_feature_extractor(model, blocks, output=output, norm=norm)
+    chunks = []
+    for start in range(0, len(images), batch_size):
+        result = extractor.predict_on_batch(images[start:start + batch_size])
+        chunks.append(result if isinstance(result, (list, tuple)) else [result])
+    arrays = [np.concatenate([np.asarray(chunk[i]) for chunk in chunks])
+              for i in range(len(chunks[0]))]
+    return arrays if isinstance(extractor.output, (list, tuple)) else arrays[0]
