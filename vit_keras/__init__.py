@@ -16,7 +16,6 @@ from vit_keras.analysis import (
     token_size_pixels,
 )
 from vit_keras.checkpoints import load_pretrained, save_npz
-from vit_keras.features import build_feature_extractor, intermediate_features
 from vit_keras.labels import class_names
 from vit_keras.configs import VARIANTS, ViTConfig, get_config
 from vit_keras.layers import (
@@ -29,6 +28,7 @@ from vit_keras.layers import (
     TransformerBlock,
 )
 from vit_keras.model import attention_scores
+from vit_keras.patch_resize import resample_patch_embedding
 from vit_keras.posemb import resample_position_embeddings
 from vit_keras.pretrained import build_model, build_model_from_checkpoint
 from vit_keras.releases import Release, list_weights
@@ -60,9 +60,8 @@ __all__ = [
     "ResNetStage",
     "ResNetStem",
     "resample_position_embeddings",
+    "resample_patch_embedding",
     "attention_scores",
-    "build_feature_extractor",
-    "intermediate_features",
     "attention_rollout",
     "mean_attention_distance",
     "position_embedding_similarity",

@@ -12,6 +12,7 @@ import keras
 import numpy as np
 
 from vit_keras import geometry
+from vit_keras import patch_resize
 from vit_keras import posemb
 from vit_keras.checkpoints import files
 from vit_keras.checkpoints import huggingface
@@ -108,6 +109,24 @@ def _fit_position_embeddings(checkpoint, params, weights, grid, interpolation, a
     params[names.POSEMB] = new
 
 
+def _fit_patch_embedding(params, weights):
+    """Resamples the checkpoint's patch-embedding kernel in `params` to the model's patch size
+    (FlexiViT's PI-resize, see `resample_patch_embedding`) if only its spatial size differs.
+    Plain ViTs only: a hybrid's kernel reads a ResNet feature map, not pixels."""
+    key = names.EMBEDDING_KERNEL
+    hybrid = names.RESNET_ROOT in params or names.RESNET_ROOT in weights
+    if hybrid or key not in params or key not in weights:
+        return
+    old, target = np.asarray(params[key]), tuple(weights[key].shape)
+    if old.ndim != 4 or len(target) != 4 or old.shape[2:] != target[2:]:
+        return  # a mismatch reported with the others
+    if old.shape[:2] == target[:2]:
+        return  # same patch size
+    params[key] = patch_resize.resample_patch_embedding(old, target[:2])
+    logger.info("Resampled the patch embedding from %dx%d to %dx%d patches (PI-resize).",
+                *old.shape[:2], *target[:2])
+
+
 def _reconcile_heads(params, weights):
     """Applies the fine-tuning conventions to `params`; returns the model keys to zero-initialise."""
     pre_logits = [k for k in params if k.startswith(names.PRE_LOGITS)]
@@ -170,7 +189,9 @@ def load_pretrained(model, path, *, strict=True, interpolation=None, antialias=N
 
     Returns:
       The model. A head with another class count (or none in the file) is zero-initialised, and a
-      `pre_logits` layer the model lacks is dropped; each says so in one log line.
+      `pre_logits` layer the model lacks is dropped; each says so in one log line. A plain ViT
+      with another patch size gets the checkpoint's patch embedding resampled to it
+      (`resample_patch_embedding`, FlexiViT's PI-resize), also with one log line.
     """
     checkpoint = path if isinstance(path, Checkpoint) else None
     weights = {names.keras_to_canonical(w.path): w for w in model.weights}
@@ -181,6 +202,7 @@ def load_pretrained(model, path, *, strict=True, interpolation=None, antialias=N
     params = dict(checkpoint.params)
     _fit_position_embeddings(checkpoint, params, weights, geometry.token_grid(model), interpolation,
                              antialias, checkpoint_grid)
+    _fit_patch_embedding(params, weights)
     zeroed = _reconcile_heads(params, weights)
 
     missing, mismatched, assignments = [], [], []
