@@ -16,6 +16,7 @@ from vit_keras.analysis import (
     token_size_pixels,
 )
 from vit_keras.checkpoints import load_pretrained, save_npz
+from vit_keras.features import build_feature_extractor, intermediate_features
 from vit_keras.labels import class_names
 from vit_keras.configs import VARIANTS, ViTConfig, get_config
 from vit_keras.layers import (
@@ -62,6 +63,8 @@ __all__ = [
     "resample_position_embeddings",
     "resample_patch_embedding",
     "attention_scores",
+    "build_feature_extractor",
+    "intermediate_features",
     "attention_rollout",
     "mean_attention_distance",
     "position_embedding_similarity",
