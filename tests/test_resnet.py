@@ -143,3 +143,13 @@ def test_hybrid_image_size_must_give_a_feature_map_divisible_by_the_patch():
     with pytest.raises(ValueError, match=r"Image height 40 \(a feature map of 10\) is not "
                                          r"divisible by patch size 8 of R\+ViT-Ti/16"):
         vit_keras.build_model("R+ViT-Ti/16", image_size=(40, 64))
+
+
+def test_a_hybrid_runs_predict_and_fit_under_its_default_name():
+    # TensorFlow refuses "+" in the name scopes predict and fit open: the default name avoids it.
+    model = vit_keras.build_model("R+ViT-Ti/16", image_size=32, num_classes=3)
+    assert model.name == "R_ViT-Ti_16"
+    images = np.random.default_rng(0).uniform(0, 255, (2, 32, 32, 3)).astype("float32")
+    assert model.predict(images, verbose=0).shape == (2, 3)
+    model.compile(optimizer="sgd", loss=keras.losses.CategoricalCrossentropy(from_logits=True))
+    model.fit(images, np.eye(3, dtype="float32")[[0, 1]], epochs=1, verbose=0)

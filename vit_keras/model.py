@@ -3,6 +3,8 @@
 Architecture only: weights come in through `vit_keras.pretrained` (`vit_keras.build_model`).
 """
 
+import re
+
 import keras
 import numpy as np
 
@@ -64,7 +66,7 @@ def build_vit(variant, *, image_size=None, num_classes=None, include_top=True,
     if include_top:
         x = keras.layers.Dense(num_classes, kernel_initializer="zeros", dtype=head_dtype,
                                name="head")(x)
-    return keras.Model(images, x, name=name or config.name.replace("/", "_"))
+    return keras.Model(images, x, name=name or re.sub(r"[/+]", "_", config.name))
 
 
 def transformer_blocks(model):

@@ -90,7 +90,8 @@ def build_model(variant, *, weights=None, image_size=None, num_classes=None, inc
       approximate_gelu: the tanh GELU of Flax (exact erf GELU, as in timm and Hugging Face, if False).
       hybrid_numerics: hybrids only: the weight-standardisation and GroupNorm epsilons of
         `"vit_jax"` (the original models) or `"timm"` (see `vit_keras.resnet.NUMERICS`).
-      name: the model's name (default: the variant's, with "/" replaced by "_").
+      name: the model's name (default: the variant's, with "/" and "+" replaced by "_": TensorFlow
+        refuses them in the name scopes of predict and fit).
 
     Returns:
       A `keras.Model` mapping `(batch, height, width, channels)` to logits `(batch, num_classes)`
