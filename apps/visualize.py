@@ -46,7 +46,12 @@ def load_model(spec):
 
     if os.path.exists(spec):
         return keras.models.load_model(spec, compile=False)
-    if spec.replace("_", "/") in vit_keras.VARIANTS or spec in vit_keras.VARIANTS:  # ViT-B_16 too
+    try:
+        vit_keras.get_config(spec)  # a variant name, in either spelling (ViT-B/16, ViT-B_16)
+        is_variant = True
+    except ValueError:
+        is_variant = False
+    if is_variant:
         logging.warning("%s is not a file: building %s with random weights.", spec, spec)
         keras.utils.set_random_seed(FLAGS.seed)
         return vit_keras.build_model(spec, image_size=FLAGS.image_size, classifier=FLAGS.classifier)
