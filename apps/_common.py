@@ -36,14 +36,6 @@ def read_class_names(path, model_path):
     return RunFolder.of_model(model_path).read_class_names()
 
 
-def is_release_name(weights):
-    """Whether a `--weights` value names a published release (`augreg_in21k_ft_in1k`, ...; see
-    `vit_keras.list_weights`) rather than a file: such a name needs the variant as well."""
-    from vit_keras import releases
-
-    return bool(weights) and weights in releases.RELEASE_NAMES and not os.path.exists(weights)
-
-
 def resolve_weights(weights, variant, image_size=None, variant_flag="--variant"):
     """`--weights` → `(local checkpoint, Release or None)`, downloading a release once into the
     cache (`vit_keras.pretrained.resolve_weights`).
@@ -57,7 +49,7 @@ def resolve_weights(weights, variant, image_size=None, variant_flag="--variant")
 
     if not weights:
         return None, None
-    if variant is None and is_release_name(weights):
+    if variant is None and pretrained.is_release_name(weights):
         raise app.UsageError(
             f"--weights {weights} is a release name: pass {variant_flag} with the variant it is "
             f"for (e.g. {variant_flag} ViT-B/16). Releases: {', '.join(releases.RELEASE_NAMES)}; "
@@ -146,8 +138,9 @@ def training_app(name, started, recipe="auto", recipe_help=None):
 
         if recipe != "auto" and FLAGS.dataset == "digits" and not FLAGS["recipe"].present:
             FLAGS.recipe = "digits"  # before flags.txt records it: a rerun then replays the same
-        if is_release_name(FLAGS.weights):  # checked now, not after the data has loaded
-            from vit_keras import releases
+        from vit_keras import pretrained, releases
+
+        if pretrained.is_release_name(FLAGS.weights):  # checked now, not after the data has loaded
 
             if FLAGS.model is None:
                 raise app.UsageError(

@@ -55,7 +55,7 @@ def _published_model(variant, weights, image_size):
     except ValueError as error:
         raise app.UsageError(f"--model {variant}: {error}") from None
     _, release = _common.resolve_weights(weights, variant, image_size, variant_flag="--model")
-    if _common.is_release_name(weights):
+    if vit_keras.pretrained.is_release_name(weights):
         return vit_keras.build_model(variant, weights=weights, image_size=image_size), release
     return vit_keras.build_model_from_checkpoint(weights, variant=variant,
                                                  image_size=image_size), release

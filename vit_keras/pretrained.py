@@ -18,6 +18,13 @@ HUB_PREFIX = "hf-hub:"
 _CHECKPOINT_SUFFIXES = (".npz", ".pth", ".pt", ".bin", ".safetensors", ".keras", ".h5")
 
 
+def is_release_name(weights):
+    """Whether a `weights=` value names a published release (see `vit_keras.list_weights`) rather
+    than a file; a release name needs the variant it is for."""
+    return (isinstance(weights, str) and weights in releases.RELEASE_NAMES
+            and not os.path.exists(weights))
+
+
 def resolve_weights(weights, variant=None, image_size=None):
     """The local checkpoint a `weights=` argument names, downloading it if it is published.
 

@@ -10,7 +10,7 @@ import time
 import keras
 import numpy as np
 
-from vit_keras import releases as releases_lib
+from vit_keras import pretrained
 from vit_keras.tools import callbacks as callbacks_lib
 from vit_keras.tools import distribution as distribution_lib
 from vit_keras.tools import recipes as recipes_lib
@@ -160,7 +160,7 @@ def default_run_name(config, app="finetune"):
     dataset = config.dataset.replace("folder:", "folder-").strip("/").replace("/", "_")
     model = (config.model or (recipes_lib.DIGITS_VIT["name"] if config.dataset == "digits" and
                               not config.weights else "ViT-B_16")).replace("/", "_")
-    if config.weights in releases_lib.RELEASE_NAMES and not os.path.exists(config.weights):
+    if pretrained.is_release_name(config.weights):
         model = f"{model}_{config.weights}"  # one release serves many variants
     elif config.weights:
         model = os.path.splitext(os.path.basename(config.weights.rstrip("/")))[0]
@@ -180,8 +180,6 @@ def build_run_model(config, recipe, num_classes, log=print):
     """The model of a run: from `--weights` (a release name with `--model`, a checkpoint or a
     `.keras` file) or freshly initialised."""
     from vit_keras import configs as configs_lib
-    from vit_keras import pretrained
-    from vit_keras import releases
 
     options = {"dropout": recipe.dropout, "attention_dropout": config.attention_dropout,
                "drop_path_rate": config.drop_path_rate}
@@ -203,8 +201,7 @@ def build_run_model(config, recipe, num_classes, log=print):
                 path, image_size=recipe.image_size, num_classes=num_classes,
                 include_top=True, **options)
     if config.weights:
-        if (config.model is None and config.weights in releases.RELEASE_NAMES
-                and not os.path.exists(config.weights)):
+        if config.model is None and pretrained.is_release_name(config.weights):
             raise ValueError(f"--weights {config.weights} is a release name: pass --model with "
                              f"the variant it is for (e.g. --model ViT-B/16).")
         return pretrained.build_model_from_checkpoint(
