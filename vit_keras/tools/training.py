@@ -184,9 +184,15 @@ def build_run_model(config, recipe, num_classes, log=print):
     options = {"dropout": recipe.dropout, "attention_dropout": config.attention_dropout,
                "drop_path_rate": config.drop_path_rate}
     if config.weights and config.weights.endswith(".keras"):
+        from vit_keras import masked_patch_prediction
+
         loaded = keras.saving.load_model(config.weights, compile=False)
         size = loaded.input_shape[1]
-        if loaded.output_shape[-1] == num_classes and size == recipe.image_size:
+        if masked_patch_prediction.is_pretraining_model(loaded):
+            # apps/pretrain.py's model: fine-tune its ViT, without [mask] token and MPP head.
+            log(f"{config.weights} is a masked patch prediction model: fine-tuning its encoder.")
+            loaded = masked_patch_prediction.pretrained_encoder(loaded)
+        elif loaded.output_shape[-1] == num_classes and size == recipe.image_size:
             log(f"Continuing from {config.weights} (same classes and image size).")
             return loaded
         # Another head or resolution: go through the npz layout, which resamples position
