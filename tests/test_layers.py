@@ -17,6 +17,7 @@ from conftest import random_images, randomize_weights, tiny_data, tiny_model
 def _layer_cases():
     return [
         (layers.PatchEmbedding(4, 16, name="embedding"), (2, 8, 12, 3)),
+        (layers.PatchEmbedding(4, 16, flatten=False, name="embedding"), (2, 8, 12, 3)),
         (layers.ClassToken(name="cls"), (2, 6, 16)),
         (layers.AddPositionEmbs(name="posembed_input"), (2, 7, 16)),
         (layers.MultiHeadDotProductAttention(4, attention_dropout=0.1), (2, 7, 16)),

@@ -50,7 +50,8 @@ def image_size_for_grid(config, grid):
 
 def token_grid(model):
     """A built model's patch-token grid `(rows, cols)`, read from its `embedding` layer: the input
-    feature map (the image, or a hybrid's ResNet feature map) divided by the patch size."""
+    feature map (the image, or a hybrid's ResNet feature map) divided by the patch size. For a
+    model of dynamic image size, the grid it was built for (its position embeddings' grid)."""
     try:
         embedding = model.get_layer("embedding")
     except ValueError:
@@ -59,7 +60,14 @@ def token_grid(model):
             f"vit_keras model from `build_model` or loaded from a vit_keras .keras file.") from None
     _, height, width, _ = embedding.input.shape
     if height is None or width is None:
-        raise ValueError(f"Model {model.name!r} has an unknown input size; the token grid needs a "
-                         f"model built for a fixed image size.")
+        # A model of dynamic image size: the grid its position embeddings were built for.
+        try:
+            built_grid = model.get_layer("posembed_input").grid_size
+        except (ValueError, AttributeError):
+            built_grid = None
+        if built_grid is None:
+            raise ValueError(f"Model {model.name!r} has an unknown input size and no built grid "
+                             f"size; the token grid needs a model built for an image size.")
+        return tuple(built_grid)
     patch = int(getattr(embedding, "patch_size", 1))
     return height // patch, width // patch

@@ -10,6 +10,7 @@ import math
 import keras
 from keras import ops
 
+from vit_keras import interpolation_ops
 from vit_keras.xla_cpu import einsum, materialize_gradient, workarounds_active
 
 _PACKAGE = "vit_keras"
@@ -40,15 +41,17 @@ class PatchEmbedding(keras.layers.Layer):
     reshape and one matrix multiply (faster to differentiate than a strided convolution).
 
     Input: `(batch, height, width, channels)`; height and width multiples of `patch_size`.
-    Output: `(batch, (height // patch_size) * (width // patch_size), hidden_size)`, patches row-major.
+    Output: `(batch, (height // patch_size) * (width // patch_size), hidden_size)`, patches row-major;
+    with `flatten=False` the grid `(batch, height // patch_size, width // patch_size, hidden_size)`.
     Weights: `kernel` `(patch_size, patch_size, channels, hidden_size)` (HWIO), `bias` `(hidden_size,)`.
     """
 
     def __init__(self, patch_size, hidden_size, kernel_initializer="lecun_normal",
-                 bias_initializer="zeros", **kwargs):
+                 bias_initializer="zeros", flatten=True, **kwargs):
         super().__init__(**kwargs)
         self.patch_size = int(patch_size)
         self.hidden_size = int(hidden_size)
+        self.flatten = bool(flatten)
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
 
@@ -75,22 +78,34 @@ class PatchEmbedding(keras.layers.Layer):
     def call(self, images):
         _, height, width, channels = images.shape
         p = self.patch_size
+        for side, size in (("height", height), ("width", width)):
+            # Checked here too for models of dynamic image size, whenever the size is known while
+            # tracing (always on JAX and torch); a VALID convolution would crop silently.
+            if size is not None and size % p:
+                raise ValueError(
+                    f"Image {side} {size} is not divisible by patch size {p}; use an image size "
+                    f"that is a multiple of {p}.")
         if height is None or width is None:
             # Sizes unknown while tracing (e.g. a SavedModel signature): the equivalent convolution.
-            patches = ops.conv(images, self.kernel, strides=p, padding="valid")
-            return ops.reshape(patches, (ops.shape(patches)[0], -1, self.hidden_size)) + self.bias
+            patches = ops.conv(images, self.kernel, strides=p, padding="valid") + self.bias
+            if self.flatten:
+                return ops.reshape(patches, (ops.shape(patches)[0], -1, self.hidden_size))
+            return patches
         rows, cols = height // p, width // p
         x = ops.reshape(images, (-1, rows, p, cols, p, channels))
         x = ops.transpose(x, (0, 1, 3, 2, 4, 5))  # (batch, rows, cols, p, p, channels): HWI order
         x = ops.reshape(x, (-1, rows * cols, p * p * channels))
         kernel = ops.reshape(self.kernel, (p * p * channels, self.hidden_size))
-        return einsum("bnk,kd->bnd", x, kernel) + self.bias
+        patches = einsum("bnk,kd->bnd", x, kernel) + self.bias
+        return patches if self.flatten else ops.reshape(patches, (-1, rows, cols, self.hidden_size))
 
     def compute_output_shape(self, input_shape):
         batch, height, width, _ = input_shape
-        if height is None or width is None:
-            return (batch, None, self.hidden_size)
-        return (batch, (height // self.patch_size) * (width // self.patch_size), self.hidden_size)
+        rows = None if height is None else height // self.patch_size
+        cols = None if width is None else width // self.patch_size
+        if not self.flatten:
+            return (batch, rows, cols, self.hidden_size)
+        return (batch, None if rows is None or cols is None else rows * cols, self.hidden_size)
 
     def get_config(self):
         return {
@@ -99,6 +114,7 @@ class PatchEmbedding(keras.layers.Layer):
             "hidden_size": self.hidden_size,
             "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
             "bias_initializer": keras.initializers.serialize(self.bias_initializer),
+            "flatten": self.flatten,
         }
 
 
@@ -130,32 +146,71 @@ class AddPositionEmbs(keras.layers.Layer):
     Input and output: `(batch, tokens, hidden)`. Weight: `pos_embedding` `(1, tokens, hidden)`,
     normal(stddev 0.02). The token count is fixed when the layer is built; a model for another image
     size gets its embedding through `vit_keras.resample_position_embeddings`.
+
+    With `grid_size=(rows, cols)` the layer takes images of any size (`build_model(...,
+    dynamic_image_size=True)`): `pos_embedding` holds `num_prefix_tokens + rows * cols`
+    embeddings, and `call(tokens, patch_grid)` resamples their grid part on every call to the
+    grid of `patch_grid`, the patch embedding's `(batch, rows', cols', hidden)` output
+    (`vit_keras.interpolation_ops`: timm's bicubic, antialiased). At `(rows, cols)` itself the
+    embeddings are added unchanged.
     """
 
-    def __init__(self, initializer=None, **kwargs):
+    def __init__(self, initializer=None, grid_size=None, num_prefix_tokens=1, **kwargs):
         super().__init__(**kwargs)
         self.initializer = keras.initializers.get(
             initializer or keras.initializers.RandomNormal(stddev=0.02))
+        self.grid_size = None if grid_size is None else tuple(int(side) for side in grid_size)
+        self.num_prefix_tokens = int(num_prefix_tokens)
 
-    def build(self, input_shape):
-        if input_shape[1] is None:
-            raise ValueError(f"{self.name} needs a known number of tokens; got {tuple(input_shape)}.")
+    def build(self, x_shape, patch_grid_shape=None):
+        tokens = x_shape[1]
+        if self.grid_size is not None:
+            tokens = self.num_prefix_tokens + self.grid_size[0] * self.grid_size[1]
+        if tokens is None:
+            raise ValueError(f"{self.name} needs a known number of tokens (or a grid_size); got "
+                             f"{tuple(x_shape)}.")
+        # Read in float32 whatever the dtype policy: resampling runs in float32, as timm's does.
         self.pos_embedding = self.add_weight(
-            name="pos_embedding", shape=(1, input_shape[1], input_shape[2]),
-            initializer=self.initializer)
+            name="pos_embedding", shape=(1, tokens, x_shape[2]),
+            initializer=self.initializer, autocast=False)
 
-    def call(self, x):
-        expected = self.pos_embedding.shape[1]
-        if x.shape[1] is not None and x.shape[1] != expected:
-            raise ValueError(
-                f"{self.name} holds position embeddings for {expected} tokens but got {x.shape[1]} "
-                f"tokens: the input image size differs from the one the model was built for. Build "
-                f"the model at the new size (position embeddings are resampled when weights load).")
-        return x + ops.cast(self.pos_embedding, x.dtype)
+    def call(self, x, patch_grid=None):
+        if self.grid_size is None:
+            expected = self.pos_embedding.shape[1]
+            if x.shape[1] is not None and x.shape[1] != expected:
+                raise ValueError(
+                    f"{self.name} holds position embeddings for {expected} tokens but got "
+                    f"{x.shape[1]} tokens: the input image size differs from the one the model was "
+                    f"built for. Build the model at the new size (position embeddings are "
+                    f"resampled when weights load), or with dynamic_image_size=True.")
+            return x + ops.cast(self.pos_embedding, x.dtype)
+        if patch_grid is None:
+            raise ValueError(f"{self.name} has a grid_size, so it resamples to the input's patch "
+                             f"grid: call it as layer(tokens, patch_grid).")
+        shape = ops.shape(patch_grid)
+        return x + ops.cast(self.resampled((shape[1], shape[2])), x.dtype)
+
+    def resampled(self, grid):
+        """The float32 embeddings `(1, num_prefix_tokens + rows * cols, hidden)` for a patch grid
+        `(rows, cols)` (ints, or scalar tensors while tracing with unknown sizes)."""
+        embeddings = ops.convert_to_tensor(self.pos_embedding)
+        if all(isinstance(side, int) for side in grid) and tuple(grid) == self.grid_size:
+            return embeddings
+        prefix = embeddings[:, :self.num_prefix_tokens]
+        hidden = embeddings.shape[-1]
+        built = ops.reshape(embeddings[0, self.num_prefix_tokens:], (*self.grid_size, hidden))
+        resized = interpolation_ops.resize_grid(built, grid)
+        return ops.concatenate([prefix, ops.reshape(resized, (1, -1, hidden))], axis=1)
+
+    def compute_output_shape(self, x_shape, patch_grid_shape=None):
+        return x_shape
 
     def get_config(self):
-        return {**super().get_config(),
-                "initializer": keras.initializers.serialize(self.initializer)}
+        config = {**super().get_config(),
+                  "initializer": keras.initializers.serialize(self.initializer)}
+        if self.grid_size is not None:
+            config.update(grid_size=list(self.grid_size), num_prefix_tokens=self.num_prefix_tokens)
+        return config
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)

@@ -18,7 +18,7 @@ def build_vit(variant, *, image_size=None, num_classes=None, include_top=True,
               include_preprocessing=True, classifier="token", representation_size=None,
               dropout=0.0, attention_dropout=0.0, drop_path_rate=0.0, channels=3,
               layer_norm_epsilon=1e-6, approximate_gelu=False, hybrid_numerics="vit_jax",
-              name=None):
+              dynamic_image_size=False, name=None):
     """The architecture half of `vit_keras.build_model`: every argument but `weights`, documented
     there. Returns the freshly initialised `keras.Model`."""
     config = configs.get_config(variant)
@@ -31,24 +31,37 @@ def build_vit(variant, *, image_size=None, num_classes=None, include_top=True,
         raise ValueError(f"Unknown hybrid_numerics {hybrid_numerics!r}; expected one of "
                          f"{list(resnet.NUMERICS)}.")
 
-    images = keras.Input((height, width, channels), name="images")
+    input_size = (None, None) if dynamic_image_size else (height, width)
+    images = keras.Input((*input_size, channels), name="images")
     x = images
     if include_preprocessing:
         x = keras.layers.Rescaling(1 / 127.5, offset=-1.0, dtype="float32", name="rescale")(x)
+    feature_map = (height, width)  # what the patch embedding sees at the built size
     if config.is_hybrid:
-        x = resnet.ResNetStem(config.resnet_layers, config.resnet_width, name="resnet",
-                              **resnet.NUMERICS[hybrid_numerics])(x)
-    for side, size, grid in (("height", height, x.shape[1]), ("width", width, x.shape[2])):
+        stem = resnet.ResNetStem(config.resnet_layers, config.resnet_width, name="resnet",
+                                 **resnet.NUMERICS[hybrid_numerics])
+        x = stem(x)
+        feature_map = stem.compute_output_shape((None, height, width, channels))[1:3]
+    for side, size, grid in zip(("height", "width"), (height, width), feature_map):
         if grid % config.patch_size:
-            feature_map = f" (a feature map of {grid})" if config.is_hybrid else ""
+            feature = f" (a feature map of {grid})" if config.is_hybrid else ""
             raise ValueError(
-                f"Image {side} {size}{feature_map} is not divisible by patch size "
+                f"Image {side} {size}{feature} is not divisible by patch size "
                 f"{config.patch_size} of {config.name}; use an image size that is a multiple of "
                 f"{config.patch_size * size // grid}.")
-    x = layers.PatchEmbedding(config.patch_size, config.hidden_size, name="embedding")(x)
+    patches = layers.PatchEmbedding(config.patch_size, config.hidden_size,
+                                    flatten=not dynamic_image_size, name="embedding")(x)
+    x = patches
+    if dynamic_image_size:  # the grid stays for the position embeddings to resample to
+        x = keras.layers.Reshape((-1, config.hidden_size), name="patch_tokens")(x)
     if classifier == "token":
         x = layers.ClassToken(name="cls")(x)
-    x = layers.AddPositionEmbs(name="posembed_input")(x)
+    if dynamic_image_size:
+        grid = tuple(side // config.patch_size for side in feature_map)
+        x = layers.AddPositionEmbs(grid_size=grid, num_prefix_tokens=int(classifier == "token"),
+                                   name="posembed_input")(x, patches)
+    else:
+        x = layers.AddPositionEmbs(name="posembed_input")(x)
     x = keras.layers.Dropout(dropout, name="dropout")(x)
     for index, rate in enumerate(np.linspace(0.0, drop_path_rate, config.num_layers)):
         x = layers.TransformerBlock(

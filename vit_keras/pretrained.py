@@ -64,7 +64,7 @@ def build_model(variant, *, weights=None, image_size=None, num_classes=None, inc
                 include_preprocessing=True, classifier="token", representation_size=None,
                 dropout=0.0, attention_dropout=0.0, drop_path_rate=0.0, channels=3,
                 layer_norm_epsilon=1e-6, approximate_gelu=False, hybrid_numerics="vit_jax",
-                name=None):
+                dynamic_image_size=False, name=None):
     """Builds a Vision Transformer as a functional `keras.Model`.
 
     Args:
@@ -97,6 +97,11 @@ def build_model(variant, *, weights=None, image_size=None, num_classes=None, inc
       approximate_gelu: the tanh GELU of Flax (exact erf GELU, as in timm and Hugging Face, if False).
       hybrid_numerics: hybrids only: the weight-standardisation and GroupNorm epsilons of
         `"vit_jax"` (the original models) or `"timm"` (see `vit_keras.resnet.NUMERICS`).
+      dynamic_image_size: `True`: the model takes images of any size, `(batch, None, None,
+        channels)` (each side a multiple of the patch size, or for hybrids of the ResNet's
+        stride times it); the position embeddings, built and loaded for `image_size`, are
+        resampled inside the forward pass to each input's token grid, bicubic with antialiasing
+        as timm's `dynamic_img_size=True` does, and added unchanged at `image_size` itself.
       name: the model's name (default: the variant's, with "/" and "+" replaced by "_": TensorFlow
         refuses them in the name scopes of predict and fit).
 
@@ -117,7 +122,7 @@ def build_model(variant, *, weights=None, image_size=None, num_classes=None, inc
         representation_size=representation_size, dropout=dropout,
         attention_dropout=attention_dropout, drop_path_rate=drop_path_rate, channels=channels,
         layer_norm_epsilon=layer_norm_epsilon, approximate_gelu=approximate_gelu,
-        hybrid_numerics=hybrid_numerics, name=name)
+        hybrid_numerics=hybrid_numerics, dynamic_image_size=dynamic_image_size, name=name)
     if checkpoint is not None:
         loader.load_pretrained(model, checkpoint)
     return model
