@@ -257,3 +257,67 @@ def test_hybrid_model_exports_to_every_format(tmp_path):
                 verification.summary())
         if export_format == "tflite":
             assert not _has_flex_ops(vit_export.litert_ops(path))
+
+
+# --- models of dynamic image size -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dynamic_model():
+    model = vit_keras.build_model(EXPORT_CONFIG, image_size=IMAGE_SIZE, num_classes=NUM_CLASSES,
+                                  dynamic_image_size=True)
+    return randomize_weights(model, seed=4, scale=0.5)
+
+
+@pytest.fixture(scope="module")
+def dynamic_saved_model(dynamic_model, tmp_path_factory):
+    return vit_export.export(dynamic_model, "saved_model", str(tmp_path_factory.mktemp("dynamic")),
+                             name="dynamic", class_names=CLASS_NAMES, top_k=3)
+
+
+def test_dynamic_size_saved_model_takes_any_size_and_is_verified_at_three(dynamic_saved_model,
+                                                                          dynamic_model):
+    path, verifications = dynamic_saved_model
+    sizes = vit_export.verification_sizes(dynamic_model)
+    assert sizes == [(32, 32), (48, 24), (16, 56)]
+    assert [v.entry_point for v in verifications] == [
+        f"{entry} at {h}x{w}" for h, w in sizes for entry in ("serving_default",
+                                                               "serving_bytes (PNG)")]
+    assert all(v.passed and v.max_rel_diff <= 1e-4 for v in verifications)
+    serving = tf.saved_model.load(path).signatures["serving_default"]
+    (spec,) = serving.structured_input_signature[1].values()
+    assert spec.shape.as_list() == [None, None, None, 3]
+    # A fourth size, served directly: the same logits as the Keras model.
+    images = vit_export.verification_images(dynamic_model, batch_size=2, size=(40, 64))
+    expected = keras.ops.convert_to_numpy(dynamic_model(images))
+    np.testing.assert_allclose(serving(images=tf.constant(images))["logits"].numpy(), expected,
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_dynamic_size_serving_bytes_rounds_the_first_photos_size_to_whole_patches(
+        dynamic_saved_model, dynamic_model):
+    skimage_data = pytest.importorskip("skimage.data")
+    photo = skimage_data.chelsea()  # 300x451 → 304x448, the nearest multiples of 8
+    outputs = tf.saved_model.load(dynamic_saved_model[0]).signatures["serving_bytes"](
+        image_bytes=tf.stack([tf.io.encode_png(photo)] * 2))
+    resized = keras.ops.image.resize(photo.astype("float32")[None], (304, 448),
+                                     interpolation="bilinear")
+    expected = keras.ops.convert_to_numpy(dynamic_model(resized))
+    np.testing.assert_allclose(outputs["logits"].numpy()[:1], expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("export_format", ["tflite", "onnx"])
+def test_dynamic_size_litert_and_onnx_serve_three_sizes(dynamic_model, tmp_path, export_format):
+    path, verifications = vit_export.export(dynamic_model, export_format, str(tmp_path),
+                                            name="dynamic")
+    assert len(verifications) == 3
+    for verification in verifications:
+        assert verification.passed and verification.max_rel_diff <= 1e-4, verification.summary()
+    if export_format == "tflite":
+        assert not _has_flex_ops(vit_export.litert_ops(path))
+
+
+def test_a_model_without_a_fixed_size_or_a_built_grid_is_refused():
+    images = keras.Input((None, None, 3))
+    flat = keras.Model(images, keras.layers.GlobalAveragePooling2D()(images))
+    with pytest.raises(ValueError, match="dynamic_image_size=True"):
+        vit_export.image_shape(flat)

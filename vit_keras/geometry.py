@@ -71,3 +71,12 @@ def token_grid(model):
         return tuple(built_grid)
     patch = int(getattr(embedding, "patch_size", 1))
     return height // patch, width // patch
+
+
+def token_pixels(model):
+    """A built model's input pixels along each side of one token: its patch size times its ResNet's
+    stride (a hybrid's `resnet` layer), e.g. 16 for ViT-B/16 and R50+ViT-B/16. A model of dynamic
+    image size takes images whose sides are multiples of it."""
+    patch = int(getattr(model.get_layer("embedding"), "patch_size", 1))
+    stem = next((layer for layer in model.layers if layer.name == "resnet"), None)
+    return patch * resnet_stride(getattr(stem, "num_layers", None))

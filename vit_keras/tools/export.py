@@ -124,23 +124,61 @@ def float32_model(model):
     return clone
 
 
+def is_dynamic(model):
+    """Whether `model` takes images of any size (`build_model(..., dynamic_image_size=True)`)."""
+    try:
+        return getattr(model.get_layer("posembed_input"), "grid_size", None) is not None
+    except ValueError:
+        return False
+
+
 def image_shape(model):
-    """`(height, width, channels)` of a model with one image input `(batch, H, W, C)`."""
+    """`(height, width, channels)` of a model with one image input `(batch, H, W, C)`; height and
+    width are `None` for a model of dynamic image size."""
     shape = tuple(model.input_shape) if not isinstance(model.input_shape, list) else None
-    if shape is None or len(shape) != 4 or None in shape[1:]:
+    if (shape is None or len(shape) != 4 or shape[3] is None
+            or (None in shape[1:3] and not is_dynamic(model))):
         raise ValueError(
             f"Export needs a model with one image input of static shape (batch, height, width, "
-            f"channels); {model.name!r} has input shape {model.input_shape}.")
+            f"channels), or one built with dynamic_image_size=True; {model.name!r} has input "
+            f"shape {model.input_shape}.")
     return shape[1:]
 
 
-def verification_images(model, batch_size=8, seed=0):
-    """The fixed verification batch: integer-valued float32 pixels `(batch, H, W, C)` in [0, 255].
+def verification_sizes(model):
+    """The image sizes `(height, width)` an export is checked at: the model's own, and for a model
+    of dynamic image size also a taller, narrower one and a shorter, wider one (multiples of its
+    token size), so the artifact is seen to serve several sizes."""
+    height, width, _ = image_shape(model)
+    if height is not None:
+        return [(height, width)]
+    from vit_keras import geometry
+
+    step = geometry.token_pixels(model)
+    rows, cols = geometry.token_grid(model)
+    return [(rows * step, cols * step), ((rows + 2) * step, max(cols - 1, 1) * step),
+            (max(rows // 2, 1) * step, (cols + 3) * step)]
+
+
+def verification_images(model, batch_size=8, seed=0, size=None):
+    """The fixed verification batch: integer-valued float32 pixels `(batch, H, W, C)` in [0, 255],
+    at `size` `(H, W)` (default: the first of `verification_sizes`).
 
     Integer values survive PNG encoding exactly, so `serving_bytes` is checked on the same pixels.
     """
+    height, width = size or verification_sizes(model)[0]
     rng = np.random.default_rng(seed)
-    return rng.integers(0, 256, (batch_size, *image_shape(model))).astype("float32")
+    return rng.integers(0, 256, (batch_size, height, width, image_shape(model)[2])).astype("float32")
+
+
+def _verification_batches(model, images):
+    """`[(label, images)]` to verify with: the given batch, or one batch per verification size
+    (labelled with its size when there are several)."""
+    if images is not None:
+        return [("", np.asarray(images, "float32"))]
+    sizes = verification_sizes(model)
+    return [(f" at {h}x{w}" if len(sizes) > 1 else "", verification_images(model, size=(h, w)))
+            for h, w in sizes]
 
 
 def _check_class_names(model, class_names):
@@ -162,12 +200,22 @@ def _outputs(model, images, class_names=None, top_k=5):
     return outputs
 
 
-def _decode_images(image_bytes, height, width, channels):
-    """Encoded JPEG/PNG/GIF/BMP strings `(batch,)` → float32 pixels `(batch, H, W, C)`, 0..255."""
+def _decode_images(image_bytes, height, width, channels, step=None):
+    """Encoded JPEG/PNG/GIF/BMP strings `(batch,)` → float32 pixels `(batch, H, W, C)`, 0..255.
+
+    With `height` and `width` `None` (a model of dynamic image size), every image of the batch is
+    resized to the first image's size rounded to the nearest multiple of `step` (the token size).
+    """
+    if height is None:
+        first = tf.shape(tf.io.decode_image(image_bytes[0], channels=channels,
+                                            expand_animations=False))
+        size = tf.maximum(tf.cast(tf.round(first[:2] / step), tf.int32), 1) * step
+    else:
+        size = (height, width)
 
     def decode(data):
         image = tf.io.decode_image(data, channels=channels, expand_animations=False)
-        image = tf.image.resize(image, (height, width), method="bilinear")
+        image = tf.image.resize(image, size, method="bilinear")
         return tf.ensure_shape(tf.cast(image, tf.float32), (height, width, channels))
 
     return tf.map_fn(decode, image_bytes,
@@ -177,6 +225,11 @@ def _decode_images(image_bytes, height, width, channels):
 def _archive(model, class_names=None, top_k=5, with_bytes=True):
     """A `keras.export.ExportArchive` holding the serving signatures of `model`."""
     height, width, channels = image_shape(model)
+    step = None
+    if height is None:
+        from vit_keras import geometry
+
+        step = geometry.token_pixels(model)
     archive = keras.export.ExportArchive()
     archive.track(model)
     archive.add_endpoint(
@@ -186,7 +239,8 @@ def _archive(model, class_names=None, top_k=5, with_bytes=True):
         archive.add_endpoint(
             BYTES_SIGNATURE,
             lambda image_bytes: _outputs(
-                model, _decode_images(image_bytes, height, width, channels), class_names, top_k),
+                model, _decode_images(image_bytes, height, width, channels, step), class_names,
+                top_k),
             input_signature=[tf.TensorSpec((None,), tf.string, name="image_bytes")])
     return archive
 
@@ -195,9 +249,11 @@ def export_saved_model(model, export_dir, class_names=None, top_k=5):
     """Writes a TF Serving SavedModel to `export_dir` (the `.../NAME/VERSION` folder).
 
     Signatures:
-      `serving_default`: `images` float32 `(batch, H, W, C)` raw pixels in [0, 255].
+      `serving_default`: `images` float32 `(batch, H, W, C)` raw pixels in [0, 255]; `(batch,
+        None, None, C)` for a model of dynamic image size (sides multiples of its token size).
       `serving_bytes`: `image_bytes` string `(batch,)` of encoded images, decoded and resized to
-        `(H, W)` (bilinear) in the graph.
+        `(H, W)` (bilinear) in the graph; for a model of dynamic image size, to the first image's
+        size rounded to a multiple of the token size.
     Both return `logits`, `probabilities` float32 `(batch, num_classes)`, and with `class_names`
     `top_k_indices` int32 and `top_k_names` string `(batch, min(top_k, num_classes))`.
     """
@@ -273,8 +329,12 @@ def export_onnx(model, path, opset=ONNX_OPSET):
     model_proto, _ = tf2onnx.convert.from_function(
         serve, input_signature=signature, opset=opset,
         custom_op_handlers={"Erfc": (_erfc_as_one_minus_erf, [])})
+    # tf2onnx names dynamic dimensions "unk__N".
     for value in (*model_proto.graph.input, *model_proto.graph.output):
-        value.type.tensor_type.shape.dim[0].dim_param = "batch"  # tf2onnx names it "unk__N"
+        value.type.tensor_type.shape.dim[0].dim_param = "batch"
+    if height is None:
+        for axis, name in ((1, "height"), (2, "width")):
+            model_proto.graph.input[0].type.tensor_type.shape.dim[axis].dim_param = name
     with open(path, "wb") as f:
         f.write(model_proto.SerializeToString())
     return path
@@ -301,9 +361,8 @@ def _in_two_batches(run, images):
 
 
 def verify_saved_model(export_dir, model, images=None):
-    """Reloads a SavedModel with `tf.saved_model.load` and checks both signatures against Keras."""
-    images = verification_images(model) if images is None else np.asarray(images, "float32")
-    reference = keras.ops.convert_to_numpy(model(images, training=False))
+    """Reloads a SavedModel with `tf.saved_model.load` and checks both signatures against Keras,
+    on `images` or at every `verification_sizes` size."""
     loaded = tf.saved_model.load(export_dir)
     serving = loaded.signatures[SERVING_SIGNATURE]
     by_bytes = loaded.signatures[BYTES_SIGNATURE]
@@ -315,12 +374,16 @@ def verify_saved_model(export_dir, model, images=None):
         png = tf.stack([tf.io.encode_png(tf.cast(image, tf.uint8)) for image in x])
         return by_bytes(image_bytes=png)["logits"].numpy()
 
-    return [
-        _compare(export_dir, SERVING_SIGNATURE, _in_two_batches(from_pixels, images), reference,
-                 RELATIVE_TOLERANCE),
-        _compare(export_dir, f"{BYTES_SIGNATURE} (PNG)", _in_two_batches(from_png, images),
-                 reference, RELATIVE_TOLERANCE),
-    ]
+    verifications = []
+    for label, batch in _verification_batches(model, images):
+        reference = keras.ops.convert_to_numpy(model(batch, training=False))
+        verifications += [
+            _compare(export_dir, SERVING_SIGNATURE + label, _in_two_batches(from_pixels, batch),
+                     reference, RELATIVE_TOLERANCE),
+            _compare(export_dir, f"{BYTES_SIGNATURE} (PNG){label}",
+                     _in_two_batches(from_png, batch), reference, RELATIVE_TOLERANCE),
+        ]
+    return verifications
 
 
 def litert_interpreter(path):
@@ -338,25 +401,29 @@ def litert_ops(path):
 
 def verify_litert(path, model, images=None, quantize="none"):
     """Runs a `.tflite` file in `ai_edge_litert`'s Interpreter and checks it against Keras."""
-    images = verification_images(model) if images is None else np.asarray(images, "float32")
-    reference = keras.ops.convert_to_numpy(model(images, training=False))
     runner = litert_interpreter(path).get_signature_runner(SERVING_SIGNATURE)
-    logits = _in_two_batches(lambda x: runner(images=x)["logits"], images)
     tolerance = RELATIVE_TOLERANCE if quantize == "none" else None
-    return [_compare(path, f"{SERVING_SIGNATURE}, quantize={quantize}", logits, reference,
-                     tolerance)]
+    verifications = []
+    for label, batch in _verification_batches(model, images):
+        reference = keras.ops.convert_to_numpy(model(batch, training=False))
+        logits = _in_two_batches(lambda x: runner(images=x)["logits"], batch)
+        verifications.append(_compare(path, f"{SERVING_SIGNATURE}, quantize={quantize}{label}",
+                                      logits, reference, tolerance))
+    return verifications
 
 
 def verify_onnx(path, model, images=None):
     """Runs an `.onnx` file in onnxruntime and checks it against Keras."""
     import onnxruntime
 
-    images = verification_images(model) if images is None else np.asarray(images, "float32")
-    reference = keras.ops.convert_to_numpy(model(images, training=False))
     session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
-    logits = _in_two_batches(
-        lambda x: session.run(["logits"], {"images": x})[0], images)
-    return [_compare(path, "onnxruntime", logits, reference, RELATIVE_TOLERANCE)]
+    verifications = []
+    for label, batch in _verification_batches(model, images):
+        reference = keras.ops.convert_to_numpy(model(batch, training=False))
+        logits = _in_two_batches(lambda x: session.run(["logits"], {"images": x})[0], batch)
+        verifications.append(_compare(path, "onnxruntime" + label, logits, reference,
+                                      RELATIVE_TOLERANCE))
+    return verifications
 
 
 def verify_artifact(path, format, model, images=None, quantize="none"):
