@@ -210,3 +210,26 @@ def test_fixed_size_model_at_another_size_points_to_dynamic_image_size():
     model = vit_keras.build_model(TINY, image_size=BUILT, num_classes=CLASSES)
     with pytest.raises(ValueError, match="dynamic_image_size=True"):
         model.get_layer("posembed_input")(keras.ops.zeros((1, 10, D)))
+
+
+@pytest.mark.parametrize("classifier", ["token", "gap"])
+def test_features_of_another_size_are_laid_out_on_that_sizes_grid(classifier):
+    model = randomize_weights(dynamic_model(classifier=classifier))
+    x = random_images(2, 12, 20)
+    tokens, grid = (vit_keras.intermediate_features(model, x, blocks=[-1], output=output)
+                    for output in ("tokens", "grid"))
+    prefix = int(classifier == "token")
+    assert tokens.shape == (2, prefix + 3 * 5, D) and grid.shape == (2, 3, 5, D)
+    np.testing.assert_array_equal(grid.reshape(2, 15, D), tokens[:, prefix:])
+
+
+
+def test_grid_feature_extractor_saves_reloads_and_serves_another_size(tmp_path):
+    model = randomize_weights(dynamic_model())
+    extractor = vit_keras.build_feature_extractor(model, blocks=[-1], output="grid")
+    assert tuple(extractor.output.shape) == (None, None, None, D)
+    extractor.save(tmp_path / "grid.keras")
+    reloaded = keras.models.load_model(tmp_path / "grid.keras")
+    x = random_images(2, 20, 8)
+    np.testing.assert_allclose(keras_logits(reloaded, x), keras_logits(extractor, x), atol=1e-6)
+    assert keras_logits(reloaded, x).shape == (2, 5, 2, D)

@@ -30,33 +30,44 @@ class TokensToGrid(keras.layers.Layer):
 
     Input: `(batch, num_prefix_tokens + rows * cols, hidden)`, patch tokens row-major.
     Output: `(batch, rows, cols, hidden)`.
+
+    With `grid=None` (models of dynamic image size) the grid is read on every call from a second
+    input, the patch embedding's `(batch, rows, cols, hidden)` output: `layer(tokens, patch_grid)`.
     """
 
-    def __init__(self, grid, num_prefix_tokens=0, **kwargs):
+    def __init__(self, grid=None, num_prefix_tokens=0, **kwargs):
         super().__init__(**kwargs)
-        self.grid = geometry.pair(grid, "token grid")
+        self.grid = None if grid is None else geometry.pair(grid, "token grid")
         self.num_prefix_tokens = int(num_prefix_tokens)
         if self.num_prefix_tokens < 0:
             raise ValueError(f"num_prefix_tokens must be 0 or more; got {num_prefix_tokens}.")
 
-    def build(self, input_shape):
+    def build(self, x_shape, patch_grid_shape=None):
+        if self.grid is None:
+            return
         rows, cols = self.grid
         expected = self.num_prefix_tokens + rows * cols
-        if len(input_shape) != 3 or input_shape[1] not in (None, expected):
+        if len(x_shape) != 3 or x_shape[1] not in (None, expected):
             raise ValueError(
                 f"{self.name} expects tokens of shape (batch, {expected}, hidden) "
                 f"({self.num_prefix_tokens} prefix tokens and a {rows}x{cols} grid); got shape "
-                f"{tuple(input_shape)}.")
+                f"{tuple(x_shape)}.")
 
-    def call(self, x):
-        rows, cols = self.grid
+    def call(self, x, patch_grid=None):
+        if self.grid is not None:
+            rows, cols = self.grid
+        elif patch_grid is None:
+            raise ValueError(f"{self.name} has no fixed grid: call it as layer(tokens, patch_grid).")
+        else:
+            rows, cols = ops.shape(patch_grid)[1], ops.shape(patch_grid)[2]
         return ops.reshape(x[:, self.num_prefix_tokens:], (-1, rows, cols, x.shape[-1]))
 
-    def compute_output_shape(self, input_shape):
-        return (input_shape[0], *self.grid, input_shape[-1])
+    def compute_output_shape(self, x_shape, patch_grid_shape=None):
+        grid = self.grid or (patch_grid_shape or (None, None, None))[1:3]
+        return (x_shape[0], *grid, x_shape[-1])
 
     def get_config(self):
-        return {**super().get_config(), "grid": list(self.grid),
+        return {**super().get_config(), "grid": None if self.grid is None else list(self.grid),
                 "num_prefix_tokens": self.num_prefix_tokens}
 
 
@@ -118,9 +129,9 @@ def build_feature_extractor(model, blocks=None, output="tokens", norm=True):
       output: `"tokens"` gives `(batch, tokens, hidden)`, the prefix (class) token first, then the
         patch tokens row-major; `"grid"` gives the patch tokens alone as `(batch, rows, cols,
         hidden)` on the model's token grid (`vit_keras.token_grid(model)`; for hybrids the ResNet
-        feature map's); `"pooled"` gives `(batch, hidden)`, pooled by the model's own
-        `TokenPooling` (the class token, or the mean over all tokens for GAP models). A
-        representation layer (`pre_logits`) is not applied.
+        feature map's; for a model of dynamic image size, the input image's); `"pooled"` gives
+        `(batch, hidden)`, pooled by the model's own `TokenPooling` (the class token, or the mean
+        over all tokens for GAP models). A representation layer (`pre_logits`) is not applied.
       norm: apply the model's final LayerNorm (`encoder_norm`, its weights shared) to every chosen
         block's output, as the model does to the last block's before pooling. With `norm=True` the
         last block's `"pooled"` output is what the model's head (or `pre_logits`) takes in.
@@ -143,12 +154,17 @@ def build_feature_extractor(model, blocks=None, output="tokens", norm=True):
     encoder_norm = (_layer(model, keras.layers.LayerNormalization, "encoder_norm", "norm=True")
                     if norm else None)
     if output == "grid":
-        grid = geometry.token_grid(model)
-        tokens = encoder[0].output.shape[1]
-        prefix = tokens - grid[0] * grid[1]
-        if prefix < 0:
-            raise ValueError(f"Model {model.name!r} has {tokens} tokens, fewer than its "
-                             f"{grid[0]}x{grid[1]} token grid.")
+        position = next((layer for layer in model.layers if layer.name == "posembed_input"), None)
+        if getattr(position, "grid_size", None) is not None:  # dynamic image size
+            grid, prefix = None, position.num_prefix_tokens
+            patch_grid = model.get_layer("embedding").output
+        else:
+            grid = geometry.token_grid(model)
+            tokens = encoder[0].output.shape[1]
+            prefix = tokens - grid[0] * grid[1]
+            if prefix < 0:
+                raise ValueError(f"Model {model.name!r} has {tokens} tokens, fewer than its "
+                                 f"{grid[0]}x{grid[1]} token grid.")
     if output == "pooled":
         pooling = _layer(model, layers.TokenPooling, "pooling", 'output="pooled"')
 
@@ -162,7 +178,8 @@ def build_feature_extractor(model, blocks=None, output="tokens", norm=True):
         # Named outputs, in the dtype they come in (encoder_norm's float32 under mixed precision).
         name, dtype = f"{output}_{index}", x.dtype
         if output == "grid":
-            x = TokensToGrid(grid, prefix, dtype=dtype, name=name)(x)
+            to_grid = TokensToGrid(grid, prefix, dtype=dtype, name=name)
+            x = to_grid(x) if grid is not None else to_grid(x, patch_grid)
         else:
             x = keras.layers.Identity(dtype=dtype, name=name)(x)
         outputs.append(x)
