@@ -56,6 +56,20 @@ def extract_features(model, images, batch_size=256):
     return np.concatenate(chunks).astype("float32")
 
 
+def dataset_features(model, batches):
+    """Frozen pre-logits features and int labels of `(images, one-hot labels)` batches (e.g. a
+    `vit_keras.tools.data.make_pipeline` dataset's `as_numpy_iterator()`).
+
+    Returns `(features float32 (n, d), labels int (n,))`.
+    """
+    extractor = feature_extractor(model)
+    features, labels = [], []
+    for images, one_hot in batches:
+        features.append(np.asarray(extractor.predict_on_batch(images), dtype="float32"))
+        labels.append(np.asarray(one_hot).argmax(-1))
+    return np.concatenate(features), np.concatenate(labels)
+
+
 def sample_shots(labels, shots, seed, num_classes=None):
     """Indices of `shots` examples per class: the first of a per-class permutation drawn from
     `numpy.random.default_rng(seed)` (big_vision's order), so more shots extend fewer.
