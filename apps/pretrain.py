@@ -228,15 +228,6 @@ def run(config, log=print):
     return metrics
 
 
-def fewshot_table(results):
-    """A markdown table of `fewshot.evaluate`'s results: shots, mean and spread over seeds."""
-    lines = ["| shots per class | accuracy (mean ± sd over seeds) | per seed |", "|---|---|---|"]
-    for count, row in results.items():
-        lines.append(f"| {count} | {100 * row['mean']:.2f}% ± {100 * row['std']:.2f} | "
-                     f"{', '.join(f'{100 * a:.1f}' for a in row['accuracies'])} |")
-    return "\n".join(lines)
-
-
 @_common.exit_on_unavailable
 def main(argv):
     if len(argv) > 1:
@@ -255,7 +246,9 @@ def main(argv):
           f"({metrics['images_per_second']:.0f} images/s), backend {metrics['config']['backend']}.")
     if metrics["fewshot"]:
         print(f"\nFew-shot linear accuracy of the frozen features ({config.dataset} test):\n")
-        print(fewshot_table(metrics["fewshot"]))
+        from vit_keras import fewshot
+
+        print(fewshot.results_table(metrics["fewshot"]))
     print(f"\nSaved model: {metrics['model_path']}")
     print(f"Metrics:     {RunFolder.of_model(metrics['model_path']).metrics}")
     return 0

@@ -185,3 +185,12 @@ def evaluate(train_features, train_labels, test_features, test_labels, *, shots=
         results[int(count)] = {"accuracies": accuracies, "mean": float(np.mean(accuracies)),
                                "std": float(np.std(accuracies))}
     return results
+
+
+def results_table(results):
+    """`evaluate`'s results as a markdown table: shots, mean ± sd over seeds, each seed's."""
+    lines = ["| shots per class | accuracy (mean ± sd over seeds) | per seed |", "|---|---|---|"]
+    for count, row in results.items():
+        lines.append(f"| {count} | {100 * row['mean']:.2f}% ± {100 * row['std']:.2f} | "
+                     f"{', '.join(f'{100 * a:.1f}' for a in row['accuracies'])} |")
+    return "\n".join(lines)

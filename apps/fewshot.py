@@ -1,0 +1,115 @@
+r"""Few-shot linear evaluation of a model's frozen pre-logits features (the paper's few-shot metric).
+
+    python apps/fewshot.py --backend jax --model saved_models/pretrain_digits_ViT-digits/model.keras
+    python apps/fewshot.py --model run/model.keras --dataset cifar10 --data_dir ~/tensorflow_datasets \
+        --shots 1,5,10,25 --seeds 3 --json fewshot.json
+    python apps/fewshot.py --model run/model.keras --probe logistic
+
+For each shot count and seed, that many training examples per class are drawn (big_vision's
+order), a linear probe is fitted on their frozen features and scored on the whole test split;
+the table gives the mean and standard deviation over seeds. `--probe lsr` (default) is
+big_vision's closed-form L2-regularised least squares onto {-1, 1} targets (whitened features, a
+bias feature, `--l2_reg` 1024); `--probe logistic` trains a softmax layer with Keras. Any vit_keras
+`.keras` file works: a classifier (the head's input is used), a model without head, or a masked
+patch prediction model from apps/pretrain.py (its encoder's pooled output). The model's own input
+size sets the resolution; when the model sits in a run folder its dataset, data_dir, seed and
+val_fraction are the defaults.
+"""
+
+import os
+import sys
+
+import _backend
+
+_backend.start_app()  # before keras is imported
+
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+
+flags.DEFINE_string("model", None, "The .keras file whose features are evaluated.", required=True)
+flags.DEFINE_string("dataset", None, "digits, folder:PATH or a tfds name (default: the run's "
+                    "dataset from metrics.json beside the model, else digits).")
+flags.DEFINE_string("data_dir", None, "tfds data directory (default: the run's).")
+flags.DEFINE_float("val_fraction", None, "Held-out fraction for val (default: the run's).")
+flags.DEFINE_integer("split_seed", None, "Seed of the held-out splits (default: the run's, else "
+                     "0).")
+flags.DEFINE_list("shots", ["1", "5", "10", "25"], "Training examples per class, each count "
+                  "evaluated on its own.")
+flags.DEFINE_integer("seeds", 3, "Draws of the training examples (seeds 0 .. N-1).")
+flags.DEFINE_enum("probe", "lsr", ["lsr", "logistic"], "lsr: closed-form regularised least "
+                  "squares (big_vision's fewshot_lsr); logistic: a softmax layer trained with "
+                  "Keras.")
+flags.DEFINE_float("l2_reg", 2.0 ** 10, "L2 regularisation of the least squares (big_vision's "
+                   "2**10).")
+flags.DEFINE_enum("train_split", "train", ["train", "val", "test"], "Split the shots come from.")
+flags.DEFINE_enum("test_split", "test", ["train", "val", "test"], "Split the probe is scored on.")
+flags.DEFINE_integer("batch_size", 256, "Feature extraction batch size.")
+flags.DEFINE_string("json", None, "Also write the results as JSON to this path.")
+FLAGS = flags.FLAGS
+
+
+def run_settings(model_path):
+    """dataset, data_dir, seed and val_fraction of the run that wrote `model_path`, if known."""
+    from vit_keras.tools.run_folder import RunFolder
+
+    run = ((RunFolder.of_model(model_path).read_metrics() or {}).get("config") or {}).get("run")
+    return {key: run.get(key) for key in ("dataset", "data_dir", "seed", "val_fraction")} if run else {}
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+    import keras
+
+    import vit_keras  # noqa: F401  (registers the layers for loading)
+    from vit_keras import fewshot
+    from vit_keras.tools import data, run_folder
+
+    try:
+        shots = [int(count) for count in FLAGS.shots]
+    except ValueError:
+        raise app.UsageError(f"--shots takes whole numbers (e.g. 1,5,10,25); got "
+                             f"{','.join(FLAGS.shots)!r}.") from None
+    settings = run_settings(FLAGS.model)
+    dataset = FLAGS.dataset or settings.get("dataset") or "digits"
+    same_run = dataset == settings.get("dataset")
+    seed = (FLAGS.split_seed if FLAGS.split_seed is not None
+            else (settings.get("seed") if same_run else 0) or 0)
+    try:
+        splits = data.load_splits(
+            dataset, data_dir=FLAGS.data_dir or (settings.get("data_dir") if same_run else None),
+            val_fraction=FLAGS.val_fraction or (settings.get("val_fraction") if same_run else None),
+            seed=seed)
+    except data.DatasetNotPreparedError as error:
+        print(f"ERROR: {error}", file=sys.stderr)
+        return 2
+    model = keras.saving.load_model(FLAGS.model, compile=False)
+    image_size = model.input_shape[1]
+    features = {split: fewshot.dataset_features(model, data.make_pipeline(
+        splits, split, image_size=image_size, batch_size=FLAGS.batch_size).as_numpy_iterator())
+        for split in (FLAGS.train_split, FLAGS.test_split)}
+    try:
+        results = fewshot.evaluate(*features[FLAGS.train_split], *features[FLAGS.test_split],
+                                   shots=shots, seeds=FLAGS.seeds, l2_reg=FLAGS.l2_reg,
+                                   num_classes=splits.num_classes, probe=FLAGS.probe)
+    except ValueError as error:
+        print(f"ERROR: {error}", file=sys.stderr)
+        return 2
+    dimension = features[FLAGS.train_split][0].shape[1]
+    print(f"{dataset}: {FLAGS.probe} probe on {dimension} frozen features of {FLAGS.model}, "
+          f"shots from {FLAGS.train_split} ({len(features[FLAGS.train_split][1])} images), scored "
+          f"on {FLAGS.test_split} ({len(features[FLAGS.test_split][1])} images), {FLAGS.seeds} "
+          f"seeds, backend {keras.backend.backend()}.\n")
+    print(fewshot.results_table(results))
+    if FLAGS.json:
+        run_folder.atomic_write_json({
+            "model": os.path.abspath(FLAGS.model), "dataset": dataset, "probe": FLAGS.probe,
+            "l2_reg": FLAGS.l2_reg, "train_split": FLAGS.train_split,
+            "test_split": FLAGS.test_split, "feature_dimension": dimension,
+            "backend": keras.backend.backend(),
+            "results": {str(count): row for count, row in results.items()}}, FLAGS.json)
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)
