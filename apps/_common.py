@@ -153,15 +153,21 @@ def training_app(name, started, recipe="auto", recipe_help=None):
                                      f"{error}") from None
         config = config_flags.from_flags(training.RunConfig, flags_text=FLAGS.flags_into_string())
         from vit_keras import download
+        from vit_keras.tools import distribution
 
         try:
             metrics = training.run(config, app=name, started=started)
         except (data.DatasetNotPreparedError, callbacks.NonFiniteLossError,
-                download.WeightsUnavailableError) as error:
+                download.WeightsUnavailableError, distribution.MultiProcessError) as error:
             print(f"\nERROR: {error}", file=sys.stderr)
             return 2
         print()
         print(training.metrics_table(metrics))
+        process = metrics.get("process", {"index": 0})
+        if process["index"]:
+            print(f"\nProcess {process['index']} of {process['count']}: process 0 writes "
+                  f"{RunFolder.of_model(metrics['model_path']).path}.")
+            return 0
         print(f"\nSaved model: {metrics['model_path']}")
         print(f"Metrics:     {RunFolder.of_model(metrics['model_path']).metrics}")
         return 0

@@ -2,6 +2,7 @@
 NaN guard, throughput."""
 
 import os
+import shutil
 import time
 
 import keras
@@ -42,29 +43,42 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
     creates an iterator: once per `fit` for a repeated `tf.data` stream, once per epoch for
     arrays, so a resumed `fit` makes a draw the uninterrupted one did not. The callback therefore
     seeds that generator from `(seed, epoch)` at each epoch's first step.
+
+    With several processes, saving is a collective operation on JAX (every process must take
+    part) but only one process may write the shared `backup_dir`: the others pass a private
+    `save_dir`, which takes their writes and is deleted at the end; every process resumes from
+    `backup_dir`.
     """
 
-    def __init__(self, backup_dir, seed=0, **kwargs):
+    def __init__(self, backup_dir, seed=0, save_dir=None, **kwargs):
         super().__init__(backup_dir, double_checkpoint=False, **kwargs)
         self.seed = seed
+        self.save_dir = save_dir or backup_dir
 
     guard = None  # a StopOnNaN: nothing is written once the loss is not finite
 
     def _save_model(self):
         if self.guard and self.guard.bad_step:
             return
-        os.makedirs(self.backup_dir, exist_ok=True)
-        previous = self._read_metadata()
+        os.makedirs(self.save_dir, exist_ok=True)
+        metadata_path = os.path.join(self.save_dir, "training_metadata.json")
+        previous = read_json(metadata_path)
         name = f"epoch-{self._current_epoch}.weights.h5"
-        temporary = os.path.join(self.backup_dir, f"saving-{os.getpid()}.weights.h5")
+        temporary = os.path.join(self.save_dir, f"saving-{os.getpid()}.weights.h5")
         self.model.save_weights(temporary, overwrite=True)
-        os.replace(temporary, os.path.join(self.backup_dir, name))
+        os.replace(temporary, os.path.join(self.save_dir, name))
         atomic_write_json({"epoch": self._current_epoch, "batch": self._last_batch_seen,
                            "weights": name, "seed_generators": seed_generator_states(self.model)},
-                          self._training_metadata_path)
+                          metadata_path)
         stale = (previous or {}).get("weights", "latest.weights.h5")
-        if stale != name and os.path.exists(os.path.join(self.backup_dir, stale)):
-            os.remove(os.path.join(self.backup_dir, stale))
+        if stale != name and os.path.exists(os.path.join(self.save_dir, stale)):
+            os.remove(os.path.join(self.save_dir, stale))
+
+    def on_train_end(self, logs=None):
+        if self.save_dir == self.backup_dir:
+            super().on_train_end(logs)
+        elif os.path.exists(self.save_dir):  # the chief deletes the shared backup
+            shutil.rmtree(self.save_dir)
 
     def _load_model(self):
         metadata = self._read_metadata()

@@ -1,13 +1,158 @@
 """`--distribution`: data and model parallelism (Keras' JAX distribution API, TensorFlow's
-MirroredStrategy). Imports only Keras at module level; TensorFlow inside the functions."""
+MirroredStrategy), in one process or in several cooperating ones (`initialize_processes`).
+Imports only Keras at module level; TensorFlow and JAX inside the functions."""
 
 import contextlib
+import dataclasses
+import os
 
 import keras
 
 
 DISTRIBUTIONS = ("none", "data_parallel", "model_parallel")
-_mirrored_strategy = None  # the last MirroredStrategy distribution_scope made (TensorFlow)
+# The environment variables of `keras.distribution.initialize`; the apps' flags default to them.
+ADDRESSES_ENV = "KERAS_DISTRIBUTION_JOB_ADDRESSES"
+NUM_PROCESSES_ENV = "KERAS_DISTRIBUTION_NUM_PROCESSES"
+PROCESS_ID_ENV = "KERAS_DISTRIBUTION_PROCESS_ID"
+# How long a process waits for a dead peer before it stops with an error (JAX's heartbeat,
+# TensorFlow's collective timeout). JAX's own default is 100 s.
+DEFAULT_PEER_TIMEOUT = 60
+_mirrored_strategy = None  # the last (MultiWorker)MirroredStrategy made (TensorFlow)
+
+
+class MultiProcessError(RuntimeError):
+    """Several processes were asked for where they cannot be set up (backend, flags)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Processes:
+    """The processes of a run: `count` of them, this one numbered `index` (0 is the chief, the
+    one that writes the run folder)."""
+
+    count: int = 1
+    index: int = 0
+
+    @property
+    def is_chief(self):
+        return self.index == 0
+
+    @property
+    def multi(self):
+        return self.count > 1
+
+
+def resolve_processes(coordinator_address=None, num_processes=None, process_id=None,
+                      environ=None):
+    """`(addresses, num_processes, process_id)` from the flags, else from the environment
+    variables `keras.distribution.initialize` reads (`KERAS_DISTRIBUTION_JOB_ADDRESSES`,
+    `..._NUM_PROCESSES`, `..._PROCESS_ID`).
+
+    `addresses` is a list of `host:port` (process 0's first; JAX needs only that one, TensorFlow
+    every worker's) or `None`. `num_processes` is 1 when neither says otherwise (one process, no
+    set-up) and 0 for "ask the cluster" (JAX's detection of Cloud TPU, SLURM and Open MPI).
+    Raises `MultiProcessError` when several processes are asked for without an address or an id.
+    """
+    environ = os.environ if environ is None else environ
+    addresses = coordinator_address or environ.get(ADDRESSES_ENV) or None
+    if num_processes is None:
+        num_processes = int(environ.get(NUM_PROCESSES_ENV) or 1)
+    if process_id is None and environ.get(PROCESS_ID_ENV):
+        process_id = int(environ[PROCESS_ID_ENV])
+    addresses = [a.strip() for a in addresses.split(",") if a.strip()] if addresses else None
+    if num_processes < 0:
+        raise MultiProcessError(f"--num_processes {num_processes} is negative; use 1 (one "
+                                f"process), N > 1, or 0 to let JAX detect the cluster.")
+    if num_processes > 1:
+        missing = [name for name, value in (("--coordinator_address", addresses),
+                                            ("--process_id", process_id)) if value is None]
+        if missing:
+            raise MultiProcessError(
+                f"--num_processes {num_processes} needs {' and '.join(missing)} (or "
+                f"{ADDRESSES_ENV} / {PROCESS_ID_ENV}): every process is started with the same "
+                f"coordinator address and its own id, 0 to {num_processes - 1}.")
+        if not 0 <= process_id < num_processes:
+            raise MultiProcessError(f"--process_id {process_id} is outside 0..{num_processes - 1} "
+                                    f"(--num_processes {num_processes}).")
+        if len(addresses) not in (1, num_processes):
+            raise MultiProcessError(
+                f"--coordinator_address lists {len(addresses)} addresses for {num_processes} "
+                f"processes; give process 0's address, or one per process (TensorFlow).")
+    return addresses, num_processes, process_id
+
+
+def initialize_processes(coordinator_address=None, num_processes=None, process_id=None,
+                         peer_timeout=DEFAULT_PEER_TIMEOUT):
+    """Joins this process to a run of several; call before the backend computes anything.
+
+    - JAX: `jax.distributed.initialize` with process 0's address as coordinator (what
+      `keras.distribution.initialize(job_addresses, num_processes, process_id)` calls, which
+      does not forward the heartbeat timeout); `num_processes=0` leaves all three to JAX's
+      cluster detection (Cloud TPU pod slices, SLURM, Open MPI). Afterwards
+      `keras.distribution.list_devices()` lists every process's devices. A process whose peer
+      stops sending heartbeats for `peer_timeout` seconds aborts with JAX's message "The
+      following tasks are unhealthy (stopped sending heartbeats)".
+    - TensorFlow: `tf.distribute.MultiWorkerMirroredStrategy` from `TF_CONFIG`, which is made
+      from the addresses (one per process) when it is not set already; collectives time out
+      after `peer_timeout` seconds.
+    - torch: `MultiProcessError`: Keras has no distribution engine for torch.
+
+    Args:
+      coordinator_address: `host:port` of process 0, or every process's comma-separated (the
+        flag; default `KERAS_DISTRIBUTION_JOB_ADDRESSES`).
+      num_processes: how many processes (default `KERAS_DISTRIBUTION_NUM_PROCESSES`, else 1);
+        0 asks JAX's cluster detection.
+      process_id: this process's number, 0 to `num_processes - 1` (default
+        `KERAS_DISTRIBUTION_PROCESS_ID`).
+      peer_timeout: seconds before a dead peer stops the others.
+
+    Returns:
+      `Processes`: how many there are and which one this is.
+    """
+    addresses, num_processes, process_id = resolve_processes(coordinator_address, num_processes,
+                                                             process_id)
+    backend = keras.backend.backend()
+    if backend == "tensorflow" and os.environ.get("TF_CONFIG") and num_processes == 1:
+        return _initialize_tensorflow(None, peer_timeout)
+    if num_processes == 1:
+        return Processes()
+    if backend == "jax":
+        import jax
+
+        arguments = {} if num_processes == 0 else {
+            "coordinator_address": addresses[0], "num_processes": num_processes,
+            "process_id": process_id}
+        jax.distributed.initialize(**arguments, heartbeat_timeout_seconds=int(peer_timeout))
+        return Processes(jax.process_count(), jax.process_index())
+    if backend == "tensorflow":
+        if num_processes == 0 or len(addresses or ()) != num_processes:
+            raise MultiProcessError(
+                "TensorFlow's MultiWorkerMirroredStrategy needs every worker's address: pass "
+                "--coordinator_address HOST0:PORT,HOST1:PORT,... (one per process, process 0 "
+                "first) or set TF_CONFIG (tensorflow.org/guide/distributed_training).")
+        tf_config = {"cluster": {"worker": addresses},
+                     "task": {"type": "worker", "index": process_id}}
+        return _initialize_tensorflow(tf_config, peer_timeout)
+    raise MultiProcessError(
+        f"Training in several processes is not available on the {backend} backend: Keras "
+        f"{keras.__version__} has no distribution engine for torch (keras.distribution is "
+        f"implemented for JAX, tf.distribute for TensorFlow). Use --backend jax (or "
+        f"tensorflow) with --num_processes, or write a torch.distributed "
+        f"DistributedDataParallel loop launched with torchrun.")
+
+
+def _initialize_tensorflow(tf_config, peer_timeout):
+    import json
+
+    import tensorflow as tf
+
+    global _mirrored_strategy
+    if tf_config is not None:
+        os.environ["TF_CONFIG"] = json.dumps(tf_config)
+    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=float(peer_timeout))
+    _mirrored_strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    resolver = _mirrored_strategy.cluster_resolver
+    count = len(resolver.cluster_spec().as_dict().get("worker", [])) or 1
+    return Processes(count, int(resolver.task_id or 0))
 
 
 def model_parallel_layout_map(device_mesh):
@@ -26,17 +171,27 @@ def model_parallel_layout_map(device_mesh):
     return layout_map
 
 
-def distribution_scope(kind="none", model_parallel_size=None):
+def distribution_scope(kind="none", model_parallel_size=None, processes=Processes()):
     """Sets up `--distribution` and returns the context to build and compile the model in.
 
-    - `data_parallel`: `keras.distribution.DataParallel` over all local devices on JAX;
-      `tf.distribute.MirroredStrategy` on TensorFlow. Batches are split across devices.
+    - `data_parallel`: `keras.distribution.DataParallel` over all devices of all processes on
+      JAX; `tf.distribute.MirroredStrategy` on TensorFlow (the `MultiWorkerMirroredStrategy` of
+      `initialize_processes` with several processes). Batches are split across devices; with
+      several processes Keras gives each process its slice of every batch
+      (`DataParallel.distribute_dataset`), so the batch size stays the global one.
     - `model_parallel`: `keras.distribution.ModelParallel` on JAX with a (data, model) mesh and
-      `model_parallel_layout_map`; `model_parallel_size` devices on the model axis (default: all).
-    The torch backend has no such engine in Keras; other combinations raise `ValueError`.
+      `model_parallel_layout_map`; `model_parallel_size` devices on the model axis (default: all,
+      or with several processes each process's own: a weight sharded across processes could not
+      be saved by one of them).
+    The torch backend has no such engine in Keras; other combinations raise `ValueError`, and
+    several processes without a distribution raise `MultiProcessError`.
     """
     backend = keras.backend.backend()
     if kind in (None, "", "none"):
+        if processes.multi:
+            raise MultiProcessError(
+                f"{processes.count} processes need --distribution data_parallel (or "
+                f"model_parallel on JAX) to share the work.")
         return contextlib.nullcontext()
     if kind not in DISTRIBUTIONS:
         raise ValueError(f"Unknown distribution {kind!r}; expected one of {DISTRIBUTIONS}.")
@@ -47,10 +202,16 @@ def distribution_scope(kind="none", model_parallel_size=None):
         if kind == "data_parallel":
             distribution.set_distribution(distribution.DataParallel(devices=devices))
         else:
-            model_size = int(model_parallel_size or len(devices))
+            local = len(devices) // processes.count
+            model_size = int(model_parallel_size or (local if processes.multi else len(devices)))
             if len(devices) % model_size:
                 raise ValueError(f"model_parallel_size {model_size} does not divide the "
                                  f"{len(devices)} devices.")
+            if processes.multi and local % model_size:
+                raise MultiProcessError(
+                    f"model_parallel_size {model_size} spreads weights over several of the "
+                    f"{processes.count} processes ({local} devices each); use a divisor of "
+                    f"{local}, so that every process holds whole weights to save.")
             mesh = distribution.DeviceMesh((len(devices) // model_size, model_size),
                                            ("batch", "model"), devices)
             distribution.set_distribution(distribution.ModelParallel(
@@ -60,7 +221,8 @@ def distribution_scope(kind="none", model_parallel_size=None):
         import tensorflow as tf
 
         global _mirrored_strategy
-        _mirrored_strategy = tf.distribute.MirroredStrategy()
+        if not processes.multi:
+            _mirrored_strategy = tf.distribute.MirroredStrategy()
         return _mirrored_strategy.scope()
     if backend == "tensorflow":
         raise ValueError("--distribution model_parallel needs the JAX backend: Keras' ModelParallel "
@@ -80,3 +242,36 @@ def num_replicas(kind="none"):
 
         return len(distribution.list_devices())
     return _mirrored_strategy.num_replicas_in_sync if _mirrored_strategy else 1
+
+
+def pad_to_whole_batches(dataset, num_examples, batch_size):
+    """An evaluation pipeline whose every batch is whole, for several JAX processes.
+
+    Keras splits each global batch into equal per-process slices (`rebatch` then `shard`), so a
+    last, partial batch would reach some processes and not others, which would then wait for
+    each other forever. The `num_examples` real examples get the sample weight
+    `padded / num_examples` and the zero-image padding weight 0: accuracy (a weighted mean) and
+    the loss (Keras sums `weight * loss` over all `padded` examples and divides by `padded`)
+    come out as the means over the real examples.
+
+    Args:
+      dataset: batched `(images (B, H, W, C), one-hot labels (B, classes))`, in order.
+      num_examples: the examples `dataset` holds.
+      batch_size: the global evaluation batch.
+
+    Returns:
+      `(images, labels, weights (B,))` batches of exactly `batch_size`.
+    """
+    import tensorflow as tf
+
+    padded = -(-num_examples // batch_size) * batch_size
+    weight = padded / max(1, num_examples)
+    images, labels = dataset.element_spec
+    real = dataset.unbatch().map(lambda x, y: (x, y, tf.constant(weight, tf.float32)))
+    padding = tf.data.Dataset.from_tensors(
+        (tf.zeros(images.shape[1:], images.dtype), tf.zeros(labels.shape[1:], labels.dtype),
+         tf.constant(0.0, tf.float32))).repeat(padded - num_examples)
+    batches = real.concatenate(padding).batch(batch_size, drop_remainder=True)
+    # unbatch() loses the count; Keras needs it to know where an evaluation ends.
+    return batches.apply(tf.data.experimental.assert_cardinality(padded // batch_size)).prefetch(
+        tf.data.AUTOTUNE)

@@ -141,7 +141,11 @@ def use_jit_compile():
 
 
 def compile_model(model, optimizer, label_smoothing=0.0, jit_compile=None):
-    """Softmax cross-entropy on one-hot labels, top-1 and top-5 accuracy."""
+    """Softmax cross-entropy on one-hot labels, top-1 and top-5 accuracy.
+
+    The accuracies are weighted metrics: they honour sample weights (the zero-weight padding of
+    a multi-process evaluation, `distribution.pad_to_whole_batches`) and equal plain ones
+    without."""
     num_classes = model.output_shape[-1]
     metrics = [keras.metrics.CategoricalAccuracy(name="accuracy")]
     if num_classes > 5:
@@ -150,7 +154,7 @@ def compile_model(model, optimizer, label_smoothing=0.0, jit_compile=None):
         optimizer=optimizer,
         loss=keras.losses.CategoricalCrossentropy(from_logits=True,
                                                   label_smoothing=label_smoothing),
-        metrics=metrics,
+        weighted_metrics=metrics,
         jit_compile=use_jit_compile() if jit_compile is None else jit_compile)
     return model
 

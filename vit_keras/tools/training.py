@@ -5,6 +5,8 @@ import csv
 import dataclasses
 import math
 import os
+import shutil
+import tempfile
 import time
 
 import keras
@@ -115,7 +117,20 @@ class RunConfig:
         "sharding attention and MLP kernels (jax only). torch has neither.",
         choices=distribution_lib.DISTRIBUTIONS)
     model_parallel_size: int = option(
-        None, "Devices on the mesh's model axis for model_parallel (default: all).")
+        None, "Devices on the mesh's model axis for model_parallel (default: all; with several "
+        "processes, each process's own).")
+    # several processes (docs/distributed.md)
+    coordinator_address: str = option(
+        None, "HOST:PORT of process 0, which every process of a multi-process run connects to "
+        "(TensorFlow: every process's HOST:PORT, comma-separated, process 0 first). Default "
+        "$KERAS_DISTRIBUTION_JOB_ADDRESSES.")
+    num_processes: int = option(
+        None, "Processes in the run (default $KERAS_DISTRIBUTION_NUM_PROCESSES, else 1); 0 lets "
+        "JAX detect them (Cloud TPU pod slice, SLURM, Open MPI). --batch_size stays the global "
+        "batch; process 0 alone writes the run folder, which must be on a shared filesystem.")
+    process_id: int = option(
+        None, "This process's number, 0 to num_processes - 1 (default "
+        "$KERAS_DISTRIBUTION_PROCESS_ID).")
     # run
     output_dir: str = option("saved_models", "Where run folders are written.")
     run_name: str = option(
@@ -303,21 +318,33 @@ def run(config, app="finetune", log=print, started=None):
     from vit_keras.tools import data
 
     started = started or time.perf_counter()
+    # First: TensorFlow's collectives must be configured before it runs any op.
+    processes = distribution_lib.initialize_processes(config.coordinator_address,
+                                                      config.num_processes, config.process_id)
     recipe, reason = resolve_recipe(config)
     log(reason + ".")
     run_name = config.run_name or default_run_name(config, app)
-    folder = RunFolder(os.path.join(config.output_dir, run_name)).create()
-    if config.flags_text is not None:
+    folder = RunFolder(os.path.join(config.output_dir, run_name))
+    # Saving is collective on JAX: every process saves, but only process 0 into the run folder;
+    # the others write into a private folder deleted at the end.
+    writes = (folder.create() if processes.is_chief else
+              RunFolder(tempfile.mkdtemp(prefix=f"vit_keras-process{processes.index}-")))
+    if processes.multi:
+        log(f"Process {processes.index} of {processes.count}"
+            + ("" if processes.is_chief else f": process 0 writes {folder.path}") + ".")
+    if config.flags_text is not None and processes.is_chief:
         folder.write_flags(config.flags_text)
 
     _rng_seed(config.seed)
     splits = data.load_splits(config.dataset, data_dir=config.data_dir,
                               val_fraction=config.val_fraction,
                               download=config.download, seed=config.seed, log=log)
-    folder.write_class_names(splits.class_names)
+    if processes.is_chief:
+        folder.write_class_names(splits.class_names)
 
     set_precision(config.mixed_precision)
-    scope = distribution_lib.distribution_scope(config.distribution, config.model_parallel_size)
+    scope = distribution_lib.distribution_scope(config.distribution, config.model_parallel_size,
+                                                processes)
     replicas = (distribution_lib.num_replicas(config.distribution)
                 if config.distribution != "none" else 1)
     if recipe.batch_size % replicas:
@@ -333,7 +360,8 @@ def run(config, app="finetune", log=print, started=None):
         epochs = max(1, math.ceil(recipe.total_steps * accum / steps_per_epoch))
     total_updates = max(1, epochs * steps_per_epoch // accum)
 
-    backup = callbacks_lib.AtomicBackupAndRestore(folder.backup, seed=config.seed)
+    backup = callbacks_lib.AtomicBackupAndRestore(folder.backup, seed=config.seed,
+                                                  save_dir=writes.backup)
     resume_epoch = backup.resume_epoch
     augmentation = augmentation_for(config)
     # Keras keeps one iterator over a repeated stream across epochs: epoch e reads batches
@@ -346,6 +374,9 @@ def run(config, app="finetune", log=print, started=None):
     eval_sets = {split: data.make_pipeline(splits, split, image_size=recipe.image_size,
                                            batch_size=eval_batch)
                  for split in ("val", "test")}
+    if processes.multi and keras.backend.backend() == "jax":
+        eval_sets = {split: distribution_lib.pad_to_whole_batches(
+            ds, splits.num_examples[split], eval_batch) for split, ds in eval_sets.items()}
 
     jit_compile = config.jit_compile
     if (jit_compile is None and config.distribution == "data_parallel"
@@ -365,18 +396,20 @@ def run(config, app="finetune", log=print, started=None):
     if resume_epoch:
         log(f"Resuming {folder.path} from its backup after epoch {resume_epoch} of {epochs}.")
     throughput = callbacks_lib.Throughput(recipe.batch_size, steps_per_epoch)
-    checkpoint = callbacks_lib.AtomicModelCheckpoint(folder.model)
+    checkpoint = callbacks_lib.AtomicModelCheckpoint(writes.model)
     checkpoint.guard = nan_guard
     callbacks = [
         nan_guard,
         throughput,
-        keras.callbacks.CSVLogger(folder.history, append=True),
+        *([keras.callbacks.CSVLogger(folder.history, append=True)] if processes.is_chief else []),
         checkpoint,
         backup,   # last: the backup of an epoch exists only once its other files are written
     ]
     import importlib.util
 
-    if importlib.util.find_spec("tensorboard") and importlib.util.find_spec("tensorflow"):
+    if not processes.is_chief:
+        pass  # TensorBoard logs are process 0's
+    elif importlib.util.find_spec("tensorboard") and importlib.util.find_spec("tensorflow"):
         callbacks.insert(2, keras.callbacks.TensorBoard(folder.logs,
                                                         write_graph=False))
     else:
@@ -403,9 +436,10 @@ def run(config, app="finetune", log=print, started=None):
 
     results = {split: model.evaluate(ds, verbose=0, return_dict=True)
                for split, ds in eval_sets.items()}
-    folder.save_model(model)
+    writes.save_model(model)
     history = read_history(folder.history)
-    plot_history(history, folder.curves)
+    if processes.is_chief:
+        plot_history(history, folder.curves)
     last = history[-1] if history else {}
     metrics = {
         "test_accuracy": results["test"]["accuracy"],
@@ -424,6 +458,7 @@ def run(config, app="finetune", log=print, started=None):
         "num_examples": splits.num_examples,
         "history": history,
         "model_path": folder.model,
+        "process": {"index": processes.index, "count": processes.count},
         "config": {
             "backend": keras.backend.backend(),
             "keras_version": keras.__version__,
@@ -444,7 +479,10 @@ def run(config, app="finetune", log=print, started=None):
             "replicas": replicas,
         },
     }
-    folder.write_metrics(metrics)
+    if processes.is_chief:
+        folder.write_metrics(metrics)
+    else:
+        shutil.rmtree(writes.path, ignore_errors=True)
     set_precision("none")
     if config.distribution != "none" and keras.backend.backend() == "jax":
         keras.distribution.set_distribution(None)
