@@ -233,3 +233,40 @@ def test_grid_feature_extractor_saves_reloads_and_serves_another_size(tmp_path):
     x = random_images(2, 20, 8)
     np.testing.assert_allclose(keras_logits(reloaded, x), keras_logits(extractor, x), atol=1e-6)
     assert keras_logits(reloaded, x).shape == (2, 5, 2, D)
+
+
+@pytest.mark.parametrize("classifier", ["token", "gap"])
+def test_a_trained_fixed_size_model_becomes_dynamic_with_the_same_weights(classifier, tmp_path):
+    fixed = randomize_weights(vit_keras.build_model(
+        TINY, image_size=(16, 12), num_classes=CLASSES, classifier=classifier,
+        representation_size=8))
+    fixed.save(tmp_path / "fixed.keras")
+    dynamic = vit_keras.with_dynamic_image_size(keras.models.load_model(tmp_path / "fixed.keras"))
+    built = randomize_weights(vit_keras.build_model(
+        TINY, image_size=(16, 12), num_classes=CLASSES, classifier=classifier,
+        representation_size=8, dynamic_image_size=True))
+    assert [layer.name for layer in dynamic.layers] == [layer.name for layer in built.layers]
+    assert dynamic.get_layer("posembed_input").get_config() == \
+        built.get_layer("posembed_input").get_config()
+    x = random_images(2, 16, 12)
+    assert np.array_equal(keras_logits(dynamic, x), keras_logits(fixed, x))
+    built.set_weights(dynamic.get_weights())
+    y = random_images(2, 20, 24)
+    np.testing.assert_array_equal(keras_logits(dynamic, y), keras_logits(built, y))
+    assert vit_keras.with_dynamic_image_size(dynamic) is dynamic
+
+
+def test_a_fixed_size_hybrid_becomes_dynamic(tiny_config):
+    hybrid = dict(tiny_config, patch_size=1, resnet_layers=(1,), resnet_width=1)
+    fixed = randomize_weights(vit_keras.build_model(hybrid, image_size=32, num_classes=CLASSES),
+                              scale=0.05)
+    dynamic = vit_keras.with_dynamic_image_size(fixed)
+    x = random_images(2, 32, 32)
+    assert np.array_equal(keras_logits(dynamic, x), keras_logits(fixed, x))
+    assert keras_logits(dynamic, random_images(1, 24, 48)).shape == (1, CLASSES)
+
+
+def test_token_grid_and_token_pixels_of_a_dynamic_model_are_the_built_ones():
+    model = dynamic_model(image_size=(16, 12))
+    assert vit_keras.token_grid(model) == (4, 3)
+    assert vit_keras.token_size_pixels(model) == (4.0, 4.0)

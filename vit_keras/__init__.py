@@ -28,7 +28,7 @@ from vit_keras.layers import (
     TokenPooling,
     TransformerBlock,
 )
-from vit_keras.model import attention_scores
+from vit_keras.model import attention_scores, with_dynamic_image_size
 from vit_keras.patch_resize import resample_patch_embedding
 from vit_keras.posemb import resample_position_embeddings
 from vit_keras.pretrained import build_model, build_model_from_checkpoint
@@ -41,6 +41,7 @@ __version__ = "0.1.0"
 __all__ = [
     "build_model",
     "build_model_from_checkpoint",
+    "with_dynamic_image_size",
     "list_weights",
     "Release",
     "class_names",

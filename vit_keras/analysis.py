@@ -253,6 +253,9 @@ def token_size_pixels(model):
     16 for ViT-B/16 and for hybrids on a stride-16 feature map; floats when the division is uneven.
     """
     _, height, width, _ = model.inputs[0].shape
+    if height is None or width is None:  # dynamic image size: every size is whole tokens
+        step = geometry.token_pixels(model)
+        return float(step), float(step)
     rows, cols = token_grid(model)
     return height / rows, width / cols
 

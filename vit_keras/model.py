@@ -82,6 +82,50 @@ def build_vit(variant, *, image_size=None, num_classes=None, include_top=True,
     return keras.Model(images, x, name=name or re.sub(r"[/+]", "_", config.name))
 
 
+def with_dynamic_image_size(model):
+    """A copy of a fixed-size vit_keras model that takes images of any size, with the same weights.
+
+    The copy is what `build_model(..., dynamic_image_size=True)` would build at the model's image
+    size: its input is `(batch, None, None, channels)` and its position embeddings are resampled
+    in the forward pass to each input's token grid (unchanged at the model's own size, where both
+    give the same logits). For a model trained at a fixed size that should now serve others.
+
+    Args:
+      model: a model from `build_model` (ViT, GAP or hybrid), or loaded from a vit_keras .keras
+        file. A model that already has a dynamic image size is returned as it is.
+    """
+    position = model.get_layer("posembed_input")
+    if getattr(position, "grid_size", None) is not None:
+        return model
+    grid = geometry.token_grid(model)
+    num_prefix_tokens = position.pos_embedding.shape[1] - grid[0] * grid[1]
+    hidden = position.pos_embedding.shape[-1]
+    patch_grid = {}
+
+    def clone(layer):
+        config = layer.get_config()
+        if layer.name == "embedding":
+            config["flatten"] = False
+        elif layer.name == "posembed_input":
+            config.update(grid_size=grid, num_prefix_tokens=num_prefix_tokens)
+        return type(layer).from_config(config)
+
+    def call(layer, *args, **kwargs):
+        if layer.name == "embedding":
+            patch_grid["patches"] = layer(*args, **kwargs)
+            return keras.layers.Reshape((-1, hidden), name="patch_tokens")(patch_grid["patches"])
+        if layer.name == "posembed_input":
+            return layer(*args, patch_grid["patches"], **kwargs)
+        return layer(*args, **kwargs)
+
+    channels = model.input.shape[-1]
+    dynamic = keras.models.clone_model(
+        model, input_tensors=keras.Input((None, None, channels), name="images"),
+        clone_function=clone, call_function=call)
+    dynamic.set_weights(model.get_weights())
+    return dynamic
+
+
 def transformer_blocks(model):
     """The model's `TransformerBlock`s in the order they run."""
     return [layer for layer in model.layers if isinstance(layer, layers.TransformerBlock)]
