@@ -1,5 +1,5 @@
 """`--distribution`: data and model parallelism (Keras' JAX distribution API, TensorFlow's
-MirroredStrategy), in one process or in several cooperating ones (`initialize_processes`).
+MirroredStrategy), in one process or, on JAX, in several cooperating ones (`initialize_processes`).
 Imports only Keras at module level; TensorFlow and JAX inside the functions."""
 
 import contextlib
@@ -14,10 +14,10 @@ DISTRIBUTIONS = ("none", "data_parallel", "model_parallel")
 ADDRESSES_ENV = "KERAS_DISTRIBUTION_JOB_ADDRESSES"
 NUM_PROCESSES_ENV = "KERAS_DISTRIBUTION_NUM_PROCESSES"
 PROCESS_ID_ENV = "KERAS_DISTRIBUTION_PROCESS_ID"
-# How long a process waits for a dead peer before it stops with an error (JAX's heartbeat,
-# TensorFlow's collective timeout). JAX's own default is 100 s.
+# How long a process waits for a dead peer's heartbeat before it stops with an error (JAX's
+# own default is 100 s).
 DEFAULT_PEER_TIMEOUT = 60
-_mirrored_strategy = None  # the last (MultiWorker)MirroredStrategy made (TensorFlow)
+_mirrored_strategy = None  # the last MirroredStrategy distribution_scope made (TensorFlow)
 
 
 class MultiProcessError(RuntimeError):
@@ -91,9 +91,9 @@ def initialize_processes(coordinator_address=None, num_processes=None, process_i
       `keras.distribution.list_devices()` lists every process's devices. A process whose peer
       stops sending heartbeats for `peer_timeout` seconds aborts with JAX's message "The
       following tasks are unhealthy (stopped sending heartbeats)".
-    - TensorFlow: `tf.distribute.MultiWorkerMirroredStrategy` from `TF_CONFIG`, which is made
-      from the addresses (one per process) when it is not set already; collectives time out
-      after `peer_timeout` seconds.
+    - TensorFlow: `MultiProcessError` (also for a `TF_CONFIG` of several workers): Keras 3's
+      TensorFlow trainer fails under `tf.distribute.MultiWorkerMirroredStrategy`
+      (`TENSORFLOW_MULTI_WORKER_ERROR` says where).
     - torch: `MultiProcessError`: Keras has no distribution engine for torch.
 
     Args:
@@ -103,7 +103,7 @@ def initialize_processes(coordinator_address=None, num_processes=None, process_i
         0 asks JAX's cluster detection.
       process_id: this process's number, 0 to `num_processes - 1` (default
         `KERAS_DISTRIBUTION_PROCESS_ID`).
-      peer_timeout: seconds before a dead peer stops the others.
+      peer_timeout: seconds without a peer's heartbeat before the others stop.
 
     Returns:
       `Processes`: how many there are and which one this is.
@@ -111,8 +111,8 @@ def initialize_processes(coordinator_address=None, num_processes=None, process_i
     addresses, num_processes, process_id = resolve_processes(coordinator_address, num_processes,
                                                              process_id)
     backend = keras.backend.backend()
-    if backend == "tensorflow" and os.environ.get("TF_CONFIG") and num_processes == 1:
-        return _initialize_tensorflow(None, peer_timeout)
+    if backend == "tensorflow" and (num_processes != 1 or _tf_config_workers() > 1):
+        raise MultiProcessError(TENSORFLOW_MULTI_WORKER_ERROR)
     if num_processes == 1:
         return Processes()
     if backend == "jax":
@@ -123,36 +123,35 @@ def initialize_processes(coordinator_address=None, num_processes=None, process_i
             "process_id": process_id}
         jax.distributed.initialize(**arguments, heartbeat_timeout_seconds=int(peer_timeout))
         return Processes(jax.process_count(), jax.process_index())
-    if backend == "tensorflow":
-        if num_processes == 0 or len(addresses or ()) != num_processes:
-            raise MultiProcessError(
-                "TensorFlow's MultiWorkerMirroredStrategy needs every worker's address: pass "
-                "--coordinator_address HOST0:PORT,HOST1:PORT,... (one per process, process 0 "
-                "first) or set TF_CONFIG (tensorflow.org/guide/distributed_training).")
-        tf_config = {"cluster": {"worker": addresses},
-                     "task": {"type": "worker", "index": process_id}}
-        return _initialize_tensorflow(tf_config, peer_timeout)
     raise MultiProcessError(
         f"Training in several processes is not available on the {backend} backend: Keras "
         f"{keras.__version__} has no distribution engine for torch (keras.distribution is "
-        f"implemented for JAX, tf.distribute for TensorFlow). Use --backend jax (or "
-        f"tensorflow) with --num_processes, or write a torch.distributed "
-        f"DistributedDataParallel loop launched with torchrun.")
+        f"implemented for JAX only). Use --backend jax with --num_processes, or write a "
+        f"torch.distributed DistributedDataParallel loop launched with torchrun.")
 
 
-def _initialize_tensorflow(tf_config, peer_timeout):
+# Keras 3's TensorFlow trainer cannot fit under MultiWorkerMirroredStrategy (seen with Keras
+# 3.15.1, TensorFlow 2.21): `fit` first reduces a data batch across workers
+# (`_maybe_symbolic_build`: "Attempt to convert a value (PerReplica:{...}) with an unsupported
+# type ... to a Tensor"), and past that, reduces scalar logs along axis 0 (`reduce_per_replica`:
+# "Invalid reduction dimension 0 for input with 0 dimensions").
+TENSORFLOW_MULTI_WORKER_ERROR = (
+    "Training in several processes is not available on the tensorflow backend: Keras 3's "
+    "TensorFlow trainer fails under tf.distribute.MultiWorkerMirroredStrategy (keras-team/keras"
+    "#20585; fit reduces its first batch and its scalar logs across workers in ways "
+    "MultiWorkerMirroredStrategy rejects). Use --backend jax with --num_processes (the same "
+    "flags), or --distribution data_parallel in one process (MirroredStrategy).")
+
+
+def _tf_config_workers():
+    """The workers `TF_CONFIG` lists (0 when it is unset or unreadable)."""
     import json
 
-    import tensorflow as tf
-
-    global _mirrored_strategy
-    if tf_config is not None:
-        os.environ["TF_CONFIG"] = json.dumps(tf_config)
-    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=float(peer_timeout))
-    _mirrored_strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
-    resolver = _mirrored_strategy.cluster_resolver
-    count = len(resolver.cluster_spec().as_dict().get("worker", [])) or 1
-    return Processes(count, int(resolver.task_id or 0))
+    try:
+        return len(json.loads(os.environ.get("TF_CONFIG") or "{}").get("cluster", {})
+                   .get("worker", []))
+    except (ValueError, AttributeError):
+        return 0
 
 
 def model_parallel_layout_map(device_mesh):
@@ -175,8 +174,7 @@ def distribution_scope(kind="none", model_parallel_size=None, processes=Processe
     """Sets up `--distribution` and returns the context to build and compile the model in.
 
     - `data_parallel`: `keras.distribution.DataParallel` over all devices of all processes on
-      JAX; `tf.distribute.MirroredStrategy` on TensorFlow (the `MultiWorkerMirroredStrategy` of
-      `initialize_processes` with several processes). Batches are split across devices; with
+      JAX; `tf.distribute.MirroredStrategy` on TensorFlow. Batches are split across devices; with
       several processes Keras gives each process its slice of every batch
       (`DataParallel.distribute_dataset`), so the batch size stays the global one.
     - `model_parallel`: `keras.distribution.ModelParallel` on JAX with a (data, model) mesh and
@@ -221,8 +219,7 @@ def distribution_scope(kind="none", model_parallel_size=None, processes=Processe
         import tensorflow as tf
 
         global _mirrored_strategy
-        if not processes.multi:
-            _mirrored_strategy = tf.distribute.MirroredStrategy()
+        _mirrored_strategy = tf.distribute.MirroredStrategy()
         return _mirrored_strategy.scope()
     if backend == "tensorflow":
         raise ValueError("--distribution model_parallel needs the JAX backend: Keras' ModelParallel "

@@ -121,16 +121,20 @@ class RunConfig:
         "processes, each process's own).")
     # several processes (docs/distributed.md)
     coordinator_address: str = option(
-        None, "HOST:PORT of process 0, which every process of a multi-process run connects to "
-        "(TensorFlow: every process's HOST:PORT, comma-separated, process 0 first). Default "
-        "$KERAS_DISTRIBUTION_JOB_ADDRESSES.")
+        None, "HOST:PORT of process 0, which every process of a multi-process run (jax) connects "
+        "to; a comma-separated list of all processes' addresses is accepted, its first is used. "
+        "Default $KERAS_DISTRIBUTION_JOB_ADDRESSES.")
     num_processes: int = option(
-        None, "Processes in the run (default $KERAS_DISTRIBUTION_NUM_PROCESSES, else 1); 0 lets "
-        "JAX detect them (Cloud TPU pod slice, SLURM, Open MPI). --batch_size stays the global "
-        "batch; process 0 alone writes the run folder, which must be on a shared filesystem.")
+        None, "Processes in the run, jax only (default $KERAS_DISTRIBUTION_NUM_PROCESSES, else "
+        "1); 0 lets JAX detect them (Cloud TPU pod slice, SLURM, Open MPI). --batch_size stays "
+        "the global batch; process 0 alone writes the run folder, which must be on a "
+        "filesystem every process reads, for resuming.")
     process_id: int = option(
         None, "This process's number, 0 to num_processes - 1 (default "
         "$KERAS_DISTRIBUTION_PROCESS_ID).")
+    peer_timeout: int = option(
+        distribution_lib.DEFAULT_PEER_TIMEOUT, "Seconds without a heartbeat from another "
+        "process after which the others stop with an error (multi-process runs).")
     # run
     output_dir: str = option("saved_models", "Where run folders are written.")
     run_name: str = option(
@@ -318,9 +322,10 @@ def run(config, app="finetune", log=print, started=None):
     from vit_keras.tools import data
 
     started = started or time.perf_counter()
-    # First: TensorFlow's collectives must be configured before it runs any op.
+    # First: JAX must join the other processes before it computes anything.
     processes = distribution_lib.initialize_processes(config.coordinator_address,
-                                                      config.num_processes, config.process_id)
+                                                      config.num_processes, config.process_id,
+                                                      config.peer_timeout)
     recipe, reason = resolve_recipe(config)
     log(reason + ".")
     run_name = config.run_name or default_run_name(config, app)
