@@ -30,13 +30,14 @@ BACKEND_INDEPENDENT_PASS = "torch"
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `jax_subprocess` run JAX in a fresh process whatever this pass's backend, so
-    they belong to the JAX pass alone; `backend_independent` tests belong to
+    """Tests marked `jax_subprocess` or `multiprocess` start their own processes whatever this
+    pass's backend, so they belong to the JAX pass alone; `backend_independent` tests belong to
     `BACKEND_INDEPENDENT_PASS` alone. The other passes deselect them (as with the export modules)."""
     backend = keras.backend.backend()
 
     def kept(item):
-        if item.get_closest_marker("jax_subprocess") is not None:
+        if any(item.get_closest_marker(name) is not None
+               for name in ("jax_subprocess", "multiprocess")):
             return backend == "jax"
         if item.get_closest_marker("backend_independent") is not None:
             return backend == BACKEND_INDEPENDENT_PASS
