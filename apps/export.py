@@ -5,11 +5,17 @@
         --quantize dynamic_int8 --out exports
     python apps/export.py --model saved_models/RUN/model.keras --format onnx --format tflite \
         --out exports
+    python apps/export.py --model saved_models/RUN/model.keras --format saved_model \
+        --dynamic_image_size --out exports
 
 `saved_model` writes the TF Serving layout `OUT/NAME/VERSION/`; `tflite` and `onnx` write
 `OUT/NAME[_QUANTIZE].tflite` and `OUT/NAME.onnx`. After writing, the artifact is reloaded in its own
 runtime, run on a fixed batch and compared with Keras; the program exits with status 1 when a float
 export differs by more than 1e-4 (relative to the largest logit).
+
+`--dynamic_image_size` exports a model trained at one size so that it takes any image size
+(`vit_keras.with_dynamic_image_size`): inputs `(batch, None, None, 3)`, position embeddings
+resampled in the graph; the export is then verified at three sizes.
 
 The export always runs on the TensorFlow backend, whatever backend trained the model: the weights in
 a `.keras` file are backend-independent. Class names come from `--class_names` or from a
@@ -47,6 +53,9 @@ flags.DEFINE_string("class_names", None,
                     "Class names: a JSON list or a text file with one name per line. Default: "
                     "class_names.json beside the .keras file, if present.")
 flags.DEFINE_integer("top_k", 5, "Classes listed by the SavedModel's top_k outputs.")
+flags.DEFINE_bool("dynamic_image_size", False,
+                  "Export a model that takes images of any size (sides multiples of the patch "
+                  "size): position embeddings resampled in the graph, exact at the trained size.")
 FLAGS = flags.FLAGS
 
 
@@ -63,6 +72,10 @@ def main(argv):
     name = FLAGS.name or os.path.basename(os.path.dirname(os.path.abspath(FLAGS.model)))
     class_names = _common.read_class_names(FLAGS.class_names, FLAGS.model)
     model = vit_export.load_model(FLAGS.model)
+    if FLAGS.dynamic_image_size:
+        import vit_keras
+
+        model = vit_keras.with_dynamic_image_size(model)
     for export_format in formats:
         try:
             path, verifications = vit_export.export(

@@ -73,7 +73,8 @@ def broken_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def app_runs(trained_runs, broken_model, tmp_path_factory):
     """The command lines under test, run in parallel: `{case: (CompletedProcess, out_dir)}`."""
-    out = {case: str(tmp_path_factory.mktemp(case)) for case in ("jax", "torch", "broken")}
+    out = {case: str(tmp_path_factory.mktemp(case))
+           for case in ("jax", "torch", "broken", "dynamic")}
     labels = os.path.join(out["torch"], "labels.txt")
     with open(labels, "w") as f:
         f.write("ant\nbee\ncow\n")
@@ -85,6 +86,9 @@ def app_runs(trained_runs, broken_model, tmp_path_factory):
                   "--name", "vit", "--version", "3", "--class_names", labels],
         "broken": ["--model", broken_model, "--format", "onnx", "--out", out["broken"],
                    "--name", "broken"],
+        "dynamic": ["--model", os.path.join(trained_runs["jax"], "model.keras"),
+                    "--format", "saved_model", "--dynamic_image_size", "--out", out["dynamic"],
+                    "--name", "any_size"],
     }
     with concurrent.futures.ThreadPoolExecutor(len(command_lines)) as pool:
         results = dict(zip(command_lines, pool.map(lambda a: run_app(*a), command_lines.values())))
@@ -149,3 +153,23 @@ def test_app_exits_non_zero_when_the_export_does_not_match_keras(app_runs):
     assert "Export verification failed (onnx)" in result.stderr
     assert "does not reproduce the Keras model" in result.stderr
     assert not os.path.exists(os.path.join(out, "broken.onnx"))
+
+
+def test_app_exports_a_fixed_size_model_to_serve_any_size(trained_runs, app_runs):
+    import keras
+
+    result, out = app_runs["dynamic"]
+    assert result.returncode == 0, result.stderr
+    for size in ("32x32", "48x24", "16x56"):  # the trained size and two others, both signatures
+        assert f"[serving_default at {size}]" in result.stdout
+        assert f"[serving_bytes (PNG) at {size}]" in result.stdout
+    serving = tf.saved_model.load(os.path.join(out, "any_size", "1")).signatures["serving_default"]
+    images, expected = _training_logits(trained_runs["jax"])
+    _assert_matches_training_backend(
+        serving(images=tf.constant(images))["logits"].numpy(), expected)
+    # Another size: the logits of the trained model made dynamic in Keras.
+    model = vit_keras.with_dynamic_image_size(
+        keras.models.load_model(os.path.join(trained_runs["jax"], "model.keras")))
+    wide = np.tile(images[:4], (1, 1, 2, 1))[:, :24, :40]  # 24x40 pixels, 3x5 patches
+    np.testing.assert_allclose(serving(images=tf.constant(wide))["logits"].numpy(),
+                               keras.ops.convert_to_numpy(model(wide)), rtol=1e-4, atol=1e-5)
