@@ -129,3 +129,35 @@ def test_features_of_a_pretraining_model_are_its_encoders_pooled_output(tiny_con
     # The ViT and the pre-training model share their layers: the same pooled features.
     np.testing.assert_allclose(fewshot.extract_features(pretraining, images),
                                vit.predict_on_batch(images), atol=1e-6)
+
+
+def test_fewshot_app_reports_mean_and_spread_over_seeds(tiny_config, tmp_path):
+    """apps/fewshot.py on a tiny random classifier of the digits, in a subprocess on this pass's
+    backend; its numbers equal `fewshot.evaluate` on the same features in this process."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT
+    from vit_keras.tools import data
+
+    model = randomize_weights(build_model(tiny_config, image_size=8, num_classes=10))
+    model.save(tmp_path / "model.keras")
+    command = [sys.executable, os.path.join("apps", "fewshot.py"), "--model",
+               str(tmp_path / "model.keras"), "--shots", "1,2", "--seeds", "2", "--json",
+               str(tmp_path / "fewshot.json"), "--backend", keras.backend.backend()]
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "fewshot.json").read_text())
+    assert report["dataset"] == "digits" and report["feature_dimension"] == 32
+    splits = data.load_splits("digits", log=lambda _: None)
+    features = {split: fewshot.dataset_features(model, data.make_pipeline(
+        splits, split, image_size=8, batch_size=256).as_numpy_iterator())
+        for split in ("train", "test")}
+    expected = fewshot.evaluate(*features["train"], *features["test"], shots=(1, 2), seeds=2)
+    for count in (1, 2):
+        assert report["results"][str(count)]["accuracies"] == pytest.approx(
+            expected[count]["accuracies"], abs=1 / 360)  # one test image: features to ~1e-6
+    assert "| 2 | " in result.stdout

@@ -225,3 +225,81 @@ def dataclasses_replace(recipe, **changes):
     import dataclasses
 
     return dataclasses.replace(recipe, **changes)
+
+
+# --- apps/pretrain.py end to end, and apps/finetune.py from its model ----------------------------
+
+BACKEND = keras.backend.backend()
+# As tests/test_apps.py: ViT-digits at 8 px (4 patches), a few steps per epoch.
+TINY = ["--image_size", "8", "--batch_size", "16", "--steps_per_epoch", "3", "--verbose", "2"]
+
+
+def _app(name, *args, check=True):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT
+
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_BACKEND": ""}
+    result = subprocess.run([sys.executable, os.path.join("apps", name), *args, "--backend",
+                             BACKEND], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                            timeout=600)
+    if check and result.returncode:
+        raise AssertionError(f"{name} {' '.join(args)} exited {result.returncode}:\n"
+                             f"{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
+    return result
+
+
+@pytest.fixture(scope="module")
+def pretrain_run(tmp_path_factory):
+    output = tmp_path_factory.mktemp("pretrain")
+    result = _app("pretrain.py", *TINY, "--epochs", "2", "--fewshot_shots", "1,3",
+                  "--fewshot_seeds", "2", "--pretrain_splits", "train,val", "--output_dir",
+                  str(output))
+    return {"dir": output / "pretrain_digits_ViT-digits", "stdout": result.stdout}
+
+
+def test_pretrain_app_trains_the_mpp_model_and_reports_few_shot_accuracy(pretrain_run):
+    import json
+
+    metrics = json.loads((pretrain_run["dir"] / "metrics.json").read_text())
+    assert metrics["config"]["recipe"]["name"] == "mpp_digits"
+    assert metrics["config"]["objective"] == {
+        "target": "mean_colour", "corruption_rate": 0.5, "mask_fraction": 0.8,
+        "random_fraction": 0.1, "pretrain_splits": ["train", "val"]}
+    assert metrics["num_examples"]["train"] == 1257 + 180  # the digits' train and val splits
+    assert [row["epoch"] for row in metrics["history"]] == [0, 1]
+    assert all(np.isfinite(row["loss"]) for row in metrics["history"])
+    assert set(metrics["fewshot"]) == {"1", "3"}
+    assert len(metrics["fewshot"]["3"]["accuracies"]) == 2
+    assert "| 3 | " in pretrain_run["stdout"] and "Saved model: " in pretrain_run["stdout"]
+    model = keras.saving.load_model(pretrain_run["dir"] / "model.keras", compile=False)
+    assert mpp.is_pretraining_model(model) and model.output_shape == (None, 4, 512)
+
+
+def test_finetune_app_fine_tunes_the_pretrained_encoder(pretrain_run, tmp_path):
+    import json
+
+    result = _app("finetune.py", *TINY, "--epochs", "1", "--recipe", "digits", "--weights",
+                  str(pretrain_run["dir"] / "model.keras"), "--output_dir", str(tmp_path),
+                  "--run_name", "from_mpp")
+    assert "is a masked patch prediction model: fine-tuning its encoder" in result.stdout
+    metrics = json.loads((tmp_path / "from_mpp" / "metrics.json").read_text())
+    assert 0.0 <= metrics["test_accuracy"] <= 1.0
+    model = keras.saving.load_model(tmp_path / "from_mpp" / "model.keras", compile=False)
+    assert model.output_shape == (None, 10) and not mpp.is_pretraining_model(model)
+
+
+def test_pretrain_help_documents_every_flag():
+    import re
+
+    from vit_keras.tools import config_flags, training
+
+    text = _app("pretrain.py", "--help", check=False).stdout
+    names = ["backend", *(field.name for field in config_flags.flag_fields(training.RunConfig)),
+             "target", "corruption_rate", "mask_fraction", "random_fraction", "pretrain_splits",
+             "fewshot_shots", "fewshot_seeds"]
+    for name in names:
+        assert re.search(rf"^\s+--(\[no\])?{name}: (\S.*)$", text, re.M), name
+    assert re.search(r"--recipe: <auto\|mpp\|mpp_digits>", text)
