@@ -270,3 +270,18 @@ def test_token_grid_and_token_pixels_of_a_dynamic_model_are_the_built_ones():
     model = dynamic_model(image_size=(16, 12))
     assert vit_keras.token_grid(model) == (4, 3)
     assert vit_keras.token_size_pixels(model) == (4.0, 4.0)
+
+
+def test_mixed_precision_resamples_in_float32_and_stays_close_to_float32():
+    model = randomize_weights(dynamic_model(), scale=0.3)
+    x = random_images(2, 24, 20)
+    expected = keras_logits(model, x)
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    mixed = dynamic_model()
+    keras.config.set_dtype_policy("float32")
+    mixed.set_weights(model.get_weights())
+    layer = mixed.get_layer("posembed_input")
+    assert keras.backend.standardize_dtype(layer.resampled((6, 5)).dtype) == "float32"
+    logits = keras_logits(mixed, x)
+    assert logits.dtype == np.float32
+    assert relative(logits, expected) < 0.05  # bfloat16 activations: about 3 significant digits
