@@ -39,3 +39,44 @@ def test_distribution_engines_per_backend():
             keras.distribution.set_distribution(None)
     with pytest.raises(ValueError, match="Unknown distribution"):
         distribution.distribution_scope("pipeline")
+
+
+def test_process_settings_come_from_the_flags_then_keras_environment_variables():
+    env = {distribution.ADDRESSES_ENV: "10.0.0.1:1234,10.0.0.2:2345",
+           distribution.NUM_PROCESSES_ENV: "2", distribution.PROCESS_ID_ENV: "1"}
+    assert distribution.resolve_processes(environ=env) == (
+        ["10.0.0.1:1234", "10.0.0.2:2345"], 2, 1)
+    assert distribution.resolve_processes("h:1", 4, 3, environ=env) == (["h:1"], 4, 3)
+    assert distribution.resolve_processes(environ={}) == (None, 1, None)  # one process
+    assert distribution.resolve_processes(num_processes=0, environ={}) == (None, 0, None)
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ({"num_processes": 2, "process_id": 0}, "needs --coordinator_address"),
+    ({"num_processes": 2, "coordinator_address": "h:1"}, "needs --process_id"),
+    ({"num_processes": 2, "coordinator_address": "h:1", "process_id": 2}, "outside 0..1"),
+    ({"num_processes": 3, "coordinator_address": "a:1,b:1", "process_id": 0}, "2 addresses"),
+    ({"num_processes": -1}, "negative"),
+])
+def test_incomplete_process_settings_say_what_is_missing(arguments, message):
+    with pytest.raises(distribution.MultiProcessError, match=message):
+        distribution.resolve_processes(**arguments, environ={})
+
+
+def test_several_processes_are_refused_off_jax_with_the_reason(monkeypatch):
+    """On JAX, `initialize_processes` would join this pytest process to a cluster: the JAX half
+    is tests/test_multiprocess.py's, with real processes."""
+    backend = keras.backend.backend()
+    if backend == "jax":
+        assert distribution.initialize_processes(num_processes=1) == distribution.Processes()
+        return
+    match = "keras-team/keras#20585" if backend == "tensorflow" else "no distribution engine"
+    with pytest.raises(distribution.MultiProcessError, match=match):
+        distribution.initialize_processes("127.0.0.1:1", 2, 0)
+    if backend == "tensorflow":  # a TF_CONFIG of several workers, without the flags
+        monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["a:1", "b:1"]}, '
+                                        '"task": {"type": "worker", "index": 0}}')
+        with pytest.raises(distribution.MultiProcessError, match="MultiWorkerMirroredStrategy"):
+            distribution.initialize_processes()
+    with pytest.raises(distribution.MultiProcessError, match="need --distribution"):
+        distribution.distribution_scope("none", processes=distribution.Processes(2, 0))
