@@ -5,6 +5,9 @@
     python benchmarks/throughput.py --modes train --rounds 3 --batch_size 8 --json out.json
     python benchmarks/throughput.py --models ViT-Ti/16 --modes train \
         --implementations timm vit_keras-jax vit_keras-jax-dp2   # also over 2 XLA CPU devices
+    python benchmarks/throughput.py --models ViT-S/16 --modes inference --image_size 320 \
+        --dynamic_built_size 224 --implementations timm timm-dynamic vit_keras-jax \
+        vit_keras-jax-dynamic   # models of dynamic image size, built at 224, fed 320 px
 
 Each implementation (vit_keras and keras-hub's ViTBackbone on each Keras backend, timm eager and
 with torch.compile) runs in its own process, and the processes alternate A B C A B C ... over
@@ -48,6 +51,9 @@ IMPLEMENTATIONS = {
 # A JAX implementation's name with "-dpN" (vit_keras-jax-dp2) splits the CPU into N XLA devices
 # and runs each step data-parallel over them (Keras' DataParallel).
 DATA_PARALLEL_SUFFIX = re.compile(r"-dp(\d+)$")
+# "-dynamic" (vit_keras-jax-dynamic, timm-dynamic): the model of dynamic image size, built at
+# --dynamic_built_size and fed --image_size (vit_keras' dynamic_image_size, timm's dynamic_img_size).
+DYNAMIC_SUFFIX = "-dynamic"
 BASELINE = "timm"
 # The ViT sizes of the paper (Ti and S from "How to train your ViT"), as vit_keras' variant table.
 MODELS = {
@@ -81,7 +87,9 @@ def parse_model(text):
 
 
 def split_devices(implementation):
-    """("vit_keras-jax", 2) for "vit_keras-jax-dp2"; (implementation, 1) without the suffix."""
+    """("vit_keras-jax", 2) for "vit_keras-jax-dp2"; (implementation, 1) without the suffix; a
+    "-dynamic" suffix is dropped too (see `DYNAMIC_SUFFIX`)."""
+    implementation = implementation.removesuffix(DYNAMIC_SUFFIX)
     match = DATA_PARALLEL_SUFFIX.search(implementation)
     if not match:
         return implementation, 1
@@ -101,6 +109,8 @@ def run_worker(implementation, configs, args):
                "--batch_size", str(args.batch_size), "--image_size", str(args.image_size),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--dtype", args.dtype,
                "--modes", *args.modes] + (["--torch_jit"] if args.torch_jit else [])
+    if implementation.endswith(DYNAMIC_SUFFIX):
+        command += ["--dynamic_built_size", str(args.dynamic_built_size or args.image_size)]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": REPO}
     if backend:
         env["KERAS_BACKEND"] = backend
@@ -204,11 +214,16 @@ def main():
     parser.add_argument("--implementations", nargs="+", default=list(IMPLEMENTATIONS),
                         help=f"any of {list(IMPLEMENTATIONS)}; 'vit_keras' and 'keras_hub' "
                              "expand to every backend; a JAX one with -dpN (vit_keras-jax-dp2) "
-                             "runs data-parallel over N XLA CPU devices")
+                             "runs data-parallel over N XLA CPU devices; -dynamic "
+                             "(vit_keras-torch-dynamic, timm-dynamic) the model of dynamic image "
+                             "size")
     parser.add_argument("--modes", nargs="+", default=["inference", "train"],
                         choices=["inference", "train"])
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--image_size", type=int, default=224)
+    parser.add_argument("--dynamic_built_size", type=int, default=None,
+                        help="image size the '-dynamic' implementations are built for (they are "
+                             "fed --image_size); default: --image_size")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per measurement")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (compile included)")
@@ -238,6 +253,8 @@ def main():
             base, devices = split_devices(item)
             if base not in IMPLEMENTATIONS:
                 parser.error(f"Unknown implementation {item!r}; expected {list(IMPLEMENTATIONS)}.")
+            if item.endswith(DYNAMIC_SUFFIX) and base.startswith("keras_hub"):
+                parser.error(f"{item!r}: keras-hub's ViT has no dynamic image size.")
             if devices > 1 and IMPLEMENTATIONS[base][1] != "jax":
                 parser.error(f"{item!r}: -dpN needs a JAX implementation; {base} is not one.")
             if devices < 1 or args.batch_size % devices:

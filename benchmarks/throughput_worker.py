@@ -78,7 +78,9 @@ def keras_steps(implementation, config, args):
         devices = len(local_devices)
     if implementation == "vit_keras":
         from vit_keras import build_model  # pylint: disable=import-outside-toplevel
-        model = build_model(config, image_size=args.image_size, num_classes=1000)
+        dynamic = args.dynamic_built_size is not None
+        model = build_model(config, num_classes=1000, dynamic_image_size=dynamic,
+                            image_size=args.dynamic_built_size if dynamic else args.image_size)
     else:
         import keras_hub  # pylint: disable=import-outside-toplevel
         backbone = keras_hub.models.ViTBackbone(
@@ -101,7 +103,7 @@ def keras_steps(implementation, config, args):
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
     return steps, prepare, {"jit_compile": jit, "dtype": model.dtype_policy.name,
-                            "devices": devices}
+                            "devices": devices, "dynamic_built_size": args.dynamic_built_size}
 
 
 def timm_steps(config, args, compiled):
@@ -109,10 +111,13 @@ def timm_steps(config, args, compiled):
     from timm.models.vision_transformer import VisionTransformer  # pylint: disable=import-outside-toplevel
 
     torch.manual_seed(0)
+    dynamic = args.dynamic_built_size is not None
     model = VisionTransformer(
-        img_size=args.image_size, patch_size=config["patch_size"], embed_dim=config["hidden_size"],
+        img_size=args.dynamic_built_size if dynamic else args.image_size,
+        patch_size=config["patch_size"], embed_dim=config["hidden_size"],
         depth=config["num_layers"], num_heads=config["num_heads"],
-        mlp_ratio=config["mlp_dim"] / config["hidden_size"], num_classes=1000)
+        mlp_ratio=config["mlp_dim"] / config["hidden_size"], num_classes=1000,
+        dynamic_img_size=dynamic)
     images, labels = _data(args.batch_size, args.image_size)
     images = torch.from_numpy(images).permute(0, 3, 1, 2).contiguous()
     labels = torch.from_numpy(labels).long()
@@ -137,7 +142,8 @@ def timm_steps(config, args, compiled):
         model.train(mode == "train")
 
     steps = {"inference": inference, "train": train}
-    return steps, prepare, {"compiled": compiled, "dtype": args.dtype}
+    return steps, prepare, {"compiled": compiled, "dtype": args.dtype,
+                            "dynamic_built_size": args.dynamic_built_size}
 
 
 def main():
@@ -153,6 +159,8 @@ def main():
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--torch_jit", action="store_true")
     parser.add_argument("--data_parallel", action="store_true")
+    parser.add_argument("--dynamic_built_size", type=int, default=None,
+                        help="build the model of dynamic image size at this size")
     args = parser.parse_args()
 
     if args.implementation.startswith("timm"):

@@ -63,6 +63,24 @@ def test_throughput_benchmark_runs_jax_data_parallel_over_cpu_devices(tmp_path):
     assert "| tiny | train | vit_keras-jax-dp2 |" in result.stdout
 
 
+def test_throughput_benchmark_feeds_models_of_dynamic_image_size_another_size(tmp_path):
+    backend = keras.backend.backend()
+    output = tmp_path / "throughput.json"
+    implementations = [f"vit_keras-{backend}-dynamic", "timm-dynamic"]
+    command = [sys.executable, BENCHMARK, "--models", json.dumps(TINY_CONFIG), "--image_size", "48",
+               "--dynamic_built_size", "32", "--batch_size", "2", "--implementations",
+               *implementations, "--rounds", "1", "--steps", "1", "--warmup", "1", "--modes",
+               "inference", "--json", str(output)]
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    processes = json.loads(output.read_text())["rounds"][0]
+    assert sorted(processes) == sorted(implementations)
+    for process in processes.values():
+        (run,) = process["runs"]
+        assert run["dynamic_built_size"] == 32 and run["images_per_s"] > 0
+    assert f"| tiny | inference | vit_keras-{backend}-dynamic |" in result.stdout
+
+
 @pytest.mark.backend_independent
 def test_throughput_benchmark_rejects_devices_that_do_not_divide_the_batch():
     result = subprocess.run([sys.executable, BENCHMARK, "--batch_size", "8", "--implementations",
