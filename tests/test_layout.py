@@ -97,7 +97,7 @@ def test_the_core_never_imports_the_application_half():
 
 @pytest.mark.parametrize("module", ["vit_keras.layers", "vit_keras.configs", "vit_keras.model",
                                     "vit_keras.resnet", "vit_keras.geometry", "vit_keras.posemb",
-                                    "vit_keras.analysis"])
+                                    "vit_keras.interpolation_ops", "vit_keras.analysis"])
 def test_the_model_path_imports_no_framework_but_keras(module):
     frameworks = {"tensorflow", "torch", "jax"}
     # (JAX-only code lives in vit_keras.xla_cpu, which imports JAX inside the functions that
