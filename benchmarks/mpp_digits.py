@@ -89,6 +89,43 @@ def fewshot_accuracy(model_path, shots, seeds, image_size):
                             num_classes=10)
 
 
+def masking_cost(image_size, batch_size, variant, rounds=5, steps=20):
+    """Seconds per compiled training step of the MPP model, with the corruption and with the
+    corruption layer passing its input through (same graph otherwise), alternating rounds of
+    `steps` steps so that load drifts hit both; returns their medians."""
+    import keras
+    import numpy as np
+
+    from vit_keras import build_model
+    from vit_keras import masked_patch_prediction as mpp
+    from vit_keras.tools import recipes
+
+    class NoCorruption(mpp.MaskedPatchCorruption):
+        def call(self, tokens, training=None):
+            return tokens, keras.ops.ones(keras.ops.shape(tokens)[:2], dtype="float32")
+
+    variant = recipes.DIGITS_VIT if variant == "ViT-digits" else variant
+    images = np.random.default_rng(0).uniform(0, 255, (batch_size, image_size, image_size, 3))
+    labels = np.zeros((batch_size, 1), "float32")
+    models = {}
+    for name in ("with corruption", "without"):
+        model = mpp.build_pretraining_model(build_model(variant, image_size=image_size), seed=0)
+        if name == "without":
+            layer = model.get_layer("mpp_corruption")
+            layer.__class__ = NoCorruption  # the same weights and graph, the corruption skipped
+        model.compile(optimizer="adam", loss=None, jit_compile=recipes.use_jit_compile())
+        model.train_on_batch(images.astype("float32"), labels)  # compile
+        models[name] = model
+    times = {name: [] for name in models}
+    for _ in range(rounds):
+        for name, model in models.items():
+            started = time.perf_counter()
+            for _ in range(steps):
+                model.train_on_batch(images.astype("float32"), labels)
+            times[name].append((time.perf_counter() - started) / steps)
+    return {name: float(np.median(values)) for name, values in times.items()}
+
+
 def mean_sd(values):
     import numpy as np
 
@@ -110,11 +147,23 @@ def main():
                         help="apps/finetune.py flags of both fine-tunings (pre-trained and "
                              "from scratch)")
     parser.add_argument("--output_dir", default=None, help="default: a temporary folder")
+    parser.add_argument("--masking_cost", nargs=3, metavar=("VARIANT", "IMAGE_SIZE", "BATCH"),
+                        default=None, help="only measure the corruption's share of a training "
+                        "step, e.g. ViT-digits 16 64 or ViT-Ti/16 224 16")
     parser.add_argument("--json", default=None, help="also write the results as JSON here")
     args = parser.parse_args()
     os.environ["KERAS_BACKEND"] = args.backend  # for the few-shot evaluation in this process
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     sys.path.insert(0, REPO)
+    if args.masking_cost:
+        variant, image_size, batch = args.masking_cost
+        seconds = masking_cost(int(image_size), int(batch), variant)
+        share = 1 - seconds["without"] / seconds["with corruption"]
+        print(f"| model | backend | batch | step with corruption | without | corruption's share |"
+              f"\n|---|---|---|---|---|---|\n| {variant} {image_size} px | {args.backend} | {batch} "
+              f"| {1e3 * seconds['with corruption']:.1f} ms | {1e3 * seconds['without']:.1f} ms | "
+              f"{100 * share:.1f}% |")
+        return 0
     output = args.output_dir or tempfile.mkdtemp(prefix="mpp_digits_")
     size = ["--image_size", str(args.image_size)]
     finetune_flags = args.finetune_flags.split()
