@@ -7,6 +7,7 @@ import dataclasses
 import os
 
 import keras
+import numpy as np
 
 
 DISTRIBUTIONS = ("none", "data_parallel", "model_parallel")
@@ -47,9 +48,10 @@ def resolve_processes(coordinator_address=None, num_processes=None, process_id=N
     variables `keras.distribution.initialize` reads (`KERAS_DISTRIBUTION_JOB_ADDRESSES`,
     `..._NUM_PROCESSES`, `..._PROCESS_ID`).
 
-    `addresses` is a list of `host:port` (process 0's first; JAX needs only that one, TensorFlow
-    every worker's) or `None`. `num_processes` is 1 when neither says otherwise (one process, no
-    set-up) and 0 for "ask the cluster" (JAX's detection of Cloud TPU, SLURM and Open MPI).
+    `addresses` is a list of `host:port` (process 0's first, the only one JAX needs; Keras'
+    variable may list every process's) or `None`. `num_processes` is 1 when neither says
+    otherwise (one process, no set-up) and 0 for "ask the cluster" (JAX's detection of Cloud TPU,
+    SLURM and Open MPI).
     Raises `MultiProcessError` when several processes are asked for without an address or an id.
     """
     environ = os.environ if environ is None else environ
@@ -76,7 +78,7 @@ def resolve_processes(coordinator_address=None, num_processes=None, process_id=N
         if len(addresses) not in (1, num_processes):
             raise MultiProcessError(
                 f"--coordinator_address lists {len(addresses)} addresses for {num_processes} "
-                f"processes; give process 0's address, or one per process (TensorFlow).")
+                f"processes; give process 0's address, or one per process, process 0's first.")
     return addresses, num_processes, process_id
 
 
@@ -152,6 +154,17 @@ def _tf_config_workers():
                    .get("worker", []))
     except (ValueError, AttributeError):
         return 0
+
+
+def process_values(value, processes):
+    """`[process 0's value, ..., process N-1's]` of an integer every process passes (a
+    collective: all processes must call it); `[value]` in a single-process run."""
+    if not processes.multi:
+        return [int(value)]
+    from jax.experimental import multihost_utils
+
+    gathered = multihost_utils.process_allgather(np.asarray(value, dtype=np.int32))
+    return [int(v) for v in np.asarray(gathered).ravel()]
 
 
 def model_parallel_layout_map(device_mesh):

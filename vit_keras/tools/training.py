@@ -1,6 +1,7 @@
 """One training run: `RunConfig` (the apps' flags) → `run` → `saved_models/<run_name>/`, plus its
 history, metrics table and evaluation reports. Imports only Keras and NumPy at module level."""
 
+import contextlib
 import csv
 import dataclasses
 import math
@@ -8,6 +9,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 
 import keras
 import numpy as np
@@ -310,6 +312,17 @@ def _rng_seed(seed):
     tf.random.set_seed(seed)
 
 
+@contextlib.contextmanager
+def _no_length_warning(multi_process):
+    """With several processes, Keras' per-process split of an evaluation set (rebatch, shard)
+    loses its length, so Keras finds its end by running out and warns "Your input ran out of
+    data; interrupting training" at its first pass, though nothing is interrupted."""
+    with warnings.catch_warnings():
+        if multi_process:
+            warnings.filterwarnings("ignore", message="Your input ran out of data")
+        yield
+
+
 def run(config, app="finetune", log=print, started=None):
     """Trains and evaluates one run; writes `saved_models/<run_name>/`; returns the metrics dict.
 
@@ -317,7 +330,11 @@ def run(config, app="finetune", log=print, started=None):
     `flags.txt`, `class_names.json`, `history.csv`, `training_curves.png`, `logs/` (TensorBoard) and,
     while the run is unfinished, `backup/` (BackupAndRestore: the same command resumes from the
     last completed epoch).
-    Raises `callbacks.NonFiniteLossError` when the loss becomes NaN or infinite.
+    With several processes (`config.num_processes`, `distribution.initialize_processes`), every
+    process trains, evaluates and saves (saving is collective on JAX), but only process 0 writes
+    the run folder; the others write into a private temporary folder deleted at the end.
+    Raises `callbacks.NonFiniteLossError` when the loss becomes NaN or infinite, and
+    `distribution.MultiProcessError` when several processes cannot be set up.
     """
     from vit_keras.tools import data
 
@@ -368,6 +385,13 @@ def run(config, app="finetune", log=print, started=None):
     backup = callbacks_lib.AtomicBackupAndRestore(folder.backup, seed=config.seed,
                                                   save_dir=writes.backup)
     resume_epoch = backup.resume_epoch
+    found = distribution_lib.process_values(resume_epoch, processes)
+    if len(set(found)) > 1:
+        epochs_found = ", ".join(f"process {i}: {epoch}" for i, epoch in enumerate(found))
+        raise distribution_lib.MultiProcessError(
+            f"The processes disagree on the epoch to resume from ({epochs_found}): process 0 "
+            f"writes the backup {folder.backup}, and every process must read it, so --output_dir must "
+            f"be on a filesystem all of them see. Delete {folder.backup} to start afresh.")
     augmentation = augmentation_for(config)
     # Keras keeps one iterator over a repeated stream across epochs: epoch e reads batches
     # e * steps_per_epoch onwards, so a resumed run starts the stream where its backup stopped.
@@ -379,7 +403,7 @@ def run(config, app="finetune", log=print, started=None):
     eval_sets = {split: data.make_pipeline(splits, split, image_size=recipe.image_size,
                                            batch_size=eval_batch)
                  for split in ("val", "test")}
-    if processes.multi and keras.backend.backend() == "jax":
+    if processes.multi:  # whole batches: each process gets an equal slice of every one
         eval_sets = {split: distribution_lib.pad_to_whole_batches(
             ds, splits.num_examples[split], eval_batch) for split, ds in eval_sets.items()}
 
@@ -426,9 +450,10 @@ def run(config, app="finetune", log=print, started=None):
         f", {epochs} epochs of {steps_per_epoch} steps, {recipe.optimizer} lr "
         f"{recipe.learning_rate:g}, backend {keras.backend.backend()}.")
     fit_started = time.perf_counter()
-    model.fit(train_ds, epochs=epochs, steps_per_epoch=steps_per_epoch,
-              validation_data=eval_sets["val"], callbacks=callbacks, verbose=config.verbose,
-              shuffle=False)  # tf.data shuffles
+    with _no_length_warning(processes.multi):
+        model.fit(train_ds, epochs=epochs, steps_per_epoch=steps_per_epoch,
+                  validation_data=eval_sets["val"], callbacks=callbacks, verbose=config.verbose,
+                  shuffle=False)  # tf.data shuffles
     fit_seconds = time.perf_counter() - fit_started
     if nan_guard.bad_step:
         epoch, batch, loss = nan_guard.bad_step
@@ -439,8 +464,9 @@ def run(config, app="finetune", log=print, started=None):
             f"{recipe.grad_clip_norm:g}), lengthen --warmup_steps, or use --mixed_precision "
             f"bfloat16 instead of float16.")
 
-    results = {split: model.evaluate(ds, verbose=0, return_dict=True)
-               for split, ds in eval_sets.items()}
+    with _no_length_warning(processes.multi):
+        results = {split: model.evaluate(ds, verbose=0, return_dict=True)
+                   for split, ds in eval_sets.items()}
     writes.save_model(model)
     history = read_history(folder.history)
     if processes.is_chief:
