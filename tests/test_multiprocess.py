@@ -4,7 +4,8 @@ them killed and restarted; one of them killed.
 
 Marked `multiprocess`: they start their own processes whatever this pass's backend, so only the
 JAX pass collects them (tests/conftest.py). On TensorFlow and torch several processes are refused
-before anything runs; tests/test_distribution.py checks those errors in every pass."""
+before anything runs (tests/test_distribution.py checks those errors in every pass); a strict
+expected failure here records the Keras bug behind TensorFlow's refusal."""
 
 import json
 import os
