@@ -1,6 +1,7 @@
 """vit_keras.tools.distribution: the model-parallel layout and the engines per backend."""
 
 import keras
+import numpy as np
 import pytest
 
 from vit_keras.tools import distribution
@@ -80,3 +81,23 @@ def test_several_processes_are_refused_off_jax_with_the_reason(monkeypatch):
             distribution.initialize_processes()
     with pytest.raises(distribution.MultiProcessError, match="need --distribution"):
         distribution.distribution_scope("none", processes=distribution.Processes(2, 0))
+
+
+def test_padded_evaluation_gives_the_means_over_the_real_examples(tiny_config):
+    """Loss and accuracy of 10 examples in batches of 4, padded to 12 with zero-weight images as
+    several processes evaluate them, equal those of the plain batches (4, 4, 2)."""
+    import tensorflow as tf
+
+    from conftest import tiny_data, tiny_model
+    from vit_keras.tools import recipes
+
+    model = recipes.compile_model(tiny_model(tiny_config), "sgd")
+    images, labels = tiny_data(n=10)
+    plain = tf.data.Dataset.from_tensor_slices((images, labels)).batch(4)
+    padded = distribution.pad_to_whole_batches(plain, num_examples=10, batch_size=4)
+    weights = np.concatenate([w for _, _, w in padded.as_numpy_iterator()])
+    assert weights.shape == (12,) and weights[10:].tolist() == [0.0, 0.0]
+    expected = model.evaluate(plain, verbose=0, return_dict=True)
+    found = model.evaluate(padded, verbose=0, return_dict=True)
+    assert found["loss"] == pytest.approx(expected["loss"], rel=1e-6)
+    assert found["accuracy"] == pytest.approx(expected["accuracy"], rel=1e-6)
