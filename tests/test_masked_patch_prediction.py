@@ -303,3 +303,44 @@ def test_pretrain_help_documents_every_flag():
     for name in names:
         assert re.search(rf"^\s+--(\[no\])?{name}: (\S.*)$", text, re.M), name
     assert re.search(r"--recipe: <auto\|mpp\|mpp_digits>", text)
+
+
+# --- benchmarks/mpp_digits.py's pieces (the benchmark itself takes minutes) ---------------------
+
+def _benchmark():
+    import os
+    import sys
+
+    from conftest import REPO_ROOT
+
+    sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+    try:
+        return __import__("mpp_digits")
+    finally:
+        sys.path.remove(os.path.join(REPO_ROOT, "benchmarks"))
+
+
+@pytest.mark.backend_independent
+def test_benchmark_labelled_subset_holds_k_train_images_per_class_with_the_digits_pixels(tmp_path):
+    from PIL import Image
+
+    from vit_keras.tools import data
+
+    dataset = _benchmark().labelled_subset(str(tmp_path), per_class=3, seed=1)
+    assert dataset == f"folder:{tmp_path}"
+    arrays = data.digits_arrays()
+    for split, (images, labels) in arrays.items():
+        files = sorted((tmp_path / split).glob("*/*.png"))
+        assert len(files) == (30 if split == "train" else len(labels)), split
+        for file in files[:5]:  # PNG is lossless: the folder pipeline reads the same pixels
+            index = int(file.stem)
+            assert int(file.parent.name) == labels[index]
+            np.testing.assert_array_equal(np.asarray(Image.open(file)), images[index])
+    train_labels = [int(f.parent.name) for f in (tmp_path / "train").glob("*/*.png")]
+    assert np.bincount(train_labels).tolist() == [3] * 10
+
+
+def test_benchmark_masking_cost_times_both_steps():
+    seconds = _benchmark().masking_cost(8, 4, "ViT-digits", rounds=2, steps=1)
+    assert set(seconds) == {"with corruption", "without"}
+    assert all(value > 0 for value in seconds.values())  # physical, not a speed bound
