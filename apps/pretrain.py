@@ -51,7 +51,7 @@ MPP_RECIPE = recipes.Recipe(
     name="mpp", optimizer="adamw", learning_rate=2e-4, weight_decay=0.0, warmup_steps=10_000,
     decay="cosine", total_steps=1_000_000, batch_size=4096, image_size=224, grad_clip_norm=1.0,
     dropout=0.0, zero_head=False)
-# The same shape on the 1,797 digits at 16 px: about 40 s of training on 2 CPU cores.
+# The same shape at digits scale (16 px, 4x4 patches: 16 tokens per image).
 MPP_DIGITS_RECIPE = dataclasses.replace(
     MPP_RECIPE, name="mpp_digits", learning_rate=1e-3, warmup_steps=100, total_steps=None,
     epochs=60, batch_size=64, image_size=16)
