@@ -236,6 +236,15 @@ def main(argv):
     from vit_keras.tools.run_folder import RunFolder
 
     config = config_flags.from_flags(training.RunConfig, flags_text=FLAGS.flags_into_string())
+    processes = config.num_processes
+    if processes is None:
+        processes = int(os.environ.get("KERAS_DISTRIBUTION_NUM_PROCESSES") or 1)
+    if processes != 1 or config.coordinator_address:
+        # Its run loop has none of training.run's process coordination (collective saving,
+        # sharded evaluation, agreeing on the epoch to resume from).
+        raise app.UsageError("apps/pretrain.py runs in one process; --num_processes and "
+                             "--coordinator_address are for apps/finetune.py and apps/train.py. "
+                             "Use --distribution data_parallel over one process's devices.")
     try:
         metrics = run(config)
     except (data.DatasetNotPreparedError, callbacks.NonFiniteLossError) as error:
