@@ -16,6 +16,7 @@ from vit_keras.analysis import (
     token_size_pixels,
 )
 from vit_keras.checkpoints import load_pretrained, save_npz
+from vit_keras import fewshot, masked_patch_prediction  # noqa: F401 (registers the MPP layers)
 from vit_keras.features import build_feature_extractor, intermediate_features
 from vit_keras.labels import class_names
 from vit_keras.configs import VARIANTS, ViTConfig, get_config
@@ -28,6 +29,7 @@ from vit_keras.layers import (
     TokenPooling,
     TransformerBlock,
 )
+from vit_keras.masked_patch_prediction import build_pretraining_model, pretrained_encoder
 from vit_keras.model import attention_scores, with_dynamic_image_size
 from vit_keras.patch_resize import resample_patch_embedding
 from vit_keras.posemb import resample_position_embeddings
@@ -66,6 +68,10 @@ __all__ = [
     "attention_scores",
     "build_feature_extractor",
     "intermediate_features",
+    "build_pretraining_model",
+    "pretrained_encoder",
+    "masked_patch_prediction",
+    "fewshot",
     "attention_rollout",
     "mean_attention_distance",
     "position_embedding_similarity",
