@@ -173,3 +173,42 @@ def training_app(name, started, recipe="auto", recipe_help=None):
         return 0
 
     return main
+
+
+def run_settings(model_path):
+    """dataset, data_dir, seed and val_fraction of the run that wrote `model_path`, if known."""
+    from vit_keras.tools.run_folder import RunFolder
+
+    run = ((RunFolder.of_model(model_path).read_metrics() or {}).get("config") or {}).get("run")
+    return {key: run.get(key) for key in ("dataset", "data_dir", "seed", "val_fraction")} if run else {}
+
+
+def load_run_splits(model_path, dataset=None, data_dir=None, seed=None, val_fraction=None):
+    """`(dataset name, Splits)` for evaluating the model at `model_path`: each setting from its
+    flag, else from the run that trained the model when it is the same dataset (so `val` and `test`
+    are that run's held-out images), else the defaults (digits, seed 0).
+
+    Raises `vit_keras.tools.data.DatasetNotPreparedError` for a tfds dataset not on disk.
+    """
+    from vit_keras.tools import data
+
+    settings = run_settings(model_path)
+    dataset = dataset or settings.get("dataset") or "digits"
+    same_run = dataset == settings.get("dataset")
+    seed = seed if seed is not None else (settings.get("seed") if same_run else 0) or 0
+    splits = data.load_splits(
+        dataset, data_dir=data_dir or (settings.get("data_dir") if same_run else None),
+        val_fraction=val_fraction or (settings.get("val_fraction") if same_run else None),
+        seed=seed)
+    return dataset, splits
+
+
+def model_image_size(model):
+    """The side of the square images a model is fed by the apps' pipelines: its input's, or for a
+    model of dynamic image size the size it was built for."""
+    height = model.input_shape[1]
+    if height is None:
+        from vit_keras import geometry
+
+        height = geometry.token_grid(model)[0] * geometry.token_pixels(model)
+    return height

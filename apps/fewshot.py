@@ -26,6 +26,8 @@ _backend.start_app()  # before keras is imported
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
+import _common  # noqa: E402
+
 flags.DEFINE_string("model", None, "The .keras file whose features are evaluated.", required=True)
 flags.DEFINE_string("dataset", None, "digits, folder:PATH or a tfds name (default: the run's "
                     "dataset from metrics.json beside the model, else digits).")
@@ -48,14 +50,6 @@ flags.DEFINE_string("json", None, "Also write the results as JSON to this path."
 FLAGS = flags.FLAGS
 
 
-def run_settings(model_path):
-    """dataset, data_dir, seed and val_fraction of the run that wrote `model_path`, if known."""
-    from vit_keras.tools.run_folder import RunFolder
-
-    run = ((RunFolder.of_model(model_path).read_metrics() or {}).get("config") or {}).get("run")
-    return {key: run.get(key) for key in ("dataset", "data_dir", "seed", "val_fraction")} if run else {}
-
-
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
@@ -70,21 +64,14 @@ def main(argv):
     except ValueError:
         raise app.UsageError(f"--shots takes whole numbers (e.g. 1,5,10,25); got "
                              f"{','.join(FLAGS.shots)!r}.") from None
-    settings = run_settings(FLAGS.model)
-    dataset = FLAGS.dataset or settings.get("dataset") or "digits"
-    same_run = dataset == settings.get("dataset")
-    seed = (FLAGS.split_seed if FLAGS.split_seed is not None
-            else (settings.get("seed") if same_run else 0) or 0)
     try:
-        splits = data.load_splits(
-            dataset, data_dir=FLAGS.data_dir or (settings.get("data_dir") if same_run else None),
-            val_fraction=FLAGS.val_fraction or (settings.get("val_fraction") if same_run else None),
-            seed=seed)
+        dataset, splits = _common.load_run_splits(FLAGS.model, FLAGS.dataset, FLAGS.data_dir,
+                                                  FLAGS.split_seed, FLAGS.val_fraction)
     except data.DatasetNotPreparedError as error:
         print(f"ERROR: {error}", file=sys.stderr)
         return 2
     model = keras.saving.load_model(FLAGS.model, compile=False)
-    image_size = model.input_shape[1]
+    image_size = _common.model_image_size(model)
     features = {split: fewshot.dataset_features(model, data.make_pipeline(
         splits, split, image_size=image_size, batch_size=FLAGS.batch_size).as_numpy_iterator())
         for split in (FLAGS.train_split, FLAGS.test_split)}

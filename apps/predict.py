@@ -90,7 +90,7 @@ def main(argv):
         class_names = _common.read_class_names(FLAGS.class_names, None) if FLAGS.class_names \
             else (vit_keras.class_names(release) if release is not None else [])
     try:
-        images = data.load_image_files(files, model.input_shape[1])
+        images = data.load_image_files(files, _common.model_image_size(model))
     except ValueError as error:
         print(f"ERROR: {error}", file=sys.stderr)
         return 2

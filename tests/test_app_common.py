@@ -156,3 +156,32 @@ def test_run_config_fields_are_the_training_flags():
     with pytest.raises(ValueError, match="no flag fields"):
         config_flags.define_flags(training.RunConfig, flag_values=flags.FlagValues(),
                                   recipes={"default": "x"})
+
+
+def test_model_image_size_is_the_input_side_or_the_built_side_of_a_dynamic_model(tiny_config):
+    import vit_keras
+
+    fixed = vit_keras.build_model(tiny_config, image_size=12, num_classes=3)
+    dynamic = vit_keras.build_model(tiny_config, image_size=12, num_classes=3,
+                                    dynamic_image_size=True)
+    assert _common.model_image_size(fixed) == 12
+    assert _common.model_image_size(dynamic) == 12
+
+
+def test_run_splits_come_from_the_run_that_trained_the_model(tmp_path, monkeypatch):
+    from vit_keras.tools import data
+    from vit_keras.tools.run_folder import RunFolder
+
+    model_path = str(tmp_path / "run" / "model.keras")
+    os.makedirs(os.path.dirname(model_path))
+    RunFolder.of_model(model_path).write_metrics({"config": {"run": {
+        "dataset": "folder:/photos", "seed": 3, "val_fraction": 0.25, "data_dir": "/tfds"}}})
+    calls = []
+    monkeypatch.setattr(data, "load_splits", lambda name, **kwargs: calls.append((name, kwargs)))
+    assert _common.load_run_splits(model_path)[0] == "folder:/photos"
+    _common.load_run_splits(model_path, seed=5, val_fraction=0.5, data_dir="/other")
+    _common.load_run_splits(model_path, dataset="digits")  # another dataset: the defaults
+    assert calls == [
+        ("folder:/photos", {"data_dir": "/tfds", "val_fraction": 0.25, "seed": 3}),
+        ("folder:/photos", {"data_dir": "/other", "val_fraction": 0.5, "seed": 5}),
+        ("digits", {"data_dir": None, "val_fraction": None, "seed": 0})]
