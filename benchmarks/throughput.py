@@ -8,6 +8,9 @@
     python benchmarks/throughput.py --models ViT-S/16 --modes inference --image_size 320 \
         --dynamic_built_size 224 --implementations timm timm-dynamic vit_keras-jax \
         vit_keras-jax-dynamic   # models of dynamic image size, built at 224, fed 320 px
+    python benchmarks/throughput.py --models ViT-Ti/16 --modes train --rounds 3 \
+        --implementations timm vit_keras-tensorflow vit_keras-jax \
+        --commits main .       # a change measured before (main) and after (the checkout)
 
 Each implementation (vit_keras and keras-hub's ViTBackbone on each Keras backend, timm eager and
 with torch.compile) runs in its own process, and the processes alternate A B C A B C ... over
@@ -23,7 +26,13 @@ analytic FLOPs (see `forward_flops`) and x3 for a training step. The fraction is
 the mean rate of the timed steps, and for the fastest step, which is the same statistic as the
 peak's (the fastest of 5 calls); each is the median over rounds. The 2048³ GEMM is a reference,
 not a ceiling: a compiled model can exceed 100% of it. `--from_json` prints the table of an
-earlier run's JSON again. Peers are optional
+earlier run's JSON again.
+
+`--commits A B ...` measures the vit_keras implementations once per commit in the same run: each
+commit is checked out into a temporary `git worktree` (`.` is the checkout itself, uncommitted
+changes included) and its worker process imports vit_keras from there, so a change to the model is
+measured before and after with the same worker, peers and machine state. Rows are then named
+`vit_keras-jax@A`; timm and keras-hub run once per round. Peers are optional
 (`pip install .[bench]`): a missing one is reported, not fatal. Writes a markdown table to stdout
 and all measurements to `--json`. Not part of the test suite's pass/fail.
 """
@@ -37,6 +46,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,6 +64,8 @@ DATA_PARALLEL_SUFFIX = re.compile(r"-dp(\d+)$")
 # "-dynamic" (vit_keras-jax-dynamic, timm-dynamic): the model of dynamic image size, built at
 # --dynamic_built_size and fed --image_size (vit_keras' dynamic_image_size, timm's dynamic_img_size).
 DYNAMIC_SUFFIX = "-dynamic"
+# "@commit" (vit_keras-jax@b5fa52b): that commit's vit_keras, from a worktree (see --commits).
+COMMIT_SEPARATOR = "@"
 BASELINE = "timm"
 # The ViT sizes of the paper (Ti and S from "How to train your ViT"), as vit_keras' variant table.
 MODELS = {
@@ -86,10 +98,16 @@ def parse_model(text):
     return {"name": config.get("name", "custom"), **{k: config[k] for k in MODELS["ViT-Ti/16"]}}
 
 
+def split_commit(implementation):
+    """("vit_keras-jax", "b5fa52b") for "vit_keras-jax@b5fa52b"; (implementation, None) without."""
+    name, _, commit = implementation.partition(COMMIT_SEPARATOR)
+    return name, commit or None
+
+
 def split_devices(implementation):
     """("vit_keras-jax", 2) for "vit_keras-jax-dp2"; (implementation, 1) without the suffix; a
-    "-dynamic" suffix is dropped too (see `DYNAMIC_SUFFIX`)."""
-    implementation = implementation.removesuffix(DYNAMIC_SUFFIX)
+    "-dynamic" or "@commit" suffix is dropped too (see `DYNAMIC_SUFFIX`, `split_commit`)."""
+    implementation = split_commit(implementation)[0].removesuffix(DYNAMIC_SUFFIX)
     match = DATA_PARALLEL_SUFFIX.search(implementation)
     if not match:
         return implementation, 1
@@ -101,9 +119,29 @@ def missing_package(implementation):
     return None if importlib.util.find_spec(package) else package
 
 
-def run_worker(implementation, configs, args):
+def checkout(commit, parent):
+    """A directory holding `commit`'s tree: the checkout itself for ".", else a new detached
+    `git worktree` under `parent` (removed by `remove_checkouts`)."""
+    if commit == ".":
+        return REPO
+    path = os.path.join(parent, re.sub(r"[^A-Za-z0-9._-]", "_", commit))
+    subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", "--force", path, commit],
+                   check=True, capture_output=True, text=True)
+    return path
+
+
+def remove_checkouts(paths):
+    for path in paths.values():
+        if path != REPO:
+            subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", path],
+                           capture_output=True, check=False)
+
+
+def run_worker(implementation, configs, args, checkouts=None):
     base, devices = split_devices(implementation)
     worker, backend, _ = IMPLEMENTATIONS[base]
+    commit = split_commit(implementation)[1]
+    source = checkouts[commit] if commit else REPO
     command = [sys.executable, os.path.join(REPO, "benchmarks", "throughput_worker.py"),
                "--implementation", worker, "--configs", json.dumps(configs),
                "--batch_size", str(args.batch_size), "--image_size", str(args.image_size),
@@ -111,7 +149,8 @@ def run_worker(implementation, configs, args):
                "--modes", *args.modes] + (["--torch_jit"] if args.torch_jit else [])
     if implementation.endswith(DYNAMIC_SUFFIX):
         command += ["--dynamic_built_size", str(args.dynamic_built_size or args.image_size)]
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": REPO}
+    # The worker is always this checkout's; the vit_keras it imports is the commit's.
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": source}
     if backend:
         env["KERAS_BACKEND"] = backend
     if devices > 1:
@@ -121,7 +160,7 @@ def run_worker(implementation, configs, args):
     load = os.getloadavg()[0]
     started = time.perf_counter()
     try:
-        result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True,
+        result = subprocess.run(command, env=env, cwd=source, capture_output=True, text=True,
                                 timeout=args.timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {args.timeout} s"}
@@ -224,6 +263,10 @@ def main():
     parser.add_argument("--dynamic_built_size", type=int, default=None,
                         help="image size the '-dynamic' implementations are built for (they are "
                              "fed --image_size); default: --image_size")
+    parser.add_argument("--commits", nargs="+", metavar="REV",
+                        help="measure the vit_keras implementations at each of these git "
+                             "revisions in the same run ('.' is the checkout, uncommitted "
+                             "changes included); rows are named vit_keras-jax@REV")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per measurement")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (compile included)")
@@ -260,22 +303,32 @@ def main():
             if devices < 1 or args.batch_size % devices:
                 parser.error(f"{item!r}: {devices} devices must be at least 1 and divide "
                              f"--batch_size {args.batch_size}.")
-            expanded.append(item)
+            if args.commits and base.startswith("vit_keras"):
+                expanded.extend(f"{item}{COMMIT_SEPARATOR}{commit}" for commit in args.commits)
+            else:
+                expanded.append(item)
     args.implementations = expanded
     configs = [parse_model(text) for text in args.models]
     missing = {i: missing_package(i) for i in args.implementations if missing_package(i)}
     runnable = [i for i in args.implementations if i not in missing]
 
-    rounds = []
-    for index in range(args.rounds):
-        outputs = {}
-        for implementation in runnable:
-            print(f"round {index + 1}/{args.rounds}: {implementation}", file=sys.stderr, flush=True)
-            outputs[implementation] = run_worker(implementation, configs, args)
-            if "error" in outputs[implementation]:
-                print(f"  failed: {outputs[implementation]['error'][-300:]}", file=sys.stderr)
-        rounds.append(outputs)
-        write_report(rounds, configs, missing, args, final=index + 1 == args.rounds)
+    with tempfile.TemporaryDirectory(prefix="vit_keras-commits-") as parent:
+        checkouts = {commit: checkout(commit, parent) for commit in args.commits or ()}
+        try:
+            rounds = []
+            for index in range(args.rounds):
+                outputs = {}
+                for implementation in runnable:
+                    print(f"round {index + 1}/{args.rounds}: {implementation}", file=sys.stderr,
+                          flush=True)
+                    outputs[implementation] = run_worker(implementation, configs, args, checkouts)
+                    if "error" in outputs[implementation]:
+                        print(f"  failed: {outputs[implementation]['error'][-300:]}",
+                              file=sys.stderr)
+                rounds.append(outputs)
+                write_report(rounds, configs, missing, args, final=index + 1 == args.rounds)
+        finally:
+            remove_checkouts(checkouts)
 
 
 def report_table(rounds, configs, missing, args):

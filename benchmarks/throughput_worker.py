@@ -7,6 +7,7 @@ Prints one JSON object on its last line of stdout.
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -76,11 +77,17 @@ def keras_steps(implementation, config, args):
         local_devices = keras.distribution.list_devices()
         keras.distribution.set_distribution(keras.distribution.DataParallel(devices=local_devices))
         devices = len(local_devices)
+    source = None
     if implementation == "vit_keras":
+        import vit_keras  # pylint: disable=import-outside-toplevel
         from vit_keras import build_model  # pylint: disable=import-outside-toplevel
-        dynamic = args.dynamic_built_size is not None
-        model = build_model(config, num_classes=1000, dynamic_image_size=dynamic,
-                            image_size=args.dynamic_built_size if dynamic else args.image_size)
+        source = os.path.dirname(os.path.dirname(os.path.abspath(vit_keras.__file__)))
+        # Only arguments every measured commit's build_model takes (see throughput.py --commits).
+        if args.dynamic_built_size is None:
+            model = build_model(config, num_classes=1000, image_size=args.image_size)
+        else:
+            model = build_model(config, num_classes=1000, dynamic_image_size=True,
+                                image_size=args.dynamic_built_size)
     else:
         import keras_hub  # pylint: disable=import-outside-toplevel
         backbone = keras_hub.models.ViTBackbone(
@@ -103,7 +110,8 @@ def keras_steps(implementation, config, args):
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
     return steps, prepare, {"jit_compile": jit, "dtype": model.dtype_policy.name,
-                            "devices": devices, "dynamic_built_size": args.dynamic_built_size}
+                            "devices": devices, "dynamic_built_size": args.dynamic_built_size,
+                            "source": source}
 
 
 def timm_steps(config, args, compiled):
@@ -170,9 +178,9 @@ def main():
         library = keras.backend.backend()
         if args.implementation == "vit_keras" and library == "jax":
             # As the apps do, before JAX starts its CPU client (the GEMM below would start it).
-            import vit_keras  # pylint: disable=import-outside-toplevel
+            from vit_keras import xla_cpu  # pylint: disable=import-outside-toplevel
 
-            vit_keras.keep_freed_host_memory()
+            xla_cpu.keep_freed_host_memory()
     result = {"implementation": args.implementation, "library": library,
               "peak_flops": gemm_peak(library), "runs": []}
     print(f"  {library} fp32 GEMM peak: {result['peak_flops'] / 1e9:.1f} GFLOP/s", file=sys.stderr,

@@ -82,6 +82,30 @@ def test_throughput_benchmark_feeds_models_of_dynamic_image_size_another_size(tm
 
 
 @pytest.mark.backend_independent
+def test_throughput_benchmark_measures_two_commits_side_by_side(tmp_path):
+    """`--commits HEAD .`: one process per commit and round, each importing its commit's vit_keras
+    (HEAD from a temporary git worktree, `.` from the checkout), and the worktree is gone after."""
+    backend = keras.backend.backend()
+    output = tmp_path / "throughput.json"
+    command = [sys.executable, BENCHMARK, "--models", json.dumps(TINY_CONFIG), "--image_size", "32",
+               "--batch_size", "2", "--implementations", f"vit_keras-{backend}", "--rounds", "1",
+               "--steps", "1", "--warmup", "1", "--modes", "train", "--commits", "HEAD", ".",
+               "--json", str(output)]
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(output.read_text())
+    sources = {name: process["runs"][0]["source"] for name, process in report["rounds"][0].items()}
+    assert set(sources) == {f"vit_keras-{backend}@HEAD", f"vit_keras-{backend}@."}
+    assert os.path.samefile(sources[f"vit_keras-{backend}@."], REPO_ROOT)
+    worktree = sources[f"vit_keras-{backend}@HEAD"]
+    assert not os.path.exists(worktree) and worktree != REPO_ROOT
+    listed = subprocess.run(["git", "-C", REPO_ROOT, "worktree", "list"], capture_output=True,
+                            text=True, check=True).stdout
+    assert worktree not in listed
+    for name in sources:
+        assert f"| tiny | train | {name} |" in result.stdout
+
+
 def test_throughput_benchmark_rejects_devices_that_do_not_divide_the_batch():
     result = subprocess.run([sys.executable, BENCHMARK, "--batch_size", "8", "--implementations",
                              "vit_keras-jax-dp3"], cwd=REPO_ROOT, capture_output=True, text=True,
