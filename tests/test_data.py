@@ -133,22 +133,169 @@ def _write_folder(root, classes=("cat", "dog"), per_class=4, size=12):
             Image.fromarray(pixels).save(os.path.join(root, name, f"{index}.png"))
 
 
-def test_image_folder_reports_and_skips_corrupt_and_non_image_files(tmp_path):
+def _write_unreadable_files(root):
+    """Beside `_write_folder`'s PNGs: two JPEGs per class, and five files no pipeline can use.
+
+    Returns `{path: what the decoder (or the listing) says about it}` for the five."""
+    rng = np.random.default_rng(1)
+    for name in ("cat", "dog"):
+        for index in range(2):
+            pixels = rng.integers(0, 255, (10, 14, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(os.path.join(root, name, f"photo{index}.jpg"), quality=95)
+    pixels = rng.integers(0, 255, (10, 10, 3), dtype=np.uint8)
+    bad = {os.path.join(root, "cat", "scan.tif"): "not an image file name",
+           os.path.join(root, "dog", "scan.jpg"): "Unknown image file format",  # a TIFF inside
+           os.path.join(root, "cat", "empty.jpg"): "Input is empty",
+           os.path.join(root, "dog", "notes.png"): "Unknown image file format",
+           os.path.join(root, "cat", "cut.jpg"): "Invalid JPEG data"}
+    Image.fromarray(pixels).save(os.path.join(root, "cat", "scan.tif"))
+    Image.fromarray(pixels).save(os.path.join(root, "dog", "scan.jpg"), format="TIFF")
+    open(os.path.join(root, "cat", "empty.jpg"), "wb").close()
+    with open(os.path.join(root, "dog", "notes.png"), "w") as f:
+        f.write("not an image")
+    with open(os.path.join(root, "cat", "photo0.jpg"), "rb") as f:
+        whole = f.read()
+    with open(os.path.join(root, "cat", "cut.jpg"), "wb") as f:
+        f.write(whole[:len(whole) // 2])  # a valid header, then the data stops
+    return bad
+
+
+def test_image_folder_is_listed_without_reading_a_file(tmp_path, monkeypatch):
+    """Loading a folder lists it: the files are opened only where a pipeline reads them."""
     _write_folder(str(tmp_path))
-    (tmp_path / "cat" / "broken.jpg").write_bytes(np.random.default_rng(1).bytes(300))
-    (tmp_path / "dog" / "notes.txt").write_text("not an image")
-    notes = []
-    splits = data.load_splits(f"folder:{tmp_path}", val_fraction=0.25, log=notes.append)
-    text = "\n".join(notes)
-    assert "Skipped 2 unreadable file(s)" in text
-    assert "broken.jpg" in text and "notes.txt" in text
-    assert splits.class_names == ["cat", "dog"]
-    assert splits.num_examples["train"] + splits.num_examples["val"] == 8
-    assert splits.num_examples["val"] == 2  # one per class (stratified 25%)
-    # A whole epoch reads without error: the bad files never reach the pipeline.
-    train = data.make_pipeline(splits, "train", image_size=8, batch_size=3, repeat=False,
-                               training=True)
-    assert sum(int(x.shape[0]) for x, _ in train) == 6
+    bad = _write_unreadable_files(str(tmp_path))
+
+    def no_reading(*args, **kwargs):
+        raise AssertionError("a file was decoded while the folder was listed")
+
+    monkeypatch.setattr(data, "decode_image_file", no_reading)
+    monkeypatch.setattr(Image, "open", no_reading)
+    splits = data.load_splits(f"folder:{tmp_path}", val_fraction=0.25, log=lambda _: None)
+    # 8 PNGs, 4 JPEGs and the 4 unreadable files with image names: all listed, none read yet.
+    assert splits.num_examples["train"] + splits.num_examples["val"] == 16
+    # Only a file name can be refused before reading: the TIFF named .tif.
+    assert [path for path, _ in splits.skipped_files] == [str(tmp_path / "cat" / "scan.tif")]
+    assert all(path in bad for path, _ in splits.skipped_files)
+
+
+def test_image_folder_skips_unreadable_files_where_they_are_read_and_names_them(tmp_path):
+    """A TIFF (named .tif, and inside a .jpg), an empty .jpg, a text .png and a truncated JPEG:
+    the pipelines read past them, give every readable image in order, and name each bad one
+    with the decoder's reason, as they meet it."""
+    _write_folder(str(tmp_path))
+    bad = _write_unreadable_files(str(tmp_path))
+    logged = []
+    splits = data.load_splits(f"folder:{tmp_path}", val_fraction=0.25, log=logged.append)
+    listed = {split: [path.decode() for path, _ in splits.encoded_source(split).as_numpy_iterator()]
+              for split in ("train", "val")}
+    readable = {split: [path for path in listed[split] if path not in bad] for split in listed}
+    assert len(readable["train"]) + len(readable["val"]) == 12
+    for split in ("train", "val"):
+        images = [image for image, _ in splits.source(split).as_numpy_iterator()]
+        assert len(images) == len(readable[split])
+        for image, path in zip(images, readable[split]):
+            with Image.open(path) as original:
+                expected = np.asarray(original.convert("RGB"))
+            assert image.shape == expected.shape
+            if path.endswith(".png"):  # lossless: the same pixels (JPEG decoders may round apart)
+                np.testing.assert_array_equal(image, expected)
+    train = data.make_pipeline(splits, "train", image_size=8, batch_size=2, repeat=False,
+                               drop_remainder=False, training=True)
+    assert sum(int(x.shape[0]) for x, _ in train) == len(readable["train"])
+    reasons = dict(splits.skipped_files)
+    assert sorted(reasons) == sorted(bad)
+    for path, reason in bad.items():
+        assert reason in reasons[path], (path, reasons[path])
+        assert any(path in line for line in logged), path
+
+
+def _folder_with_splits(root, per_class=5):
+    """`root/train` (with three unreadable files) and `root/val`, all PNG: exact pixels."""
+    _write_folder(os.path.join(root, "train"), per_class=per_class)
+    _write_folder(os.path.join(root, "val"), per_class=2)
+    open(os.path.join(root, "train", "cat", "empty.png"), "wb").close()
+    open(os.path.join(root, "train", "dog", "zero.jpg"), "wb").close()
+    with open(os.path.join(root, "train", "dog", "notes.png"), "w") as f:
+        f.write("not an image")
+
+
+def _folder_batches(root, record, count, start_batch=0, resume=False):
+    splits = data.load_splits(f"folder:{root}", log=lambda _: None)
+    splits.record_unreadable(str(record), resume=resume)
+    return _batches_of(splits, count, start_batch)
+
+
+def _batches_of(splits, count, start_batch):
+    pipeline = data.make_pipeline(
+        splits, "train", image_size=8, batch_size=3, training=True, start_batch=start_batch,
+        augmentation=data.Augmentation(crop_area=(0.5, 1.0), flip=True))
+    return [(x.numpy(), y.numpy().argmax(-1)) for x, y in pipeline.take(count)]
+
+
+def test_resumed_folder_stream_skips_the_recorded_files_and_continues_exactly(tmp_path):
+    """10 readable and 3 unreadable training files: a run resumed from a batch sees the batches
+    the uninterrupted run saw, because it reads back the record of the files already skipped."""
+    _folder_with_splits(str(tmp_path / "images"))
+    record = tmp_path / "skipped_files.txt"
+    stream = _folder_batches(tmp_path / "images", record, 12)  # 36 examples: 3.6 passes of 10
+    recorded = data.read_unreadable_record(str(record))
+    assert sorted(os.path.basename(path) for path, _ in recorded) == [
+        "empty.png", "notes.png", "zero.jpg"]
+    # Every pass holds each readable image once (readable: 5 per class).
+    labels = np.concatenate([y for _, y in stream])
+    np.testing.assert_array_equal(np.bincount(labels[:30]), [15, 15])
+    for start in (5, 9):  # in the second pass, across the third pass's start
+        resumed = _folder_batches(tmp_path / "images", record, 12 - start, start, resume=True)
+        for (x, y), (x2, y2) in zip(stream[start:], resumed, strict=True):
+            np.testing.assert_array_equal(x, x2)
+            np.testing.assert_array_equal(y, y2)
+
+
+def test_resumed_folder_stream_is_exact_with_the_record_of_a_run_killed_in_its_first_pass(
+        tmp_path):
+    """A run killed early has recorded only the unreadable files it met; those are the ones
+    before its last batch, and all that resuming from that batch needs."""
+    _folder_with_splits(str(tmp_path / "images"), per_class=12)
+    stream = _folder_batches(tmp_path / "images", tmp_path / "whole.txt", 8)
+    early = tmp_path / "early.txt"
+    _folder_batches(tmp_path / "images", early, 2)  # read 2 batches (and what tf.data prefetched)
+    for (x, y), (x2, y2) in zip(stream[2:], _folder_batches(tmp_path / "images", early, 6, 2,
+                                                              resume=True), strict=True):
+        np.testing.assert_array_equal(x, x2)
+        np.testing.assert_array_equal(y, y2)
+
+
+def test_a_fresh_run_replaces_an_old_record(tmp_path):
+    _folder_with_splits(str(tmp_path / "images"))
+    record = tmp_path / "skipped_files.txt"
+    record.write_text("/gone/fixed.jpg\tInput is empty.\n")
+    _folder_batches(tmp_path / "images", record, 4)
+    files = [os.path.basename(path) for path, _ in data.read_unreadable_record(str(record))]
+    assert sorted(files) == ["empty.png", "notes.png", "zero.jpg"]
+
+
+def test_finetune_app_trains_on_a_folder_with_unreadable_files_and_names_them(tmp_path):
+    """The app starts without decoding the folder, trains, and names the skipped files in its
+    output and in the run folder (skipped_files.txt, and their count in metrics.json)."""
+    import json
+
+    from conftest import run_app
+
+    _write_folder(str(tmp_path / "images"), per_class=6)
+    bad = _write_unreadable_files(str(tmp_path / "images"))
+    result = run_app("finetune.py", f"--dataset=folder:{tmp_path / 'images'}",
+                     "--model=ViT-digits", "--image_size=8", "--batch_size=4", "--epochs=1",
+                     "--verbose=2", f"--output_dir={tmp_path / 'runs'}", "--run_name=run")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    for path in bad:
+        assert path in result.stdout, path
+    assert "Skipped 5 unreadable file(s)" in result.stdout
+    run = tmp_path / "runs" / "run"
+    assert sorted(path for path, _ in data.read_unreadable_record(str(run / "skipped_files.txt"))
+                  ) == sorted(bad)
+    with open(run / "metrics.json") as f:
+        assert json.load(f)["skipped_files"] == 5
 
 
 def test_image_folder_with_train_and_val_subfolders(tmp_path):

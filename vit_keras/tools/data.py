@@ -35,23 +35,45 @@ class Splits:
     """A dataset's train/val/test sources before preprocessing.
 
     `source(split)` gives a `tf.data.Dataset` of `(image, label)`: `image` uint8
-    `(height, width, 3)` (sizes may differ between images), `label` int32 scalar.
+    `(height, width, 3)` (sizes may differ between images), `label` int32 scalar. For an image
+    folder, `sources` give `(path, label)` and `source` decodes them (`UnreadableFiles.decode`),
+    so that a training stream shuffles and skips file names, not decoded images.
     """
 
     name: str
     class_names: list
-    num_examples: dict            # split -> number of examples
-    sources: dict                 # split -> callable returning the tf.data.Dataset
-    notes: list = dataclasses.field(default_factory=list)  # what the loader decided or skipped
+    num_examples: dict            # split -> number of examples (listed files, for a folder)
+    sources: dict                 # split -> callable returning the undecoded tf.data.Dataset
+    notes: list = dataclasses.field(default_factory=list)  # what the loader decided
+    unreadable: "UnreadableFiles" = None  # image folders: the files skipped, by name
 
     @property
     def num_classes(self):
         return len(self.class_names)
 
     def source(self, split):
+        return self.decode(self.encoded_source(split))
+
+    def encoded_source(self, split):
+        """What `sources[split]` gives: `(path, label)` for a folder, else `(image, label)`."""
         if split not in self.sources:
             raise ValueError(f"Unknown split {split!r}; {self.name} has splits {sorted(self.sources)}.")
         return self.sources[split]()
+
+    def decode(self, dataset, keyed=False):
+        """`encoded_source` elements (with `keyed`, `(key, element)`) → `(image, label)` ones."""
+        return dataset if self.unreadable is None else self.unreadable.decode(dataset, keyed)
+
+    @property
+    def skipped_files(self):
+        """`[(path, reason)]` of the files skipped so far (image folders; else empty)."""
+        return [] if self.unreadable is None else self.unreadable.items()
+
+    def record_unreadable(self, path, resume=False, write=True):
+        """Keeps the list of skipped files in `path` (`UnreadableFiles.record_to`); nothing for
+        datasets that are not image folders."""
+        if self.unreadable is not None:
+            self.unreadable.record_to(path, resume=resume, write=write)
 
 
 def load_splits(dataset=DIGITS, *, data_dir=None, val_fraction=None, download=True, seed=0,
@@ -67,13 +89,13 @@ def load_splits(dataset=DIGITS, *, data_dir=None, val_fraction=None, download=Tr
         no validation split of its own (default 0.1 for folders, 0.02 for tfds as vit_jax).
       download: whether a tfds dataset that is not prepared may be downloaded (needs the network).
       seed: seed of the held-out splits.
-      log: where notes (skipped files, split choices) are printed.
+      log: where notes (split choices) and skipped files (as they are found) are printed.
     """
     if dataset == DIGITS:
         splits = digits_splits(seed=seed)
     elif dataset.startswith("folder:"):
         splits = folder_splits(dataset[len("folder:"):], val_fraction=val_fraction or 0.1,
-                               seed=seed)
+                               seed=seed, log=log)
     else:
         splits = tfds_splits(dataset, data_dir=data_dir, val_fraction=val_fraction or 0.02,
                              download=download)
@@ -117,102 +139,265 @@ def digits_splits(seed=0):
 
 # --- image folders ------------------------------------------------------------------------------
 
-def check_image(path):
-    """`None` if PIL can decode the file as an image, else a one-line reason."""
-    from PIL import Image
-
-    try:
-        with Image.open(path) as image:
-            image.verify()
-        with Image.open(path) as image:  # verify() leaves the file unusable; load pixels once
-            image.load()
-    except Exception as error:  # PIL raises many types for bad files
-        return f"{type(error).__name__}: {error}"
-    return None
+# The file names listed as images: what `tf.io.decode_image`, the one decoder of folder datasets,
+# reads. Whether a listed file really is a readable image is known only when it is decoded.
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".gif", ".bmp", ".webp")
+# The record of a run's unreadable files (`UnreadableFiles.record_to`): a header, then one
+# `path<TAB>reason` line per file.
+_RECORD_HEADER = ("# Files of the image folder that were skipped, one per line: path<TAB>reason. "
+                  "A resumed run skips the same ones.\n")
+# Files named individually in the log; after that only the count and the record name them.
+_LOGGED_FILES = 20
 
 
-def scan_folder(path, class_names=None):
-    """Lists `(file, label)` under `path/<class>/`, checking that each file decodes.
+def list_image_files(path, class_names=None):
+    """Lists `path/<class>/<file>` without opening any file (`os.scandir`).
 
-    Returns `(files, labels, class_names, bad)`, `bad` a list of `(file, reason)` for files that are
-    not readable images; they are left out of `files`.
+    Returns `(files, labels, class_names, skipped)`: `files` the paths with an image extension
+    (`IMAGE_EXTENSIONS`, any case), sorted within each class; `labels` their class indices;
+    `skipped` a list of `(path, reason)` for the other files. Hidden files (`.name`) are ignored.
     """
     if not os.path.isdir(path):
         raise FileNotFoundError(f"Image folder {path!r} does not exist; expected one sub-folder per "
                                 f"class, e.g. {path}/cat/*.jpg, {path}/dog/*.jpg.")
-    found = sorted(d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d)))
+    found = sorted(entry.name for entry in os.scandir(path) if entry.is_dir())
     class_names = class_names or found
     if not class_names:
         raise ValueError(f"Image folder {path!r} has no class sub-folders; expected "
                          f"{path}/<class name>/<image files>.")
-    files, labels, bad = [], [], []
+    files, labels, skipped = [], [], []
     for label, name in enumerate(class_names):
         folder = os.path.join(path, name)
         if not os.path.isdir(folder):
             continue
-        for file in sorted(os.listdir(folder)):
+        names = sorted(entry.name for entry in os.scandir(folder)
+                       if not entry.name.startswith(".") and entry.is_file())
+        for file in names:
             full = os.path.join(folder, file)
-            if not os.path.isfile(full):
-                continue
-            reason = check_image(full)
-            if reason:
-                bad.append((full, reason))
-            else:
+            if file.lower().endswith(IMAGE_EXTENSIONS):
                 files.append(full)
                 labels.append(label)
-    return files, labels, list(class_names), bad
+            else:
+                skipped.append((full, f"not an image file name (expected "
+                                      f"{', '.join(IMAGE_EXTENSIONS)})"))
+    return files, labels, list(class_names), skipped
 
 
-def _decode(path, label):
-    image = tf.io.decode_image(tf.io.read_file(path), channels=3, expand_animations=False)
-    return image, label
+def decode_image_file(path):
+    """Reads and decodes one image file with `tf.io.decode_image`, the decoder of every folder
+    pipeline (JPEG, PNG, GIF's first frame, BMP, WebP): uint8 `(height, width, 3)`."""
+    return tf.io.decode_image(tf.io.read_file(path), channels=3, expand_animations=False)
 
 
-def folder_splits(path, val_fraction=0.1, seed=0):
+def decode_error(path):
+    """`None` if `decode_image_file(path)` succeeds, else its error as one line."""
+    try:
+        decode_image_file(path)
+    except tf.errors.OpError as error:
+        return _op_error_message(error)
+    return None
+
+
+def _op_error_message(error):
+    """A TensorFlow op error's own sentence, without the function and op names around it."""
+    message = error.message.split("\n")[0]
+    if message.startswith("{{function_node"):
+        message = message.split("}}", 1)[-1].strip()
+    return message.split(" [Op:")[0].strip() or type(error).__name__
+
+
+class UnreadableFiles:
+    """The files of an image folder that could not be used, by name, each with its reason.
+
+    Files are added when the folder is listed (a name without an image extension) and when a
+    pipeline reads them and the decoder refuses them (empty, truncated, another format behind an
+    image extension): where they are read, never before. Safe to add to from tf.data's threads.
+    `record_to` keeps the list in a file as it grows, so it survives a killed run and a resumed
+    run skips the same files.
+    """
+
+    def __init__(self, log=print):
+        self._reasons = {}
+        self._lock = threading.Lock()
+        self._log = log
+        self._record = None
+
+    def __len__(self):
+        return len(self._reasons)
+
+    def items(self):
+        """`[(path, reason)]`, sorted by path."""
+        with self._lock:
+            return sorted(self._reasons.items())
+
+    def paths(self):
+        return [path for path, _ in self.items()]
+
+    def add(self, path, reason):
+        """Adds a file (once): logs it, and appends it to the record file if there is one."""
+        with self._lock:
+            if path in self._reasons:
+                return
+            self._reasons[path] = reason
+            count = len(self._reasons)
+            if self._record:
+                with open(self._record, "a", encoding="utf-8") as f:
+                    f.write(f"{path}\t{reason}\n")
+        if count <= _LOGGED_FILES:
+            self._log(f"Skipped {path}: {reason.rstrip('.')}.")
+        elif count == _LOGGED_FILES + 1:
+            self._log(f"Skipped more than {_LOGGED_FILES} files; the others are counted, not "
+                      f"logged" + (f", and listed in {self._record}." if self._record else "."))
+
+    def record_to(self, path, resume=False, write=True):
+        """Keeps the list in the file `path` (a run folder's `skipped_files.txt`).
+
+        Args:
+          path: the record file.
+          resume: take the files already in `path` as unreadable (a resumed run: the training
+            stream then skips them without reading them, so it stays exact); otherwise the run
+            starts afresh and an old record is replaced.
+          write: whether to write the file (several processes: only the first one writes).
+        """
+        recorded = read_unreadable_record(path) if resume else []
+        with self._lock:
+            for file, reason in recorded:
+                self._reasons.setdefault(file, reason)
+            self._record = path if write else None
+            if write:
+                temporary = f"{path}.tmp-{os.getpid()}"
+                with open(temporary, "w", encoding="utf-8") as f:
+                    f.write(_RECORD_HEADER)
+                    f.writelines(f"{file}\t{reason}\n" for file, reason in
+                                 sorted(self._reasons.items()))
+                os.replace(temporary, path)
+
+    def summary(self):
+        """One line with the count and where the list is, or `None` when nothing was skipped."""
+        count = len(self)
+        if not count:
+            return None
+        names = ", ".join(self.paths()[:3]) + (", ..." if count > 3 else "")
+        where = f"; the list is in {self._record}" if self._record else ""
+        return f"Skipped {count} unreadable file(s): {names}{where}."
+
+    def note_refused(self, path):
+        """The failure path of `decode`: names the file the decoder refused (with the decoder's
+        own error, decoding it again here) and returns True."""
+        path = path.numpy().decode("utf-8", "replace") if hasattr(path, "numpy") else str(path)
+        try:
+            reason = decode_error(path) or "refused by the decoder while reading"
+        except Exception as error:  # naming the file must never stop the run
+            reason = f"{type(error).__name__}: {error}"
+        self.add(path, reason)
+        return True
+
+    def decode(self, dataset, keyed=False):
+        """Decodes a folder pipeline's `(path, label)` elements (or `(key, (path, label))` with
+        `keyed`), in parallel and in order, into `(image uint8 (H, W, 3), label)` (or
+        `(key, (image, label))`); files the decoder refuses are left out and added here.
+
+        Each file is decoded in a one-element dataset whose error `ignore_errors` drops; only
+        then is the concatenated fallback read, which names the file (a `tf.py_function` on the
+        failure path alone).
+        """
+        if not keyed:
+            dataset = dataset.map(lambda path, label: (tf.constant(0, tf.int64), (path, label)))
+
+        def read(key, example):
+            path, label = example
+            return key, (decode_image_file(path), label)
+
+        def refused(key, example):
+            noted = tf.py_function(self.note_refused, [example[0]], tf.bool)
+            with tf.control_dependencies([noted]):
+                return key, (tf.zeros([0, 0, 3], tf.uint8), tf.constant(-1, tf.int32))
+
+        def decode_one(key, example):
+            element = tf.data.Dataset.from_tensors((key, example))
+            return element.map(read).ignore_errors().concatenate(element.map(refused)).take(1)
+
+        dataset = dataset.interleave(decode_one, cycle_length=tf.data.AUTOTUNE, block_length=1,
+                                     num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        dataset = dataset.filter(lambda key, example: example[1] >= 0)
+        return dataset if keyed else dataset.map(lambda key, example: example)
+
+    def without_known(self, dataset):
+        """Drops the keyed `(key, (path, label))` elements whose file is already known to be
+        unreadable, without reading them; returns `(dataset, True)`, or `(dataset, False)` when
+        none is known."""
+        known = self.paths()
+        if not known:
+            return dataset, False
+        table = tf.lookup.StaticHashTable(tf.lookup.KeyValueTensorInitializer(
+            tf.constant(known), tf.ones(len(known), tf.int32)), default_value=0)
+        return dataset.filter(lambda key, example: table.lookup(example[0]) == 0), True
+
+
+def read_unreadable_record(path):
+    """`[(path, reason)]` from a record written by `UnreadableFiles.record_to` (empty when the
+    file does not exist)."""
+    if not os.path.exists(path):
+        return []
+    entries = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("#") or "\t" not in line:
+                continue  # the header, or a line cut short by a killed run
+            file, reason = line.rstrip("\n").split("\t", 1)
+            entries.append((file, reason))
+    return entries
+
+
+def folder_splits(path, val_fraction=0.1, seed=0, log=print):
     """`PATH/train` + `PATH/val` (+ `PATH/test`), or one folder split into train and val.
 
-    Files that do not decode are reported by name with a count and skipped. Without a test split,
-    test metrics are computed on val (said in the notes).
+    Only lists the files: nothing is opened until a pipeline reads it. Files the decoder refuses
+    are skipped where they are read and named in `Splits.unreadable` (and by `log`), as are files
+    without an image extension. Without a test split, test metrics are computed on val (said in
+    the notes).
     """
     path = os.path.abspath(os.path.expanduser(path))
     notes, split_files = [], {}
     if os.path.isdir(os.path.join(path, "train")):
-        files, labels, class_names, bad = scan_folder(os.path.join(path, "train"))
+        files, labels, class_names, skipped = list_image_files(os.path.join(path, "train"))
         split_files["train"] = (files, labels)
         for split, folder in (("val", "val"), ("test", "test")):
             if os.path.isdir(os.path.join(path, folder)):
-                split_paths, split_labels, _, unreadable = scan_folder(
+                split_paths, split_labels, _, not_images = list_image_files(
                     os.path.join(path, folder), class_names)
                 split_files[split] = (split_paths, split_labels)
-                bad += unreadable
+                skipped += not_images
         if "val" not in split_files:
             split_files["train"], split_files["val"] = _hold_out(files, labels, val_fraction, seed)
             notes.append(f"{path}: no val/ folder; holding out {val_fraction:.0%} of train/ as val.")
     else:
-        files, labels, class_names, bad = scan_folder(path)
+        files, labels, class_names, skipped = list_image_files(path)
         split_files["train"], split_files["val"] = _hold_out(files, labels, val_fraction, seed)
         notes.append(f"{path}: no train/ and val/ folders; holding out {val_fraction:.0%} of the "
                      f"images (stratified, seed {seed}) as val.")
     if "test" not in split_files:
         split_files["test"] = split_files["val"]
         notes.append(f"{path}: no test split; test metrics are computed on val.")
-    if bad:
-        notes.append(f"Skipped {len(bad)} unreadable file(s) in {path}:")
-        notes.extend(f"  {file} ({reason})" for file, reason in bad)
     for split, (files, _) in split_files.items():
         if not files:
-            raise ValueError(f"Image folder {path!r} has no readable images for the {split} split.")
+            raise ValueError(f"Image folder {path!r} has no image files ({', '.join(IMAGE_EXTENSIONS)}) "
+                             f"for the {split} split.")
+    notes.append(f"{path}: {len(class_names)} classes, "
+                 + ", ".join(f"{len(files)} {split}" for split, (files, _) in split_files.items())
+                 + " image files (decoded as they are read; unreadable ones are skipped and named).")
+    unreadable = UnreadableFiles(log=log)
 
     def source(split):
         files, labels = split_files[split]
         return lambda: tf.data.Dataset.from_tensor_slices(
-            (tf.constant(files), tf.constant(labels, tf.int32))).map(
-                _decode, num_parallel_calls=tf.data.AUTOTUNE)
+            (tf.constant(files), tf.constant(labels, tf.int32)))
 
     splits = Splits(f"folder:{path}", class_names,
                     {split: len(files) for split, (files, _) in split_files.items()},
-                    {split: source(split) for split in split_files}, notes)
-    splits.skipped_files = bad
+                    {split: source(split) for split in split_files}, notes, unreadable=unreadable)
+    for file, reason in skipped:
+        unreadable.add(file, reason)
     return splits
 
 
@@ -370,7 +555,10 @@ def make_pipeline(splits, split, *, image_size, batch_size, training=False, augm
     on earlier iterations. `start_batch=b` starts the stream at its batch `b` (examples from
     `b * batch_size`): a run resumed after `e` epochs of `s` steps passes `e * s` and sees the
     batches the uninterrupted run would have; getting there reads, without augmenting, at most
-    one pass. The exception: RandAugment, MixUp and CutMix (off by default) draw from their
+    one pass (an image folder's: file names only, no image). An image folder's unreadable files
+    keep their index `i` and are left out of the batches; a resumed run stays exact when it
+    knows the ones already met (`Splits.record_unreadable(..., resume=True)`).
+    The exception: RandAugment, MixUp and CutMix (off by default) draw from their
     layers' own stateful `SeedGenerator`s in whatever order tf.data's parallel calls take, and a
     resumed run starts them again from their seed, so runs using them are not reproducible.
     """
@@ -425,10 +613,16 @@ def _stream_seed(seed, purpose, index):
 
 
 def _training_stream(splits, split, shuffle_buffer, repeat, seed, start_example):
-    """`(index int64, (image, label))` from example `start_example` of the shuffled passes."""
+    """`(index int64, (image, label))` from example `start_example` of the shuffled passes.
+
+    An image folder's passes shuffle file names and decode after `skip`, so getting to
+    `start_example` reads no image. Its unreadable files are dropped where they are read, after
+    the index is counted; a resumed run drops those it already knows before `skip`, so that
+    `start_example` counts the same usable examples as the uninterrupted run did.
+    """
     count = max(1, splits.num_examples[split])
     buffer = min(shuffle_buffer, count)
-    source = splits.source(split)  # built once, outside the traced function
+    source = splits.encoded_source(split)  # built once, outside the traced function
 
     def one_pass(number):
         tf.random.set_seed(_GRAPH_SEED)  # in this traced function: its graph's seed alone
@@ -436,10 +630,19 @@ def _training_stream(splits, split, shuffle_buffer, repeat, seed, start_example)
                                             maxval=None, dtype=tf.int64)
         return source.shuffle(buffer, seed=order, reshuffle_each_iteration=False)
 
-    first_pass = start_example // count if repeat else 0
+    usable, dropping_known = count, False
+    passes = tf.data.Dataset.counter(0) if repeat else tf.data.Dataset.range(1)
+    if start_example and splits.unreadable is not None:
+        known, dropping_known = splits.unreadable.without_known(source.enumerate())
+        if dropping_known:  # the usable examples of a pass: reads file names, no image
+            usable = max(1, int(known.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1)))
+    first_pass = start_example // usable if repeat else 0
     passes = tf.data.Dataset.counter(first_pass) if repeat else tf.data.Dataset.range(1)
     ds = passes.flat_map(one_pass).enumerate(first_pass * count)
-    ds = ds.skip(start_example - first_pass * count)
+    if dropping_known:
+        ds, _ = splits.unreadable.without_known(ds)
+    ds = ds.skip(start_example - first_pass * usable)
+    ds = splits.decode(ds, keyed=True)
     if repeat:
         ds = ds.apply(tf.data.experimental.assert_cardinality(tf.data.INFINITE_CARDINALITY))
     return ds
@@ -488,12 +691,16 @@ def _pixel_range(images):
 def load_image_files(paths, image_size):
     """Reads image files for prediction: float32 `(n, image_size, image_size, 3)` in [0, 255].
 
-    Raises `ValueError` naming every file that does not decode.
+    Decodes with `decode_image_file`, the decoder of the folder pipelines. Raises `ValueError`
+    naming every file that does not decode.
     """
-    bad = [(path, check_image(path)) for path in paths]
-    bad = [(path, reason) for path, reason in bad if reason]
+    images, bad = [], []
+    for path in paths:
+        try:
+            images.append(resize(decode_image_file(path), image_size))
+        except tf.errors.OpError as error:
+            bad.append(f"{path} ({_op_error_message(error)})")
     if bad:
-        raise ValueError("Cannot read these image files: " +
-                         "; ".join(f"{path} ({reason})" for path, reason in bad))
-    images = [resize(_decode(tf.constant(path), 0)[0], image_size) for path in paths]
+        raise ValueError(f"Cannot read {len(bad)} of the {len(paths)} image files: "
+                         + "; ".join(bad) + ".")
     return tf.stack(images).numpy()

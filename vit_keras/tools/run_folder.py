@@ -8,6 +8,7 @@
     training_curves.png  loss and accuracy per epoch
     logs/                TensorBoard event files
     backup/              the state to resume from, while the run is unfinished
+    skipped_files.txt    an image folder's files that could not be read, one per line
 
 Every file is written through a temporary name and `os.replace`, so a killed run never leaves a
 truncated file. Apps that take a `.keras` file find the rest beside it with `RunFolder.of_model`.
@@ -85,6 +86,7 @@ class RunFolder:
     curves = property(lambda self: self._file("training_curves.png"))
     logs = property(lambda self: self._file("logs"))
     backup = property(lambda self: self._file("backup"))
+    skipped_files = property(lambda self: self._file("skipped_files.txt"))
 
     def create(self):
         os.makedirs(self.path, exist_ok=True)

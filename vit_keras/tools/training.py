@@ -393,6 +393,10 @@ def run(config, app="finetune", log=print, started=None):
             f"writes the backup {folder.backup}, and every process must read it, so --output_dir must "
             f"be on a filesystem all of them see. Delete {folder.backup} to start afresh.")
     augmentation = augmentation_for(config)
+    # An image folder's unreadable files are named in skipped_files.txt as they are met; a resumed
+    # run reads it back, so that its stream skips them as the interrupted one did.
+    splits.record_unreadable(folder.skipped_files, resume=bool(resume_epoch),
+                             write=processes.is_chief)
     # Keras keeps one iterator over a repeated stream across epochs: epoch e reads batches
     # e * steps_per_epoch onwards, so a resumed run starts the stream where its backup stopped.
     train_ds = data.make_pipeline(splits, "train", image_size=recipe.image_size,
@@ -467,6 +471,8 @@ def run(config, app="finetune", log=print, started=None):
     with _no_length_warning(processes.multi):
         results = {split: model.evaluate(ds, verbose=0, return_dict=True)
                    for split, ds in eval_sets.items()}
+    if splits.skipped_files:
+        log(splits.unreadable.summary())
     writes.save_model(model)
     history = read_history(folder.history)
     if processes.is_chief:
@@ -487,6 +493,7 @@ def run(config, app="finetune", log=print, started=None):
         "epochs": epochs,
         "resumed_from_epoch": resume_epoch,
         "num_examples": splits.num_examples,
+        "skipped_files": len(splits.skipped_files),
         "history": history,
         "model_path": folder.model,
         "process": {"index": processes.index, "count": processes.count},
