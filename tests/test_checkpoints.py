@@ -8,8 +8,13 @@ scales near 1, so logits spread well beyond the tolerance.
 Tolerance: fp32 with exact GELU on both sides, max|a - b| / max|b| <= 1e-4 (seen: ~3e-7).
 """
 
+import json
 import logging
 import os
+import re
+import shutil
+import struct
+import zipfile
 from functools import partial
 
 import keras
@@ -540,6 +545,143 @@ def test_missing_file_and_unknown_format(tmp_path):
         vit_keras.load_pretrained(keras_vit(), write_npz(tmp_path / "other.npz", {"w": np.ones(3)}))
     with pytest.raises(FileNotFoundError, match="No weights in folder"):
         vit_keras.load_pretrained(keras_vit(), str(tmp_path))
+
+
+def _flip_last_byte_of_member(path, member):
+    """Corrupts the last byte of an `.npz` member's data: only the member's CRC-32 can tell."""
+    with zipfile.ZipFile(path) as archive:
+        info = archive.getinfo(member)
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    name_length, extra_length = struct.unpack("<HH", data[info.header_offset + 26:
+                                                          info.header_offset + 30])
+    data[info.header_offset + 30 + name_length + extra_length + info.compress_size - 1] ^= 0xFF
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def test_a_truncated_or_corrupt_npz_names_the_file_and_the_problem(tmp_path):
+    path = write_npz(tmp_path / "vit.npz", official_params())
+    with open(path, "rb") as f:
+        content = f.read()
+    cut = tmp_path / "cut.npz"
+    cut.write_bytes(content[:len(content) // 2])
+    with pytest.raises(ValueError, match=re.escape(repr(str(cut))) + " is a truncated or corrupt"):
+        vit_keras.load_pretrained(keras_vit(), str(cut))
+    _flip_last_byte_of_member(path, "head/kernel.npy")
+    with pytest.raises(ValueError, match=re.escape(repr(path)) + r" is a truncated or corrupt "
+                                         r"\.npz file: array 'head/kernel' .*CRC"):
+        vit_keras.load_pretrained(keras_vit(), path)
+
+
+def test_a_truncated_torch_file_names_the_file(tmp_path):
+    path = tmp_path / "vit.pth"
+    torch.save(_randomize_torch(timm_vit()).state_dict(), str(path))
+    path.write_bytes(path.read_bytes()[:2000])
+    with pytest.raises(ValueError, match=re.escape(repr(str(path))) + " is a truncated or corrupt"):
+        vit_keras.load_pretrained(keras_vit(), str(path))
+
+
+def test_a_bad_safetensors_header_names_the_file(tmp_path):
+    header = b'{"patch_embed.proj.weight": {"dtype": "F32", "shape": [2], "data_offs'  # cut off
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(8))
+    with pytest.raises(ValueError, match=re.escape(repr(str(path))) +
+                       " is not a valid safetensors file"):
+        vit_keras.load_pretrained(keras_vit(), str(path))
+
+
+def _hf_copy(hf_folder, folder, config=None):
+    """A copy of the Hugging Face folder, with `config` (a JSON text) as its config.json."""
+    os.makedirs(folder)
+    shutil.copy(os.path.join(hf_folder[0], "model.safetensors"), folder)
+    with open(os.path.join(hf_folder[0], "config.json")) as f:
+        original = json.load(f)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        f.write(config(original) if callable(config) else config)
+    return str(folder)
+
+
+@pytest.mark.parametrize("config, problem", [
+    (lambda c: json.dumps({**c, "patch_size": 0}), "patch_size is 0; expected a positive whole"),
+    (lambda c: json.dumps({**c, "image_size": "big"}), "image_size is 'big'; expected"),
+    (lambda c: json.dumps({**c, "layer_norm_eps": None}), "layer_norm_eps is None; expected"),
+    (lambda c: json.dumps([c]), "holds a JSON list, not an object"),
+    (lambda c: json.dumps(c)[:-20], "is not valid JSON"),
+], ids=["zero_patch", "text_size", "null_epsilon", "list", "cut_short"])
+def test_a_malformed_config_json_names_the_file_and_what_is_wrong(hf_folder, tmp_path, config,
+                                                                   problem):
+    folder = _hf_copy(hf_folder, tmp_path / "hf", config)
+    config_path = os.path.join(folder, "config.json")
+    with pytest.raises(ValueError, match=re.escape(repr(config_path)) + ".*" + re.escape(problem)):
+        vit_keras.build_model_from_checkpoint(folder)
+
+
+def test_a_shard_index_cannot_name_files_outside_its_folder(hf_folder, tmp_path):
+    folder = _hf_copy(hf_folder, tmp_path / "hf", lambda c: json.dumps(c))
+    outside = str(tmp_path / "outside.safetensors")
+    os.rename(os.path.join(folder, "model.safetensors"), outside)
+    keys = safetensors.torch.load_file(outside)
+    index = os.path.join(folder, "model.safetensors.index.json")
+    for shard in ("../outside.safetensors", outside):
+        with open(index, "w") as f:
+            json.dump({"metadata": {}, "weight_map": {key: shard for key in keys}}, f)
+        with pytest.raises(ValueError, match=re.escape(f"{index!r} names the shard {shard!r}, "
+                                                       f"which is not a file in its folder")):
+            vit_keras.load_pretrained(keras_vit(layer_norm_epsilon=1e-12), folder)
+    with open(index, "w") as f:
+        json.dump({"weight_map": {key: "model-00001-of-00002.safetensors" for key in keys}}, f)
+    with pytest.raises(FileNotFoundError, match="names the shard 'model-00001-of-00002.safetensors'"
+                                                ", which is missing"):
+        vit_keras.load_pretrained(keras_vit(layer_norm_epsilon=1e-12), folder)
+
+
+def test_nan_or_inf_is_refused_with_the_arrays_names_unless_allowed(tmp_path):
+    params = official_params()
+    params["Transformer/encoderblock_1/MlpBlock_3/Dense_0/kernel"][0, 0] = np.nan
+    params["embedding/bias"][2] = np.inf
+    path = write_npz(tmp_path / "diverged.npz", params)
+    model = keras_vit()
+    before = _weights(model)
+    with pytest.raises(ValueError, match=re.escape(
+            f"{path!r} holds NaN or Inf values in 2 arrays (Transformer/encoderblock_1/MlpBlock_3/"
+            f"Dense_0/kernel, embedding/bias)") + ".*pass allow_non_finite=True"):
+        vit_keras.load_pretrained(model, path)
+    for old, new in zip(before, _weights(model)):
+        np.testing.assert_array_equal(old, new)  # nothing was assigned
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        vit_keras.build_model_from_checkpoint(path)
+    vit_keras.load_pretrained(model, path, allow_non_finite=True)
+    assert np.isinf(keras.ops.convert_to_numpy(model.get_layer("embedding").bias)[2])
+    model = vit_keras.build_model_from_checkpoint(path, allow_non_finite=True)
+    kernel = next(w for w in model.weights if w.path == "encoderblock_1/MlpBlock_3/Dense_0/kernel")
+    assert np.isnan(keras.ops.convert_to_numpy(kernel)[0, 0])
+
+
+def test_many_non_finite_arrays_are_summed_up(tmp_path):
+    params = {key: np.full_like(value, np.nan) for key, value in official_params().items()}
+    path = write_npz(tmp_path / "nan.npz", params)
+    shown = ", ".join(sorted(params)[:10])
+    with pytest.raises(ValueError, match=re.escape(f"in {len(params)} arrays ({shown}, and "
+                                                   f"{len(params) - 10} more)")):
+        vit_keras.load_pretrained(keras_vit(), path)
+
+
+def test_a_wrong_variant_says_so_first_and_sums_up_the_mismatches(tmp_path):
+    tiny = vit_keras.build_model("ViT-Ti/16", image_size=32, num_classes=CLASSES)
+    path = vit_keras.save_npz(tiny, str(tmp_path / "ti16.npz"))
+    small = vit_keras.build_model("ViT-S/16", image_size=32, num_classes=CLASSES)
+    with pytest.raises(ValueError) as error:
+        vit_keras.load_pretrained(small, path)
+    first_line, *listed = str(error.value).splitlines()
+    assert first_line.startswith(
+        f"Checkpoint {path!r} (vit_jax) does not fit model 'ViT-S_16': it holds a ViT-Ti/16 "
+        f"(hidden_size 192, mlp_dim 768, num_heads 3), not the model's ViT-S/16 (hidden_size 384, "
+        f"mlp_dim 1536, num_heads 6). Build the model"), first_line
+    mismatches = sum(a.shape != b.shape for a, b in zip(tiny.weights, small.weights))
+    assert listed[0] == f"{mismatches} differences:"
+    assert all(line.startswith("  shape mismatch: ") for line in listed[1:11])  # the first 10
+    assert listed[11:] == [f"  and {mismatches - 10} more"]
 
 
 def test_build_model_weights_argument(tmp_path):

@@ -2,10 +2,13 @@
 
 `sniff` tells the container from the file's first bytes (not its extension); `.npz` is read with
 `allow_pickle=False`, PyTorch files with `torch.load(weights_only=True)`, safetensors without torch.
+A truncated or corrupt file gives a `ValueError` that names it and what is wrong; every array of an
+`.npz` is read whole, so its CRC-32 is checked.
 """
 
 import os
 import zipfile
+import zlib
 
 import numpy as np
 
@@ -20,8 +23,12 @@ def sniff(path):
         head = f.read(9)
     size = os.path.getsize(path)
     if head[:4] == b"PK\x03\x04":
-        with zipfile.ZipFile(path) as archive:
-            names = archive.namelist()
+        try:
+            with zipfile.ZipFile(path) as archive:
+                names = archive.namelist()
+        except (zipfile.BadZipFile, EOFError) as error:
+            raise ValueError(f"{path!r} is a truncated or corrupt zip archive (.npz or PyTorch "
+                             f"file): {error}.") from error
         if names and all(name.endswith(".npy") for name in names):
             return NPZ
         if any(name.endswith("data.pkl") for name in names):
@@ -30,7 +37,9 @@ def sniff(path):
         return TORCH
     elif len(head) == 9 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") < size:
         return SAFETENSORS
-    raise ValueError(f"Unrecognised checkpoint format: {path!r} is none of {_SUPPORTED}.")
+    found = "is empty" if not size else f"begins with {head!r}"
+    raise ValueError(f"Unrecognised checkpoint format: {path!r} {found}, and is none of "
+                     f"{_SUPPORTED}.")
 
 
 def read_npz(path):
@@ -39,20 +48,32 @@ def read_npz(path):
     bfloat16 arrays (big_vision writes them; NumPy stores them as 2-byte voids) come back as float32.
     """
     arrays = {}
-    with np.load(path, allow_pickle=False) as archive:
-        for key in archive.files:
-            try:
-                array = archive[key]
-            except ValueError as error:
-                raise ValueError(
-                    f"Refusing to load {path!r}: array {key!r} is a pickled object array, and "
-                    f"unpickling can execute code. Checkpoints must hold numeric arrays only."
-                ) from error
-            if array.dtype.kind == "V" and array.dtype.itemsize == 2:
-                import ml_dtypes  # pylint: disable=import-outside-toplevel
-                array = array.view(ml_dtypes.bfloat16).astype(np.float32)
-            arrays[key] = array
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            for key in archive.files:
+                array = _read_npz_array(path, archive, key)
+                if array.dtype.kind == "V" and array.dtype.itemsize == 2:
+                    import ml_dtypes  # pylint: disable=import-outside-toplevel
+                    array = array.view(ml_dtypes.bfloat16).astype(np.float32)
+                arrays[key] = array
+    except (zipfile.BadZipFile, EOFError) as error:  # opening or listing the archive
+        raise ValueError(f"{path!r} is a truncated or corrupt .npz file: {error}.") from error
     return arrays
+
+
+def _read_npz_array(path, archive, key):
+    try:
+        return archive[key]
+    except ValueError as error:
+        if "allow_pickle" not in str(error):  # NumPy's refusal of an object array says so
+            raise ValueError(f"{path!r} is a corrupt .npz file: array {key!r} cannot be read "
+                             f"({error}).") from error
+        raise ValueError(
+            f"Refusing to load {path!r}: array {key!r} is a pickled object array, and "
+            f"unpickling can execute code. Checkpoints must hold numeric arrays only.") from error
+    except (zipfile.BadZipFile, zlib.error, EOFError) as error:  # a bad CRC-32, cut data
+        raise ValueError(f"{path!r} is a truncated or corrupt .npz file: array {key!r} cannot "
+                         f"be read ({error}).") from error
 
 
 def _to_numpy(tensor):
@@ -76,11 +97,14 @@ def read_torch(path):
 
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, AttributeError) as error:
+    except (pickle.UnpicklingError, AttributeError) as error:
         raise ValueError(
             f"Refusing to load {path!r}: it is not a plain PyTorch state dict (torch.load with "
             f"weights_only=True rejected it; loading it fully could execute code). Details: "
-            f"{str(error).splitlines()[0]}") from error
+            f"{_first_line(error)}") from error
+    except (RuntimeError, EOFError, OSError) as error:
+        raise ValueError(f"{path!r} is a truncated or corrupt PyTorch file: "
+                         f"{_first_line(error)}") from error
     for wrapper in ("model", "state_dict"):
         if isinstance(state, dict) and isinstance(state.get(wrapper), dict):
             state = state[wrapper]
@@ -93,13 +117,23 @@ def read_torch(path):
     return arrays
 
 
+def _first_line(error):
+    return (str(error).splitlines() or [type(error).__name__])[0]
+
+
 def read_safetensors(paths):
     """One or more (sharded) `.safetensors` files as one dict of NumPy arrays (no torch needed)."""
+    from safetensors import SafetensorError  # pylint: disable=import-outside-toplevel
     from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
 
     arrays = {}
     for path in [paths] if isinstance(paths, (str, os.PathLike)) else paths:
-        for key, value in load_file(path).items():
+        try:
+            tensors = load_file(path)
+        except (SafetensorError, OSError) as error:
+            raise ValueError(f"{path!r} is not a valid safetensors file (its header or data is "
+                             f"truncated or corrupt): {_first_line(error)}.") from error
+        for key, value in tensors.items():
             # bfloat16 (an ml_dtypes type) and float16 are widened to float32.
             arrays[key] = value.astype(np.float32) if value.dtype.name in (
                 "bfloat16", "float16") else value

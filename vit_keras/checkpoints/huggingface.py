@@ -13,6 +13,39 @@ _ANCHOR = "embeddings.patch_embeddings.projection.weight"
 _GELU = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
 
 
+def _read_json(path):
+    """The JSON object in the file at `path`; a `ValueError` naming the file if it is not one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path!r} is not valid JSON ({error}).") from error
+    if not isinstance(value, dict):
+        raise ValueError(f"{path!r} holds a JSON {type(value).__name__}, not an object.")
+    return value
+
+
+def _shards(index):
+    """The files an `model.safetensors.index.json` names, each a plain name inside its folder."""
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(name, str) for name in weight_map.values()):
+        raise ValueError(f"{index!r} has no \"weight_map\" of tensor names to shard files.")
+    folder = os.path.dirname(index)
+    shards = []
+    for shard in sorted(set(weight_map.values())):
+        # Lexically, not with realpath: the hub's snapshot folders hold symlinks into its blobs.
+        path = os.path.normpath(os.path.join(folder, shard))
+        if os.path.isabs(shard) or os.path.dirname(path) != os.path.normpath(folder):
+            raise ValueError(f"{index!r} names the shard {shard!r}, which is not a file in its "
+                             f"folder; refusing to read outside {folder!r}.")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{index!r} names the shard {shard!r}, which is missing "
+                                    f"from {folder!r}.")
+        shards.append(path)
+    return shards
+
+
 def weight_files(folder):
     """The weights of a `save_pretrained` folder: `model.safetensors` (or its shards) first."""
     single = os.path.join(folder, "model.safetensors")
@@ -20,9 +53,7 @@ def weight_files(folder):
         return [single]
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index, encoding="utf-8") as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(folder, shard) for shard in shards]
+        return _shards(index)
     for name in ("pytorch_model.bin", "model.pth", "pytorch_model.pth"):
         if os.path.exists(os.path.join(folder, name)):
             return [os.path.join(folder, name)]
@@ -31,13 +62,38 @@ def weight_files(folder):
         f"model.safetensors.index.json or pytorch_model.bin (a save_pretrained folder).")
 
 
+def _positive_int(value):
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _check_config(config, path):
+    """Refuses a `config.json` whose fields that vit_keras reads have impossible values."""
+    def bad(field, expected):
+        return ValueError(f"{path!r}: {field} is {config[field]!r}; expected {expected}.")
+
+    for field in ("num_attention_heads", "patch_size"):
+        if field in config and not _positive_int(config[field]):
+            raise bad(field, "a positive whole number")
+    size = config.get("image_size")
+    if "image_size" in config and not (_positive_int(size) or (
+            isinstance(size, (list, tuple)) and len(size) == 2 and all(map(_positive_int, size)))):
+        raise bad("image_size", "a positive whole number or [height, width]")
+    epsilon = config.get("layer_norm_eps", 1.0)
+    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not epsilon > 0:
+        raise bad("layer_norm_eps", "a positive number")
+    if config.get("hidden_act", "gelu") not in _GELU:
+        raise bad("hidden_act", f"one of {sorted(_GELU)} (the activations vit_keras supports)")
+
+
 def read_config(folder):
-    """`config.json` in `folder` as a dict, or None."""
+    """`config.json` in `folder` as a dict, or None; a `ValueError` naming the file and the field
+    when it is not JSON or a field vit_keras reads has an impossible value."""
     path = os.path.join(folder, CONFIG)
     if not os.path.exists(path):
         return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    config = _read_json(path)
+    _check_config(config, path)
+    return config
 
 
 def matches(state_dict):
@@ -48,12 +104,9 @@ def hints(config):
     """Architecture facts from a ViT `config.json` that the weights alone do not carry."""
     if not config:
         return {}
-    activation = config.get("hidden_act", "gelu")
-    if activation not in _GELU:
-        raise ValueError(f"Unsupported hidden_act {activation!r} in config.json; vit_keras supports "
-                         f"{sorted(_GELU)}.")
+    _check_config(config, CONFIG)
     out = {"layer_norm_epsilon": float(config.get("layer_norm_eps", 1e-12)),
-           "approximate_gelu": _GELU[activation]}
+           "approximate_gelu": _GELU[config.get("hidden_act", "gelu")]}
     if "num_attention_heads" in config:
         out["num_heads"] = int(config["num_attention_heads"])
     if "image_size" in config and "patch_size" in config:

@@ -11,6 +11,7 @@ import os
 import keras
 import numpy as np
 
+from vit_keras import configs
 from vit_keras import geometry
 from vit_keras import patch_resize
 from vit_keras import posemb
@@ -23,6 +24,8 @@ from vit_keras.checkpoints import timm
 logger = logging.getLogger("vit_keras")
 
 _HEAD = (names.HEAD + "kernel", names.HEAD + "bias")
+_LISTED = 10
+"""How many problems an error lists before it sums up the rest as "and N more"."""
 
 
 @dataclasses.dataclass
@@ -51,7 +54,16 @@ def read_checkpoint(path, *, num_heads=None):
         content, not the extension.
       num_heads: attention heads, needed to lay out fused PyTorch projections when the file does not
         say (timm files; default: the paper's variant of that hidden size).
+
+    Returns:
+      A `Checkpoint` (a `Checkpoint` passed as `path` comes back as it is).
+
+    Raises:
+      ValueError: naming the file and what is wrong with it: an unknown format, a truncated or
+        corrupt container, a malformed `config.json`, or no ViT in it.
     """
+    if isinstance(path, Checkpoint):
+        return path
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"No checkpoint at {path!r}.")
@@ -170,15 +182,73 @@ def _fits(array, shape):
     return None
 
 
+def non_finite_arrays(params):
+    """The keys of the arrays in `params` that hold a NaN or an infinity, in key order."""
+    return [key for key in sorted(params)
+            if np.asarray(params[key]).dtype.kind in "fc" and not np.isfinite(params[key]).all()]
+
+
+def check_finite(params, path):
+    """Raises a `ValueError` naming the arrays of the checkpoint at `path` that hold NaN or Inf."""
+    bad = non_finite_arrays(params)
+    if bad:
+        raise ValueError(f"{path!r} holds NaN or Inf values in {len(bad)} "
+                         f"array{'s' if len(bad) > 1 else ''} ({_summary(bad, ', ')}): the file is "
+                         f"damaged, or a training run diverged before it was written.")
+
+
+def _summary(items, separator, indent=""):
+    """The first `_LISTED` items joined, and how many more there are."""
+    shown = separator.join(items[:_LISTED])
+    more = len(items) - _LISTED
+    return shown + (f"{separator}{indent}and {more} more" if more > 0 else "")
+
+
+def variant_named(fields):
+    """The paper's variant (a `ViTConfig`) with the architecture `fields` (as `architecture`'s
+    `config`), or None."""
+    fields = {"resnet_layers": None, "resnet_width": 1, **fields}
+    return next((config for config in configs.VARIANTS.values()
+                 if {name: getattr(config, name) for name in fields} == fields), None)
+
+
+def _model_architecture(weights):
+    """`architecture`'s `config` for a model's canonical weights (read from shapes alone)."""
+    shapes = {key: np.broadcast_to(np.float32(0), tuple(weight.shape))  # no memory: zero strides
+              for key, weight in weights.items()}
+    return architecture(Checkpoint("", "", shapes, "", False, {}))["config"]
+
+
+def _architecture_hint(checkpoint, weights):
+    """`"it holds a ViT-Ti/16 (hidden_size 192, ...), not the model's ViT-S/16 (hidden_size 384,
+    ...)"` when the two architectures differ, else None (the problems are then in the keys)."""
+    try:
+        found, wanted = architecture(checkpoint)["config"], _model_architecture(weights)
+    except (ValueError, KeyError, IndexError):
+        return None
+    differ = [name for name in dict.fromkeys([*found, *wanted]) if found.get(name) != wanted.get(name)]
+    if not differ:
+        return None
+
+    def described(fields):
+        variant = variant_named(fields)
+        values = ", ".join(f"{name} {fields.get(name)}" for name in differ)
+        return f"{variant.name if variant else 'custom ViT'} ({values})"
+
+    return f"it holds a {described(found)}, not the model's {described(wanted)}"
+
+
 def load_pretrained(model, path, *, strict=True, interpolation=None, antialias=None,
-                    checkpoint_grid=None):
+                    checkpoint_grid=None, allow_non_finite=False):
     """Loads a checkpoint of any supported format into a vit_keras model, in place.
 
     Args:
       model: a model from `build_model` (any image size, classes, `include_top`).
       path: a checkpoint file or Hugging Face folder (see `read_checkpoint`), or a `Checkpoint`.
-      strict: `True`: any missing key, unexpected key or shape mismatch raises one `ValueError`
-        listing them all, before anything is assigned. `False`: those are logged and skipped.
+      strict: `True`: any missing key, unexpected key or shape mismatch raises one `ValueError`,
+        before anything is assigned; it says first how the architectures differ (e.g. the file
+        holds a ViT-Ti/16, the model is a ViT-S/16), then lists the first problems and counts the
+        rest. `False`: those are logged and skipped.
       interpolation: position-embedding resampling when the grids differ: `"vit_jax"`,
         `"bilinear"` or `"bicubic"` (see `resample_position_embeddings`). Default: the format's own
         (`"vit_jax"` for `.npz`, `"bicubic"` for timm and Hugging Face).
@@ -186,6 +256,8 @@ def load_pretrained(model, path, *, strict=True, interpolation=None, antialias=N
         (on for timm state dicts, as timm's `checkpoint_filter_fn`; off otherwise).
       checkpoint_grid: the checkpoint's patch grid `(rows, cols)` when it is not square and the file
         does not say (Hugging Face's `config.json` does).
+      allow_non_finite: `False`: an array to be loaded that holds NaN or Inf raises a `ValueError`
+        naming the arrays, before anything is assigned. `True`: such arrays are loaded.
 
     Returns:
       The model. A head with another class count (or none in the file) is zero-initialised, and a
@@ -205,7 +277,7 @@ def load_pretrained(model, path, *, strict=True, interpolation=None, antialias=N
     _fit_patch_embedding(params, weights)
     zeroed = _reconcile_heads(params, weights)
 
-    missing, mismatched, assignments = [], [], []
+    missing, mismatched, assignments, from_file = [], [], [], []
     for key, weight in weights.items():
         if key in zeroed:
             assignments.append((weight, np.zeros(weight.shape, weight.dtype)))
@@ -219,19 +291,29 @@ def load_pretrained(model, path, *, strict=True, interpolation=None, antialias=N
                                   f"checkpoint {tuple(params[key].shape)}")
             else:
                 assignments.append((weight, array.astype(weight.dtype)))
+                from_file.append(key)
     unexpected = [f"  unexpected in the checkpoint: {key} (shape {tuple(np.shape(params[key]))})"
                   for key in sorted(set(params) - set(weights))]
     problems = missing + unexpected + mismatched
     if problems:
+        hint = _architecture_hint(checkpoint, weights)
         message = (f"Checkpoint {checkpoint.path!r} ({checkpoint.format}) does not fit model "
-                   f"{model.name!r}:\n" + "\n".join(problems))
+                   f"{model.name!r}" + (f": {hint}" if hint else "") + ".")
+        listing = (f"\n{len(problems)} difference{'s' if len(problems) > 1 else ''}:\n"
+                   + _summary(problems, "\n", indent="  "))
         if strict:
             raise ValueError(
-                message + "\nBuild the model with the checkpoint's architecture "
+                message + " Build the model with the checkpoint's architecture "
                 "(vit_keras.build_model_from_checkpoint reads it from the file), or pass "
-                "strict=False to load only the arrays that fit.")
-        logger.warning("%s\nstrict=False: loading the %d arrays that fit.", message,
-                       len(assignments))
+                "strict=False to load only the arrays that fit." + listing)
+        logger.warning("%s strict=False: loading the %d arrays that fit.%s", message,
+                       len(assignments), listing)
+    if not allow_non_finite:
+        try:
+            check_finite({key: params[key] for key in from_file}, checkpoint.path)
+        except ValueError as error:
+            raise ValueError(f"{error} Nothing was loaded; pass allow_non_finite=True to load it "
+                             f"anyway.") from None
     for weight, array in assignments:
         weight.assign(array)
     logger.info("Loaded %d arrays from %s (%s) into %s.", len(assignments) - len(zeroed),
@@ -269,6 +351,9 @@ def architecture(checkpoint):
     if not num_layers:
         raise ValueError(f"{checkpoint.path!r} has no encoder blocks "
                          f"({names.QUERY_KERNEL.format(0)!r} is missing).")
+    for key in (names.MLP_KERNEL.format(0), names.POSEMB):
+        if key not in params:
+            raise ValueError(f"{checkpoint.path!r} has no {key!r}: it is not a whole ViT checkpoint.")
     query = params[names.QUERY_KERNEL.format(0)]
     config = {"patch_size": int(kernel.shape[0]), "hidden_size": int(kernel.shape[3]),
               "mlp_dim": int(params[names.MLP_KERNEL.format(0)].shape[1]),
