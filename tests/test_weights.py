@@ -251,16 +251,30 @@ def test_imagenet2012_class_names_ship_in_wordnet_order():
 
 
 @backend_independent
+def test_a_release_name_picks_the_class_names_of_its_head():
+    for name in releases.RELEASE_NAMES:  # so the name alone, without a variant, decides the list
+        assert len({r.class_names for r in releases.RELEASES if r.name == name}) == 1, name
+    imagenet2012 = vit_keras.class_names("imagenet2012")
+    for name in ("imagenet21k+imagenet2012", "augreg_in21k_ft_in1k", "augreg_in1k"):
+        assert vit_keras.class_names(name) == imagenet2012, name
+    with pytest.raises(ValueError, match="No class names for 'augreg'; known: imagenet2012, "
+                                         "imagenet21k, and the release names imagenet21k, "):
+        vit_keras.class_names("augreg")
+
+
+@backend_independent
 def test_imagenet21k_class_names_come_through_the_mirror_and_are_checked(tmp_path, monkeypatch,
                                                                          cache):
     path = write_class_names(tmp_path, "imagenet21k", 21843)
     monkeypatch.setenv(download.MIRROR_VARIABLE, str(tmp_path))
     names = vit_keras.class_names(releases.find_release("ViT-Ti/16", "augreg_in21k"))
     assert len(names) == 21843 and names[5] == "imagenet21k class 5"
+    assert vit_keras.class_names("imagenet21k") == vit_keras.class_names("augreg_in21k") == names
     write_class_names(tmp_path, "imagenet21k", 100)
-    with pytest.raises(ValueError, match="has 100 names, not 21843"):
+    with pytest.raises(download.InvalidFileError,
+                       match=f"{re.escape(path)} .*has 100 names, not the 21843.*Replace it"):
         vit_keras.class_names("imagenet21k")
-    assert os.path.exists(path)
+    assert os.path.exists(path)  # a mirror folder is the user's: never deleted
 
 
 # --- Models from releases (every backend) ------------------------------------------------------

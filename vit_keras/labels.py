@@ -28,30 +28,57 @@ def _read_tsv():
     return [wnid for wnid, _ in rows], [lemmas for _, lemmas in rows]
 
 
+def _read_names(path, dataset):
+    """The names in the list file at `path`, one a line; a `ValueError` unless there are as many
+    as `dataset` has classes."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            names = [line.strip() for line in f if line.strip()]
+    except UnicodeDecodeError as error:
+        raise ValueError(f"it is not UTF-8 text: {error}") from error
+    if len(names) != _SIZES[dataset]:
+        raise ValueError(f"it has {len(names)} names, not the {_SIZES[dataset]} of {dataset}")
+    return names
+
+
+def _release_lists():
+    """Each release name → the class-name lists of its heads (one each, a test checks)."""
+    lists = {}
+    for release in releases.RELEASES:
+        lists.setdefault(release.name, set()).add(release.class_names)
+    return lists
+
+
 def class_names(dataset):
     """The class names of a head trained on `dataset`, in head order.
 
     Args:
       dataset: `"imagenet2012"` (1000 names, from the package) or `"imagenet21k"` (21843 names,
-        downloaded on first use like the weights: same cache, same mirror variable), or a
-        `Release`, whose head's list is used.
+        downloaded on first use like the weights: same cache, same mirror variable); a release
+        name (`"augreg_in21k_ft_in1k"`, ...: the list of its head); or a `Release`.
 
     Returns:
       A list of strings, e.g. `"tench, Tinca tinca"`.
+
+    Raises:
+      ValueError: for an unknown `dataset`.
+      vit_keras.download.WeightsUnavailableError: when the ImageNet-21k list cannot be
+        downloaded; its subclass `InvalidFileError` when the file (downloaded, cached or in a
+        mirror folder) does not hold the 21843 names.
     """
     if isinstance(dataset, releases.Release):
         dataset = dataset.class_names
+    elif dataset in releases.RELEASE_NAMES:
+        (dataset,) = _release_lists()[dataset]
     if dataset not in releases.CLASS_NAME_FILES:
         raise ValueError(f"No class names for {dataset!r}; known: "
-                         f"{', '.join(releases.CLASS_NAME_FILES)}.")
+                         f"{', '.join(releases.CLASS_NAME_FILES)}, and the release names "
+                         f"{', '.join(releases.RELEASE_NAMES)}.")
     path = releases.CLASS_NAME_FILES[dataset]
     if path is None:
-        names = _read_tsv()[1]
-    else:
-        with open(download.fetch(path, progress=False), encoding="utf-8") as f:
-            names = [line.strip() for line in f if line.strip()]
-    if len(names) != _SIZES[dataset]:
-        raise ValueError(f"The {dataset} class-name list has {len(names)} names, not "
-                         f"{_SIZES[dataset]}" + (f"; delete {download.cache_path(path)} to fetch it "
-                                                 f"again." if path else "."))
-    return names
+        return _read_tsv()[1]
+    local = download.fetch(path, progress=False, verify=lambda file: _read_names(file, dataset))
+    try:
+        return _read_names(local, dataset)
+    except ValueError as error:
+        raise download.invalid_file_error(path, local, error) from error

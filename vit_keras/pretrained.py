@@ -37,11 +37,16 @@ def resolve_weights(weights, variant=None, image_size=None):
       image_size: picks among a release's resolutions (see `vit_keras.releases.find_release`).
 
     Returns:
-      `(checkpoint, release)`: a path or `Checkpoint`, and the `Release` it is (or None).
+      `(checkpoint, release)`: a path or `Checkpoint` (a release's file comes read and
+      checked, see `read_release`), and the `Release` it is (or None).
 
     Raises:
       ValueError: for a release the variant does not have (the message lists those it has).
       vit_keras.download.WeightsUnavailableError: when a release cannot be downloaded.
+      vit_keras.download.InvalidFileError: when a release's file (downloaded, cached or in a
+        mirror folder) is not that release's checkpoint: an error page, a truncated or corrupt
+        file, another model, NaN or Inf. A download that fails is never cached; the error on a
+        cached file names it and says to delete it.
     """
     if isinstance(weights, os.PathLike):
         weights = os.fspath(weights)
@@ -57,7 +62,51 @@ def resolve_weights(weights, variant=None, image_size=None):
                          f"variant (e.g. build_model('ViT-B/16', weights={weights!r})). Releases: "
                          f"{', '.join(releases.RELEASE_NAMES)}.")
     release = releases.find_release(variant, weights, image_size)
-    return download.fetch(release.path), release
+    local = download.fetch(release.path, verify=lambda file: read_release(file, release))
+    try:
+        return read_release(local, release), release
+    except ValueError as error:  # a file placed by hand, in a mirror folder, or cached long ago
+        raise download.invalid_file_error(release.path, local, error) from error
+
+
+def read_release(path, release):
+    """Reads the file at `path` as `release`'s, checking that it is: a checkpoint that reads
+    whole (every array's CRC-32, for an `.npz`), finite, with the release variant's architecture,
+    head, representation layer and resolution.
+
+    Args:
+      path: a checkpoint file.
+      release: the `vit_keras.Release` the file should be.
+
+    Returns:
+      The `vit_keras.checkpoints.Checkpoint`.
+
+    Raises:
+      ValueError: naming the file and what is wrong with it.
+    """
+    config = configs.get_config(release.variant)
+    checkpoint = loader.read_checkpoint(path, num_heads=config.num_heads)
+    arch = loader.architecture(checkpoint)
+    fields = {"resnet_layers": None, "resnet_width": 1, **arch["config"]}
+    found = {**fields, "classifier": arch["classifier"], "num_classes": arch["num_classes"],
+             "representation_size": arch["representation_size"],
+             "grid": tuple(arch["grid"]) if arch["grid"] else None}
+    side = release.image_size // geometry.pixels_per_token(config)
+    wanted = {**_fields(config, fields), "classifier": release.classifier,
+              "num_classes": release.num_classes,
+              "representation_size": release.representation_size, "grid": (side, side)}
+    differ = [f"{name} {found[name]} (expected {wanted[name]})" for name in wanted
+              if found[name] != wanted[name]]
+    if differ:
+        raise ValueError(f"{path!r} does not hold the {release.spec} weights: "
+                         f"{', '.join(differ)}.")
+    loader.check_finite(checkpoint.params, path)
+    return checkpoint
+
+
+def _fields(config, fields):
+    """`config`'s values of the architecture `fields`."""
+    return {name: getattr(config, name) for name in fields}
 
 
 def build_model(variant, *, weights=None, image_size=None, num_classes=None, include_top=True,
@@ -113,7 +162,7 @@ def build_model(variant, *, weights=None, image_size=None, num_classes=None, inc
     if release is not None:
         image_size = release.image_size if image_size is None else image_size
         num_classes = release.num_classes if num_classes is None else num_classes
-        checkpoint = loader.read_checkpoint(checkpoint)
+        checkpoint = loader.read_checkpoint(checkpoint)  # a hub folder; a release file comes read
         if representation_size is None:  # the file decides, as its head does
             representation_size = loader.architecture(checkpoint)["representation_size"]
     model = model_lib.build_vit(
@@ -132,25 +181,21 @@ def _variant_for(fields, variant, path):
     """The `ViTConfig` for the checkpoint's fields: `variant` if it agrees, else the paper's
     variant with those fields, else a custom config."""
     fields = {"resnet_layers": None, "resnet_width": 1, **fields}
-    names_ = tuple(fields)
     if variant is not None:
         config = configs.get_config(variant)
-        wanted = {n: getattr(config, n) for n in names_}
+        wanted = _fields(config, fields)
         if wanted != fields:
-            differ = ", ".join(f"{n} {fields[n]} (variant: {wanted[n]})" for n in names_
+            differ = ", ".join(f"{n} {fields[n]} (variant: {wanted[n]})" for n in fields
                                if wanted[n] != fields[n])
             raise ValueError(f"Checkpoint {path!r} does not hold a {config.name}: {differ}. Leave "
                              f"the variant out to build the checkpoint's own architecture.")
         return config
-    for config in configs.VARIANTS.values():
-        if {n: getattr(config, n) for n in names_} == fields:
-            return config
-    return configs.ViTConfig(name="custom", **fields)
+    return loader.variant_named(fields) or configs.ViTConfig(name="custom", **fields)
 
 
 def build_model_from_checkpoint(path, *, variant=None, image_size=None, num_classes=None,
                                 include_top=None, num_heads=None, strict=True, interpolation=None,
-                                antialias=None, **build_kwargs):
+                                antialias=None, allow_non_finite=False, **build_kwargs):
     """Builds the model a checkpoint describes and loads it.
 
     The file determines patch size, width, depth, MLP size, heads, class token or GAP, the
@@ -168,6 +213,8 @@ def build_model_from_checkpoint(path, *, variant=None, image_size=None, num_clas
       strict: as in `vit_keras.load_pretrained`.
       interpolation: as in `vit_keras.load_pretrained`.
       antialias: as in `vit_keras.load_pretrained`.
+      allow_non_finite: as in `vit_keras.load_pretrained`: `False` refuses a checkpoint with NaN
+        or Inf in the arrays it loads.
       **build_kwargs: any other `build_model` argument (e.g. `include_preprocessing`, `dropout`),
         overriding what the checkpoint says.
 
@@ -198,4 +245,4 @@ def build_model_from_checkpoint(path, *, variant=None, image_size=None, num_clas
               "approximate_gelu": arch["approximate_gelu"], **build_kwargs}
     model = model_lib.build_vit(config, **kwargs)
     return loader.load_pretrained(model, checkpoint, strict=strict, interpolation=interpolation,
-                           antialias=antialias)
+                                  antialias=antialias, allow_non_finite=allow_non_finite)

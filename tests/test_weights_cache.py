@@ -1,0 +1,284 @@
+"""The weights cache never trusts junk. A hostile mirror on 127.0.0.1 answers 200 with an error
+page, with garbage, with a corrupt or wrong checkpoint, with a body cut short and no
+Content-Length; it trickles bytes, and answers 416 to a `.part` longer than the file. Junk already
+in the cache, two downloads of one file at once, and paths that would leave the cache complete
+the picture. Every failure names the file or URL and what is wrong, and leaves nothing in the
+cache that a later call would trust.
+
+All of it is HTTP and NumPy: the same answer on every backend, so one pass runs it."""
+
+import io
+import os
+import re
+import threading
+
+import numpy as np
+import pytest
+
+import vit_keras
+from vit_keras import download
+from vit_keras import pretrained
+from vit_keras import releases
+from weights_mirror import MirrorServer, write_class_names, write_release
+
+pytestmark = pytest.mark.backend_independent
+
+RELEASE = releases.find_release("ViT-Ti/16", "augreg_in21k_ft_in1k", 224)
+
+
+@pytest.fixture(scope="module")
+def bucket(tmp_path_factory):
+    """The release as a synthetic checkpoint at its official path, served on 127.0.0.1."""
+    root = tmp_path_factory.mktemp("bucket")
+    with open(write_release(root, RELEASE), "rb") as f:
+        content = f.read()
+    server = MirrorServer(root)
+    yield server, content
+    server.stop()
+
+
+@pytest.fixture
+def mirror(bucket, tmp_path, monkeypatch):
+    """The bucket's server, well-behaved until a test says otherwise, and an empty cache."""
+    server, content = bucket
+    monkeypatch.setenv(download.HOME_VARIABLE, str(tmp_path / "cache"))
+    monkeypatch.setenv(download.MIRROR_VARIABLE, server.url)
+    server.behave()
+    del server.requests[:]
+    yield server, content
+    server.behave()
+
+
+def _load_release():
+    """What `build_model(RELEASE.variant, weights=RELEASE.name)` downloads, checks and reads."""
+    return pretrained.resolve_weights(RELEASE.name, RELEASE.variant, RELEASE.image_size)
+
+
+def _cached():
+    return download.cache_path(RELEASE.path)
+
+
+def _url(server):
+    return server.url + RELEASE.path
+
+
+def _npz(arrays):
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+def _arrays(content):
+    with np.load(io.BytesIO(content)) as archive:
+        return {key: archive[key] for key in archive.files}
+
+
+def _assert_refused_and_nothing_cached(server, *patterns):
+    with pytest.raises(download.InvalidFileError) as refused:
+        _load_release()
+    message = str(refused.value)
+    assert _url(server) in message and "not cached" in message, message
+    for pattern in patterns:
+        assert re.search(pattern, message), (pattern, message)
+    assert not os.path.exists(_cached())
+    assert not os.path.exists(_cached() + ".part")  # a resume would only repeat the problem
+    return message
+
+
+def _assert_loads_once_the_server_behaves(server, content):
+    server.behave()
+    checkpoint, release = _load_release()
+    assert release == RELEASE and checkpoint.path == _cached()
+    with open(_cached(), "rb") as f:
+        assert f.read() == content
+
+
+# --- A body that is not the file ---------------------------------------------------------------
+
+def test_an_html_error_page_sent_with_200_is_not_cached(mirror):
+    server, content = mirror
+    server.answer_instead(b"<!DOCTYPE html>\n<html><body><h1>502 Bad Gateway</h1></body></html>",
+                          content_type="text/html")
+    _assert_refused_and_nothing_cached(server, "HTML page", "Unrecognised checkpoint format")
+    _assert_loads_once_the_server_behaves(server, content)
+
+
+def test_garbage_sent_with_200_is_not_cached(mirror):
+    server, content = mirror
+    garbage = b"\x00" + np.random.default_rng(0).bytes(len(content) - 1)  # no format starts so
+    server.answer_instead(garbage)
+    _assert_refused_and_nothing_cached(server, "Unrecognised checkpoint format")
+    _assert_loads_once_the_server_behaves(server, content)
+
+
+def test_a_file_with_a_corrupt_array_is_not_cached(mirror):
+    server, content = mirror
+    corrupt = bytearray(content)
+    corrupt[len(corrupt) // 2] ^= 0xFF  # inside an array's data: only its CRC-32 tells
+    server.answer_instead(bytes(corrupt))
+    _assert_refused_and_nothing_cached(server, "corrupt .npz", "CRC")
+
+
+def test_a_body_cut_short_without_content_length_is_not_cached(mirror):
+    server, content = mirror
+    server.answer_instead(content[:len(content) // 2], content_length=False)
+    _assert_refused_and_nothing_cached(server, "truncated or corrupt")
+    _assert_loads_once_the_server_behaves(server, content)
+
+
+def test_another_releases_checkpoint_is_not_cached(mirror):
+    server, content = mirror
+    arrays = _arrays(content)
+    arrays["head/kernel"], arrays["head/bias"] = arrays["head/kernel"][:, :10], arrays[
+        "head/bias"][:10]
+    server.answer_instead(_npz(arrays))
+    _assert_refused_and_nothing_cached(
+        server, re.escape(f"does not hold the {RELEASE.spec} weights: num_classes 10 (expected "
+                          f"1000)"))
+
+
+def test_a_checkpoint_with_nan_is_not_cached(mirror):
+    server, content = mirror
+    arrays = _arrays(content)
+    arrays["Transformer/encoder_norm/scale"][3] = np.nan
+    server.answer_instead(_npz(arrays))
+    _assert_refused_and_nothing_cached(server, "NaN or Inf values in 1 array "
+                                               r"\(Transformer/encoder_norm/scale\)")
+
+
+# --- Resuming ----------------------------------------------------------------------------------
+
+def test_a_resume_onto_a_junk_part_file_is_not_cached_and_the_next_call_starts_over(mirror):
+    server, content = mirror
+    os.makedirs(os.path.dirname(_cached()))
+    with open(_cached() + ".part", "wb") as f:
+        f.write(b"<html>proxy error</html>")  # what a proxy sent before the connection dropped
+    _assert_refused_and_nothing_cached(server, "HTML page")
+    assert server.requests[-1][1] == f"bytes={len(b'<html>proxy error</html>')}-"
+    _assert_loads_once_the_server_behaves(server, content)
+    assert server.requests[-1][1] is None  # the whole file, from the start
+
+
+def test_416_for_a_part_file_longer_than_the_file_starts_the_download_over(mirror):
+    server, content = mirror
+    left_over = b"the end of a longer version of the file"
+    os.makedirs(os.path.dirname(_cached()))
+    with open(_cached() + ".part", "wb") as f:
+        f.write(content + left_over)
+    checkpoint, _ = _load_release()
+    assert [rng for _, rng in server.requests] == [f"bytes={len(content) + len(left_over)}-", None]
+    with open(checkpoint.path, "rb") as f:
+        assert f.read() == content
+    assert not os.path.exists(_cached() + ".part")
+
+
+def test_a_trickling_server_is_given_up_and_the_part_file_kept_for_a_resume(mirror, monkeypatch):
+    server, content = mirror
+    # The real bound is 64 KB in 30 s; a shorter window keeps the test short. The server sends at
+    # most 64 bytes per 10 ms (6.4 KB/s), far below 64 KB per 0.5 s however loaded the machine.
+    monkeypatch.setattr(download, "PROGRESS_WINDOW_SECONDS", 0.5)
+    monkeypatch.setattr(download, "MIN_PROGRESS_BYTES", 64 * 1024)
+    server.trickle(64, 0.01)
+    with pytest.raises(download.WeightsUnavailableError) as slow:
+        _load_release()
+    message = str(slow.value)
+    assert not isinstance(slow.value, download.InvalidFileError)
+    assert _url(server) in message, message
+    assert re.search(r"only \d+ bytes arrived in \d+ s, fewer than the 65536 required per 0.5 s",
+                     message), message
+    assert not os.path.exists(_cached())
+    arrived = os.path.getsize(_cached() + ".part")
+    assert 0 < arrived < len(content)
+    _assert_loads_once_the_server_behaves(server, content)
+    assert server.requests[-1][1] == f"bytes={arrived}-"
+
+
+# --- What is already on disk ---------------------------------------------------------------------
+
+def test_a_junk_file_in_the_cache_is_named_with_what_to_do(mirror):
+    server, _ = mirror
+    os.makedirs(os.path.dirname(_cached()))
+    with open(_cached(), "wb") as f:
+        f.write(b"<html>captive portal</html>")  # placed by hand, or cached by an older version
+    with pytest.raises(download.InvalidFileError) as refused:
+        vit_keras.build_model(RELEASE.variant, weights=RELEASE.name)
+    message = str(refused.value)
+    assert f"The cached file {_cached()} is not a valid '{RELEASE.path}'" in message, message
+    assert "Unrecognised checkpoint format" in message and "Delete it" in message, message
+    assert server.requests == []  # a cached file is used without the network
+
+
+def test_two_downloads_of_one_file_share_its_part_file_when_the_first_gets_nothing(
+        mirror, monkeypatch):
+    """The first download fails before any byte (here a 503; a timeout is the same) while a
+    second waits for the `.part` file's lock: the second must still download the file."""
+    server, content = mirror
+    let_first_fail = threading.Event()
+    first_arrived = server.hold_next_request(let_first_fail, 503)
+    second_waits = threading.Event()
+    lock = download._lock
+
+    def lock_noting_the_second(file):
+        if threading.current_thread().name == "second":
+            second_waits.set()  # it has opened the .part: it holds that file from here on
+        lock(file)
+
+    monkeypatch.setattr(download, "_lock", lock_noting_the_second)
+    outcomes = {}
+
+    def fetch():
+        try:
+            outcomes[threading.current_thread().name] = download.fetch(RELEASE.path,
+                                                                        progress=False)
+        except download.WeightsUnavailableError as error:
+            outcomes[threading.current_thread().name] = error
+
+    first = threading.Thread(target=fetch, name="first")
+    second = threading.Thread(target=fetch, name="second")
+    first.start()
+    assert first_arrived.wait(timeout=30)
+    second.start()
+    assert second_waits.wait(timeout=30)
+    let_first_fail.set()
+    first.join(timeout=60)
+    second.join(timeout=60)
+    assert isinstance(outcomes["first"], download.WeightsUnavailableError)
+    assert "HTTP 503" in str(outcomes["first"])
+    assert outcomes["second"] == _cached(), outcomes["second"]
+    with open(_cached(), "rb") as f:
+        assert f.read() == content
+    assert not os.path.exists(_cached() + ".part")
+
+
+# --- Paths ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", ["../escaped.npz", "vit_models/../../escaped.npz",
+                                  "/tmp/escaped.npz", "vit_models//x.npz", "./x.npz"])
+def test_a_path_that_leaves_the_bucket_is_refused(mirror, tmp_path, monkeypatch, path):
+    server, _ = mirror
+    with open(os.path.join(server.root, "escaped.npz"), "wb") as f:
+        f.write(b"anything")
+    try:
+        with pytest.raises(ValueError, match="is not a file path below the bucket"):
+            download.fetch(path, progress=False)
+        assert server.requests == []
+        assert not os.path.exists(tmp_path / "escaped.npz")
+        monkeypatch.setenv(download.MIRROR_VARIABLE, server.root)  # a mirror folder
+        with pytest.raises(ValueError, match="is not a file path below the bucket"):
+            download.fetch(path, progress=False)
+    finally:
+        os.remove(os.path.join(server.root, "escaped.npz"))
+
+
+# --- Class names come through the same checks ---------------------------------------------------
+
+def test_an_error_page_instead_of_the_imagenet21k_class_names_is_not_cached(mirror):
+    server, _ = mirror
+    list_path = releases.CLASS_NAME_FILES["imagenet21k"]
+    write_class_names(server.root, "imagenet21k", 21843)
+    server.answer_instead(b"<html><body>404 Not Found</body></html>", content_type="text/html")
+    with pytest.raises(download.InvalidFileError, match=r"has 1 names, not the 21843"):
+        vit_keras.class_names("imagenet21k")
+    assert not os.path.exists(download.cache_path(list_path))
+    server.behave()
+    assert len(vit_keras.class_names("augreg_in21k")) == 21843
