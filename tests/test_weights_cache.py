@@ -19,6 +19,7 @@ import vit_keras
 from vit_keras import download
 from vit_keras import pretrained
 from vit_keras import releases
+from conftest import run_app
 from weights_mirror import MirrorServer, write_class_names, write_release
 
 pytestmark = pytest.mark.backend_independent
@@ -282,3 +283,24 @@ def test_an_error_page_instead_of_the_imagenet21k_class_names_is_not_cached(mirr
     assert not os.path.exists(download.cache_path(list_path))
     server.behave()
     assert len(vit_keras.class_names("augreg_in21k")) == 21843
+
+
+# --- The apps report it as a user error ---------------------------------------------------------
+
+@pytest.mark.parametrize("junk_in", ["download", "cache"])
+def test_an_app_given_junk_stops_with_one_error_line(mirror, tmp_path, junk_in):
+    server, _ = mirror
+    page = b"<html><body>Service Unavailable</body></html>"
+    if junk_in == "download":
+        server.answer_instead(page, content_type="text/html")
+        expected = f"ERROR: The file downloaded from {_url(server)} is not a valid"
+    else:
+        os.makedirs(os.path.dirname(_cached()))
+        with open(_cached(), "wb") as f:
+            f.write(page)
+        expected = f"ERROR: The cached file {_cached()} is not a valid"
+    result = run_app("convert.py", "--weights", RELEASE.name, "--variant", RELEASE.variant,
+                     "--out", str(tmp_path / "x.keras"))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert expected in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert (junk_in == "cache") == os.path.exists(_cached())  # only the user's own file stays
