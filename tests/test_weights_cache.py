@@ -138,6 +138,14 @@ def test_another_releases_checkpoint_is_not_cached(mirror):
                           f"1000)"))
 
 
+def test_a_checkpoint_with_arrays_of_impossible_shapes_is_not_cached(mirror):
+    server, content = mirror
+    arrays = _arrays(content)
+    arrays["Transformer/encoderblock_0/MlpBlock_3/Dense_0/kernel"] = np.zeros(3, "float32")
+    server.answer_instead(_npz(arrays))
+    _assert_refused_and_nothing_cached(server, "not a well-formed ViT checkpoint")
+
+
 def test_a_checkpoint_with_nan_is_not_cached(mirror):
     server, content = mirror
     arrays = _arrays(content)

@@ -85,8 +85,12 @@ def read_release(path, release):
       ValueError: naming the file and what is wrong with it.
     """
     config = configs.get_config(release.variant)
-    checkpoint = loader.read_checkpoint(path, num_heads=config.num_heads)
-    arch = loader.architecture(checkpoint)
+    try:
+        checkpoint = loader.read_checkpoint(path, num_heads=config.num_heads)
+        arch = loader.architecture(checkpoint)
+    except (KeyError, IndexError, TypeError) as error:  # arrays of impossible shapes or types
+        raise ValueError(f"{path!r} is not a well-formed ViT checkpoint "
+                         f"({type(error).__name__}: {error}).") from error
     fields = {"resnet_layers": None, "resnet_width": 1, **arch["config"]}
     found = {**fields, "classifier": arch["classifier"], "num_classes": arch["num_classes"],
              "representation_size": arch["representation_size"],
