@@ -21,8 +21,34 @@ BACKENDS = ("jax", "tensorflow", "torch")
 KEEP_HOST_MEMORY = "VIT_KERAS_KEEP_HOST_MEMORY"
 
 
+def expand_flagfiles(argv):
+    """argv with each `--flagfile PATH` / `--flagfile=PATH` replaced by the flags in that file
+    (one a line; `#` and `//` comments; nested flag files), in place, as absl reads them: a flag
+    after the file overrides the file's. An unreadable file is left out (absl reports it)."""
+    expanded, args = [], iter(argv)
+    for arg in args:
+        path = None
+        for prefix in ("--flagfile", "-flagfile"):
+            if arg == prefix:
+                path = next(args, "")
+            elif arg.startswith(prefix + "="):
+                path = arg[len(prefix) + 1:]
+        if path is None:
+            expanded.append(arg)
+            continue
+        try:
+            with open(os.path.expanduser(path)) as f:
+                lines = [line.strip() for line in f]
+        except OSError:
+            continue
+        expanded += expand_flagfiles([line for line in lines
+                                      if line and not line.startswith(("#", "//"))])
+    return expanded
+
+
 def select_backend(argv=None):
-    """Sets `KERAS_BACKEND` from `--backend NAME` or `--backend=NAME`, wherever it stands in argv.
+    """Sets `KERAS_BACKEND` from `--backend NAME` or `--backend=NAME`, wherever it stands in argv
+    or in a `--flagfile` it names (the last one wins, as in absl).
 
     Args:
       argv: the command line (default `sys.argv`).
@@ -33,7 +59,7 @@ def select_backend(argv=None):
     Raises:
       ValueError: for an unknown backend, or when Keras was already imported on another backend.
     """
-    argv = sys.argv if argv is None else argv
+    argv = expand_flagfiles(sys.argv if argv is None else argv)
     backend = None
     for index, arg in enumerate(argv):
         if arg == "--backend" and index + 1 < len(argv):
@@ -63,7 +89,8 @@ def flag_module(depth=1):
 def start_app(only=None, help_text=None):
     """Reads `--backend`, defines its absl flag and sets the apps' runtime defaults.
 
-    Call before importing keras or vit_keras. On JAX it also calls
+    Call before importing keras or vit_keras. An unknown backend ends the app with one line,
+    `ERROR: ...`, and status 2. On JAX it also calls
     `vit_keras.keep_freed_host_memory()` before JAX starts its CPU client (the app's first array),
     unless `VIT_KERAS_KEEP_HOST_MEMORY=0`: see `vit_keras.xla_cpu`.
 
@@ -75,7 +102,11 @@ def start_app(only=None, help_text=None):
     Returns:
       The backend chosen on the command line, or `None` (KERAS_BACKEND then decides).
     """
-    backend = select_backend(None if only is None else ["--backend", only])
+    try:
+        backend = select_backend(None if only is None else ["--backend", only])
+    except ValueError as error:
+        print(f"ERROR: {error}", file=sys.stderr)
+        sys.exit(2)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ info and warning logs
     # torch's OpenMP threads spin while waiting; beside tf.data's threads on a small CPU that made
     # training steps 5-10x slower here. Passive waiting costs nothing measurable on an idle machine.

@@ -113,6 +113,21 @@ def verify_reload(model, path, tolerance=1e-5):
     return difference
 
 
+def run_flags_text(module_name, leave_out=("overwrite",)):
+    """The text of a run's `flags.txt` (its `--flagfile`): the flags the app defined under
+    `module_name` (absl files a script's under its path), without absl's and TensorFlow's own,
+    one `--name=value` a line, with `--backend` set to the backend the run uses, so that the file
+    replays the run on that backend whatever KERAS_BACKEND says. `leave_out` names flags a replay
+    must not repeat (`--overwrite` would erase the run the file describes)."""
+    import keras
+
+    if "backend" in FLAGS and FLAGS.backend is None:
+        FLAGS.backend = keras.backend.backend()
+    lines = sorted(flag.serialize() for flag in FLAGS.get_flags_for_module(module_name)
+                   if flag.value is not None and flag.name not in leave_out)
+    return "".join(line + "\n" for line in lines)
+
+
 def training_app(name, started, recipe="auto", recipe_help=None):
     """Defines the training flags (the `option` fields of `vit_keras.tools.training.RunConfig`)
     under the calling app and returns its absl main, which runs `training.run` and reports.
@@ -127,14 +142,14 @@ def training_app(name, started, recipe="auto", recipe_help=None):
     from vit_keras.tools import config_flags, training
 
     recipe_flag = {"default": recipe, **({"help": recipe_help} if recipe_help else {})}
-    config_flags.define_flags(training.RunConfig, module_name=_backend.flag_module(),
-                              recipe=recipe_flag)
+    module_name = _backend.flag_module()
+    config_flags.define_flags(training.RunConfig, module_name=module_name, recipe=recipe_flag)
 
     def main(argv):
         if len(argv) > 1:
             raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
         from vit_keras.tools import callbacks, data
-        from vit_keras.tools.run_folder import RunFolder
+        from vit_keras.tools.run_folder import RunFolder, RunFolderError
 
         if recipe != "auto" and FLAGS.dataset == "digits" and not FLAGS["recipe"].present:
             FLAGS.recipe = "digits"  # before flags.txt records it: a rerun then replays the same
@@ -151,14 +166,16 @@ def training_app(name, started, recipe="auto", recipe_help=None):
             except ValueError as error:
                 raise app.UsageError(f"--model {FLAGS.model} --weights {FLAGS.weights}: "
                                      f"{error}") from None
-        config = config_flags.from_flags(training.RunConfig, flags_text=FLAGS.flags_into_string())
+        config = config_flags.from_flags(training.RunConfig,
+                                         flags_text=run_flags_text(module_name))
         from vit_keras import download
         from vit_keras.tools import distribution
 
         try:
             metrics = training.run(config, app=name, started=started)
         except (data.DatasetNotPreparedError, callbacks.NonFiniteLossError,
-                download.WeightsUnavailableError, distribution.MultiProcessError) as error:
+                download.WeightsUnavailableError, distribution.MultiProcessError,
+                RunFolderError, training.ActivationMemoryError) as error:
             print(f"\nERROR: {error}", file=sys.stderr)
             return 2
         print()
@@ -168,7 +185,8 @@ def training_app(name, started, recipe="auto", recipe_help=None):
             print(f"\nProcess {process['index']} of {process['count']}: process 0 writes "
                   f"{RunFolder.of_model(metrics['model_path']).path}.")
             return 0
-        print(f"\nSaved model: {metrics['model_path']}")
+        print(f"\n{'Model:' if metrics.get('already_complete') else 'Saved model:'} "
+              f"{metrics['model_path']}")
         print(f"Metrics:     {RunFolder.of_model(metrics['model_path']).metrics}")
         return 0
 
@@ -206,9 +224,7 @@ def load_run_splits(model_path, dataset=None, data_dir=None, seed=None, val_frac
 def model_image_size(model):
     """The side of the square images a model is fed by the apps' pipelines: its input's, or for a
     model of dynamic image size the size it was built for."""
-    height = model.input_shape[1]
-    if height is None:
-        from vit_keras import geometry
+    from vit_keras.tools import training
 
-        height = geometry.token_grid(model)[0] * geometry.token_pixels(model)
-    return height
+    return training.model_image_size(model)
+

@@ -18,13 +18,18 @@ with status 2 and says where to place the file.
 
 With --weights the defaults are vit_jax's fine-tuning recipe (SGD momentum 0.9, global-norm clipping
 1.0, 500 warm-up steps then cosine decay, lr 0.03, no weight decay, batch 512, 10k steps, 384 px,
-zero-initialised head, position embeddings resampled to --image_size). Without --weights the model
-starts from scratch: on digits with the digits recipe, elsewhere with the paper's pre-training
-recipe (see apps/train.py). Every recipe value can be overridden by its flag.
+zero-initialised head, position embeddings resampled to --image_size); on the digits data, the
+digits recipe at the weights' own image size. Without --weights the model starts from scratch: on
+digits with the digits recipe, elsewhere with the paper's pre-training recipe (see apps/train.py).
+Every recipe value can be overridden by its flag. A configuration whose training step cannot fit
+in memory is refused before the first step, with the estimate.
 
-Outputs go to OUTPUT_DIR/RUN_NAME/: model.keras, metrics.json, flags.txt, class_names.json,
-history.csv, training_curves.png, logs/ (TensorBoard). The same command run again after a crash or
-SIGKILL resumes from the last completed epoch (backup/).
+Outputs go to OUTPUT_DIR/RUN_NAME/: model.keras, metrics.json, flags.txt (the app's flags, usable
+as --flagfile, --backend included), class_names.json, history.csv, training_curves.png, logs/
+(TensorBoard). The same command run again after a crash or SIGKILL resumes from the last completed
+epoch (backup/), or at the final evaluation if training had ended; run again after the run
+finished, it says the run is complete and changes nothing (--overwrite starts it over). A second
+process into a folder in use stops at once, naming the first.
 """
 
 import time

@@ -1,8 +1,8 @@
 r"""Self-supervised pre-training by masked patch prediction (the paper's section 4.6), any backend.
 
     python apps/pretrain.py --backend jax                 # digits, offline, a few minutes
-    python apps/finetune.py --backend jax --recipe digits --image_size 16 \
-        --weights saved_models/pretrain_digits_ViT-digits/model.keras
+    python apps/finetune.py --backend jax \
+        --weights saved_models/pretrain_digits_ViT-digits/model.keras   # digits recipe, 16 px
     python apps/fewshot.py --backend jax --model saved_models/pretrain_digits_ViT-digits/model.keras
     python apps/pretrain.py --backend jax --dataset imagenet2012 --data_dir ~/tensorflow_datasets \
         --model ViT-B/16 --accum_steps 8 --mixed_precision bfloat16 --fewshot_shots ""
@@ -23,7 +23,9 @@ The run folder OUTPUT_DIR/RUN_NAME/ holds model.keras (a vit_keras ViT with the 
 and the MPP head; apps/finetune.py --weights takes it, dropping both and zero-initialising a new
 head), metrics.json (loss history and the few-shot accuracy of the frozen features,
 `--fewshot_shots`), flags.txt, class_names.json, history.csv, logs/. The same command resumes an
-interrupted run from its last completed epoch.
+interrupted run from its last completed epoch (or at the few-shot evaluation if training had
+ended), leaves a finished run as it is (--overwrite starts it over), and stops at once if another
+process is running in the folder.
 """
 
 import time
@@ -36,6 +38,7 @@ _backend.start_app()  # before keras is imported
 import dataclasses  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
+import signal  # noqa: E402
 import sys  # noqa: E402
 
 from absl import app  # noqa: E402
@@ -57,11 +60,12 @@ MPP_DIGITS_RECIPE = dataclasses.replace(
     epochs=60, batch_size=64, image_size=16)
 MPP_RECIPES = {"mpp": MPP_RECIPE, "mpp_digits": MPP_DIGITS_RECIPE}
 
-config_flags.define_flags(training.RunConfig, module_name=_backend.flag_module(0))
+_FLAG_MODULE = _backend.flag_module(0)  # absl's name for this app: its flags go to flags.txt
+config_flags.define_flags(training.RunConfig, module_name=_FLAG_MODULE)
 flags.FLAGS.__delattr__("recipe")  # RunConfig's lists the supervised recipes; these are MPP's
 flags.DEFINE_enum("recipe", "auto", ["auto", *MPP_RECIPES],
                   "Base recipe: mpp (the paper's), mpp_digits (the default on the digits data); "
-                  "the flags below override single values.", module_name=_backend.flag_module(0))
+                  "the flags below override single values.", module_name=_FLAG_MODULE)
 flags.DEFINE_enum("target", "mean_colour", list(mpp.TARGETS),
                   "What each corrupted patch predicts: mean_colour (3-bit mean colour, 512 "
                   "classes, the paper's), downsampled_colour (3-bit colours of a 4x4 grid, "
@@ -124,17 +128,31 @@ def read_history(path):
 
 
 def run(config, log=print):
-    """One pre-training run; returns its metrics (also written to metrics.json)."""
+    """One pre-training run; returns its metrics (also written to metrics.json).
+
+    The run folder behaves as `training.run`'s: a finished run (its metrics.json) is left as it
+    is unless `config.overwrite`, another process in the folder is refused, and an unfinished
+    run resumes from its last completed epoch, or at the few-shot evaluation when training had
+    ended."""
+    from vit_keras.tools.run_folder import RunFolder
+
+    run_name = config.run_name or training.default_run_name(config, "pretrain")
+    folder = RunFolder(os.path.join(config.output_dir, run_name))
+    with folder.locked():
+        finished = training.finished_run(folder, config.overwrite, log=log)
+        if finished is not None:
+            return finished
+        return _pretrain(config, folder, run_name, log)
+
+
+def _pretrain(config, folder, run_name, log):
     import keras
 
     from vit_keras import fewshot
     from vit_keras.tools import callbacks as callbacks_lib
     from vit_keras.tools import data
-    from vit_keras.tools.run_folder import RunFolder
 
     recipe, reason = resolve_recipe(config)
-    run_name = config.run_name or training.default_run_name(config, "pretrain")
-    folder = RunFolder(os.path.join(config.output_dir, run_name)).create()
     folder.write_flags(config.flags_text)
     keras.utils.set_random_seed(config.seed)
     splits = data.load_splits(config.dataset, data_dir=config.data_dir,
@@ -147,12 +165,17 @@ def run(config, log=print):
     steps_per_epoch = config.steps_per_epoch or max(1, pool.num_examples["train"] //
                                                     recipe.batch_size)
     epochs = recipe.epochs or max(1, math.ceil(recipe.total_steps * accum / steps_per_epoch))
-    backup = callbacks_lib.AtomicBackupAndRestore(folder.backup, seed=config.seed)
+    # Kept after fit (deleted once metrics.json is written): a run killed during its few-shot
+    # evaluation resumes there.
+    backup = callbacks_lib.AtomicBackupAndRestore(folder.backup, seed=config.seed,
+                                                  delete_checkpoint=False)
+    resume_epoch = backup.resume_epoch
+    trained = resume_epoch >= epochs
     train_ds = data.make_pipeline(pool, "train", image_size=recipe.image_size,
                                   batch_size=recipe.batch_size, training=True,
                                   augmentation=training.augmentation_for(config),
                                   seed=config.seed,
-                                  start_batch=backup.resume_epoch * steps_per_epoch)
+                                  start_batch=resume_epoch * steps_per_epoch)
     from vit_keras.tools import distribution as distribution_lib
 
     jit_compile = recipes.use_jit_compile() if config.jit_compile is None else config.jit_compile
@@ -167,26 +190,45 @@ def run(config, log=print):
         optimizer = recipes.make_optimizer(
             recipe, max(1, epochs * steps_per_epoch // accum), accum)
         model.compile(optimizer=optimizer, loss=None, jit_compile=jit_compile)
-    nan_guard = callbacks_lib.StopOnNaN()
-    backup.guard = nan_guard
-    checkpoint = callbacks_lib.AtomicModelCheckpoint(folder.model)
-    checkpoint.guard = nan_guard
+    if config.jit_compile is None:
+        recipes.save_jit_compile_as_auto(model)  # the loading backend chooses
+    replicas = (distribution_lib.num_replicas(config.distribution)
+                if config.distribution != "none" else 1)
+    if not trained:
+        training.check_activation_memory(model, recipe.batch_size // replicas, recipe.image_size)
     throughput = callbacks_lib.Throughput(recipe.batch_size, steps_per_epoch)
     log(f"{reason}. Run {run_name}: masked patch prediction ({FLAGS.target}) on "
         f"{pool.num_examples['train']} {config.dataset} images, {model.count_params():,} "
         f"parameters, image size {recipe.image_size}, batch {recipe.batch_size}, {epochs} epochs "
         f"of {steps_per_epoch} steps, {recipe.optimizer} lr {recipe.learning_rate:g}, backend "
         f"{keras.backend.backend()}.")
-    fit_started = time.perf_counter()
-    model.fit(train_ds, epochs=epochs, steps_per_epoch=steps_per_epoch, verbose=config.verbose,
-              callbacks=[nan_guard, throughput, keras.callbacks.CSVLogger(folder.history,
-                                                                          append=True),
-                         checkpoint, backup], shuffle=False)
-    fit_seconds = time.perf_counter() - fit_started
-    if nan_guard.bad_step:
-        raise callbacks_lib.NonFiniteLossError(
-            f"The pre-training loss became {nan_guard.bad_step[2]}; lower --learning_rate (now "
-            f"{recipe.learning_rate:g}) or lengthen --warmup_steps.")
+    if trained:
+        log(f"Resuming {folder.path}: its training ended (epoch {resume_epoch} of {epochs}) "
+            f"before the few-shot evaluation; evaluating the backed-up model.")
+        backup.restore(model)
+        fit_seconds = 0.0
+    else:
+        if resume_epoch:
+            log(f"Resuming {folder.path} from its backup after epoch {resume_epoch} of "
+                f"{epochs}.")
+        nan_guard = callbacks_lib.StopOnNaN()
+        backup.guard = nan_guard
+        checkpoint = callbacks_lib.AtomicModelCheckpoint(folder.model)
+        checkpoint.guard = nan_guard
+        fit_started = time.perf_counter()
+        model.fit(train_ds, epochs=epochs, steps_per_epoch=steps_per_epoch,
+                  verbose=config.verbose,
+                  callbacks=[nan_guard, throughput,
+                             keras.callbacks.CSVLogger(folder.history, append=True),
+                             checkpoint, backup], shuffle=False)
+        fit_seconds = time.perf_counter() - fit_started
+        if nan_guard.bad_step:
+            folder.remove_backup()  # the next run starts afresh
+            raise callbacks_lib.NonFiniteLossError(
+                f"The pre-training loss became {nan_guard.bad_step[2]}; lower --learning_rate "
+                f"(now {recipe.learning_rate:g}) or lengthen --warmup_steps.")
+        if os.environ.get(training.KILL_AFTER_TRAINING) == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
     folder.save_model(model)
     history = read_history(folder.history)
     shots = [int(s) for s in FLAGS.fewshot_shots]
@@ -204,7 +246,7 @@ def run(config, log=print):
         "wall_time_s": time.perf_counter() - _STARTED,
         "fit_time_s": fit_seconds,
         "epochs": epochs,
-        "resumed_from_epoch": backup.resume_epoch,
+        "resumed_from_epoch": resume_epoch,
         "num_examples": pool.num_examples,
         "history": history,
         "model_path": folder.model,
@@ -220,10 +262,12 @@ def run(config, log=print):
             "model_name": model.name, "num_parameters": model.count_params(),
             "steps_per_epoch": steps_per_epoch, "accum_steps": accum,
             "augmentation": dataclasses.asdict(training.augmentation_for(config)),
+            "jit_compile": model.jit_compile,
             "dtype_policy": keras.config.dtype_policy().name,
         },
     }
-    folder.write_metrics(metrics)
+    folder.write_metrics(metrics)  # last: from now on the folder holds a finished run
+    folder.remove_backup()
     training.set_precision("none")
     return metrics
 
@@ -233,9 +277,10 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
     from vit_keras.tools import callbacks, data
-    from vit_keras.tools.run_folder import RunFolder
+    from vit_keras.tools.run_folder import RunFolder, RunFolderError
 
-    config = config_flags.from_flags(training.RunConfig, flags_text=FLAGS.flags_into_string())
+    config = config_flags.from_flags(training.RunConfig,
+                                     flags_text=_common.run_flags_text(_FLAG_MODULE))
     processes = config.num_processes
     if processes is None:
         processes = int(os.environ.get("KERAS_DISTRIBUTION_NUM_PROCESSES") or 1)
@@ -247,18 +292,22 @@ def main(argv):
                              "Use --distribution data_parallel over one process's devices.")
     try:
         metrics = run(config)
-    except (data.DatasetNotPreparedError, callbacks.NonFiniteLossError) as error:
+    except (data.DatasetNotPreparedError, callbacks.NonFiniteLossError, RunFolderError,
+            training.ActivationMemoryError) as error:
         print(f"\nERROR: {error}", file=sys.stderr)
         return 2
+    speed = metrics["images_per_second"]
     print(f"\nMasked patch prediction loss (last epoch): {metrics['train_loss']:.4f}; "
-          f"{metrics['epochs']} epochs in {metrics['fit_time_s']:.0f} s "
-          f"({metrics['images_per_second']:.0f} images/s), backend {metrics['config']['backend']}.")
+          f"{metrics['epochs']} epochs in {metrics['fit_time_s']:.0f} s"
+          + (f" ({speed:.0f} images/s)" if speed else "")
+          + f", backend {metrics['config']['backend']}.")
     if metrics["fewshot"]:
         print(f"\nFew-shot linear accuracy of the frozen features ({config.dataset} test):\n")
         from vit_keras import fewshot
 
         print(fewshot.results_table(metrics["fewshot"]))
-    print(f"\nSaved model: {metrics['model_path']}")
+    print(f"\n{'Model:' if metrics.get('already_complete') else 'Saved model:'} "
+          f"{metrics['model_path']}")
     print(f"Metrics:     {RunFolder.of_model(metrics['model_path']).metrics}")
     return 0
 

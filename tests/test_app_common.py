@@ -26,6 +26,28 @@ def test_select_backend_reads_the_flag_anywhere(monkeypatch, argv):
     assert os.environ["KERAS_BACKEND"] == "torch"
 
 
+def test_select_backend_reads_flag_files_where_they_stand(monkeypatch, tmp_path):
+    monkeypatch.setenv("KERAS_BACKEND", "tensorflow")
+    monkeypatch.setitem(sys.modules, "keras", None)  # as in an app, before keras is imported
+    inner = tmp_path / "inner.txt"
+    inner.write_text("--backend=jax\n")
+    flags_txt = tmp_path / "flags.txt"
+    flags_txt.write_text(f"# a run's flags\n--batch_size=8\n--backend=torch\n--flagfile={inner}\n")
+    assert _backend.select_backend(["app", "--flagfile", str(flags_txt)]) == "jax"  # nested, later
+    assert _backend.select_backend(["app", f"--flagfile={flags_txt}", "--backend", "torch"]) == (
+        "torch")  # a flag after the file overrides it, as in absl
+    assert _backend.select_backend(["app", "--backend=torch", "--flagfile", str(inner)]) == "jax"
+    assert os.environ["KERAS_BACKEND"] == "jax"
+
+
+def test_an_unknown_backend_ends_an_app_with_one_line(tmp_path):
+    result = subprocess.run([sys.executable, os.path.join("apps", "finetune.py"), "--backend",
+                             "jaxx"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "ERROR: Unknown backend 'jaxx'; expected one of jax, tensorflow, torch."]
+
+
 def test_select_backend_errors(monkeypatch):
     monkeypatch.setenv("KERAS_BACKEND", "tensorflow")
     assert _backend.select_backend(["app"]) is None

@@ -175,3 +175,21 @@ def test_a_backup_without_its_weights_file_is_an_error_not_a_fresh_start(tmp_pat
     with pytest.raises(FileNotFoundError, match="epoch-3.weights.h5 is missing"):
         model.fit(x, y, epochs=5, verbose=0,
                   callbacks=[callbacks.AtomicBackupAndRestore(str(backup))])
+
+
+def test_restore_loads_a_kept_backup_into_a_model_without_training(tmp_path, tiny_config):
+    x, y = tiny_data()
+    model = tiny_model(tiny_config)
+    recipes.compile_model(model, "adam")
+    backup = callbacks.AtomicBackupAndRestore(str(tmp_path / "backup"), delete_checkpoint=False)
+    model.fit(x, y, epochs=2, verbose=0, callbacks=[backup])
+    assert backup.resume_epoch == 2  # kept after fit
+
+    keras.utils.set_random_seed(1)  # other initial weights
+    fresh = tiny_model(tiny_config)
+    recipes.compile_model(fresh, "adam")
+    callbacks.AtomicBackupAndRestore(str(tmp_path / "backup")).restore(fresh)
+    for restored, trained in zip(fresh.weights, model.weights):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(restored),
+                                      keras.ops.convert_to_numpy(trained))
+    assert int(fresh.optimizer.iterations) == int(model.optimizer.iterations) == 2

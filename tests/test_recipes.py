@@ -89,3 +89,26 @@ def test_gradient_accumulation_updates_weights_every_accum_steps_batches(tiny_co
 
 def test_jit_compile_is_on_for_jax_and_tensorflow_and_off_for_torch():
     assert recipes.use_jit_compile() == (keras.backend.backend() != "torch")
+
+
+def test_a_compiled_model_saves_jit_compile_auto_unless_it_was_chosen(tiny_config):
+    # Keras stores the resolved value; "auto" lets the backend that loads the model choose.
+    model = recipes.compile_model(tiny_model(tiny_config), "sgd")
+    assert model.jit_compile == recipes.use_jit_compile()  # compiled as the recipe says
+    assert model.get_compile_config()["jit_compile"] == "auto"
+    forced = recipes.compile_model(tiny_model(tiny_config), "sgd", jit_compile=False)
+    assert forced.get_compile_config()["jit_compile"] is False
+
+
+def test_importing_vit_keras_alone_registers_the_schedule_without_the_tools():
+    from conftest import run_on_backend
+
+    found = run_on_backend(keras.backend.backend(), """
+        import sys
+        import keras, vit_keras
+        schedule = keras.saving.get_registered_object("vit_keras>WarmupSchedule")
+        print(json.dumps([schedule is not None,
+                          sorted(m for m in sys.modules if m.startswith("vit_keras.tools"))]))
+    """)
+    assert found == [True, []]
+    assert recipes.WarmupSchedule is keras.saving.get_registered_object("vit_keras>WarmupSchedule")

@@ -15,7 +15,8 @@ from vit_keras.tools import training
 
 def test_recipe_choice_follows_weights_and_dataset():
     RunConfig = training.RunConfig
-    assert training.resolve_recipe(RunConfig(weights="w.npz"))[0].name == "finetune"
+    assert training.resolve_recipe(RunConfig(dataset="cifar10", weights="w.npz"))[0].name == (
+        "finetune")
     assert training.resolve_recipe(RunConfig())[0].name == "digits"
     assert training.resolve_recipe(RunConfig(dataset="cifar10"))[0].name == "pretrain"
     recipe, reason = training.resolve_recipe(RunConfig(dataset="cifar10", weights="w.npz",
@@ -99,3 +100,75 @@ def test_run_names_tell_apart_variants_fine_tuned_from_one_release():
     assert name(model="ViT-B/16", weights="augreg_in21k") == "finetune_cifar10_ViT-B_16_augreg_in21k"
     assert name(model="ViT-S/16", weights="augreg_in21k") == "finetune_cifar10_ViT-S_16_augreg_in21k"
     assert name(weights="/data/ViT-B_16.npz") == "finetune_cifar10_ViT-B_16"
+
+
+def test_weights_on_the_digits_get_the_digits_recipe_at_their_own_size():
+    recipe, reason = training.resolve_recipe(training.RunConfig(weights="run/model.keras"))
+    assert recipe.name == "digits" and "digits recipe" in reason
+    assert recipe.image_size is None  # the weights' own, read once the model is built
+    given = training.resolve_recipe(training.RunConfig(weights="run/model.keras", image_size=32))
+    assert given[0].image_size == 32
+    assert training.resolve_recipe(training.RunConfig())[0].image_size == 16
+
+
+def test_a_pretrained_digits_model_is_fine_tuned_at_its_own_size(tmp_path, tiny_config):
+    from vit_keras import masked_patch_prediction as mpp
+
+    source = mpp.build_pretraining_model(build_model(tiny_config, image_size=12, num_classes=3,
+                                                     classifier="gap"))
+    path = str(tmp_path / "pretrain_digits_tiny" / "model.keras")
+    os.makedirs(os.path.dirname(path))
+    source.save(path)
+    config = training.RunConfig(weights=path)
+    recipe, _ = training.resolve_recipe(config)
+    model = training.build_run_model(config, recipe, num_classes=10, log=lambda _: None)
+    assert model.input_shape == (None, 12, 12, 3) and model.output_shape == (None, 10)
+    assert training.default_run_name(config) == "finetune_digits_pretrain_digits_tiny"
+
+
+def test_activation_estimate_grows_with_batch_and_tokens(tiny_config):
+    small = build_model(tiny_config, image_size=8, num_classes=3)     # 2x2 patches + class token
+    large = build_model(tiny_config, image_size=16, num_classes=3)    # 4x4 patches + class token
+    one = training.training_activation_bytes(small, 1)
+    assert one > 0 and training.training_activation_bytes(small, 8) == 8 * one
+    # 17 tokens against 5: at least linear, and quadratic where attention is not fused.
+    assert training.training_activation_bytes(large, 1) >= one * 17 / 5
+
+
+def test_a_step_that_cannot_fit_in_memory_is_refused_with_the_flags_to_change(tiny_config):
+    model = build_model(tiny_config, image_size=16, num_classes=3)
+    needed = training.training_activation_bytes(model, 64)
+    assert training.check_activation_memory(model, 64, 16, memory=(needed, "test")) == needed
+    with pytest.raises(training.ActivationMemoryError) as error:
+        training.check_activation_memory(model, 64, 16, memory=(needed - 1, "a test device"))
+    message = str(error.value)
+    assert "--image_size 16" in message and "--batch_size 64" in message
+    assert "of a test device" in message and "GiB" in message and "\n" not in message
+    assert training.check_activation_memory(model, 64, 16, memory=(None, "unknown")) == needed
+
+
+def test_a_finished_run_is_returned_as_it_is_and_overwrite_clears_it(tmp_path):
+    from vit_keras.tools.run_folder import RunFolder
+
+    folder = RunFolder(tmp_path / "run").create()
+    folder.write_metrics({"test_accuracy": 0.5})
+    open(os.path.join(folder.path, "model.tmp-7.keras"), "wb").close()
+    logs = []
+    with folder.locked():
+        finished = training.finished_run(folder, log=logs.append)
+        assert finished == {"test_accuracy": 0.5, "already_complete": True}
+        assert "is complete" in logs[0] and "--overwrite" in logs[0]
+        assert os.path.exists(os.path.join(folder.path, "model.tmp-7.keras"))  # untouched
+        assert training.finished_run(folder, overwrite=True, log=logs.append) is None
+        assert os.listdir(folder.path) == ["lock"]
+
+
+def test_an_unfinished_run_loses_only_its_temporary_files(tmp_path):
+    from vit_keras.tools.run_folder import RunFolder
+
+    folder = RunFolder(tmp_path / "run").create()
+    for name in ("model.keras", "history.csv", "model.tmp-7.keras"):
+        open(os.path.join(folder.path, name), "wb").close()
+    with folder.locked():
+        assert training.finished_run(folder, log=lambda _: None) is None
+    assert sorted(os.listdir(folder.path)) == ["history.csv", "model.keras"]

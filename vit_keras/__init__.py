@@ -1,7 +1,8 @@
 """vit_keras: the Vision Transformer (Dosovitskiy et al., ICLR 2021) in Keras 3, on every backend.
 
-Importing this package registers its layers, so `keras.models.load_model` reads vit_keras models
-with nothing else imported. It loads no TensorFlow on the JAX and torch backends and changes no
+Importing this package registers its layers and the learning-rate schedule the training apps
+save, so `keras.models.load_model` reads vit_keras models, compiled ones included, with nothing
+else imported. It loads no TensorFlow on the JAX and torch backends and changes no
 process-wide state. The library core is this package's modules and `checkpoints/`; the
 application half (data pipelines, recipes, training runs, export, figures) is `vit_keras.tools`,
 which the core never imports.
@@ -17,6 +18,7 @@ from vit_keras.analysis import (
 )
 from vit_keras.checkpoints import load_pretrained, save_npz
 from vit_keras import fewshot, masked_patch_prediction  # noqa: F401 (registers the MPP layers)
+from vit_keras import schedules  # noqa: F401 (registers the training recipes' WarmupSchedule)
 from vit_keras.features import build_feature_extractor, intermediate_features
 from vit_keras.labels import class_names
 from vit_keras.configs import VARIANTS, ViTConfig, get_config

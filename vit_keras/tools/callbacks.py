@@ -44,6 +44,10 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
     arrays, so a resumed `fit` makes a draw the uninterrupted one did not. The callback therefore
     seeds that generator from `(seed, epoch)` at each epoch's first step.
 
+    With `delete_checkpoint=False` (Keras' argument) the backup outlives `fit`: the training run
+    deletes it once its final metrics are written, and `restore` loads it into a model without
+    training, for a run killed between its last epoch and its final evaluation.
+
     With several processes, saving is a collective operation on JAX (every process must take
     part) but only one process may write the shared `backup_dir`: the others pass a private
     `save_dir`, which takes their writes and is deleted at the end; every process resumes from
@@ -95,6 +99,13 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
         super()._load_model()
         if "seed_generators" in metadata:
             set_seed_generator_states(self.model, metadata["seed_generators"])
+
+    def restore(self, model):
+        """Loads the backup into `model` (built and compiled as the run that wrote it) without
+        training: for a run whose training ended before its final evaluation."""
+        self.set_model(model)
+        self._load_model()
+        return model
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch

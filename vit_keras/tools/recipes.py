@@ -1,13 +1,13 @@
 """Training recipes as data (fine-tuning, pre-training, digits) and what turns one into a compiled
-model: the warm-up schedule, the optimizer, `compile_model`. Imports only Keras at module level."""
+model: the optimizer with its warm-up schedule (`vit_keras.schedules.WarmupSchedule`),
+`compile_model`. Imports only Keras at module level."""
 
 import dataclasses
-import math
 
 import keras
-from keras import ops
 
-_PACKAGE = "vit_keras"
+# In the core, which `import vit_keras` registers: a saved optimizer finds it there.
+from vit_keras.schedules import WarmupSchedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,53 +65,6 @@ DIGITS_RECIPE = dataclasses.replace(
 DIGITS_AUGMENTATION = {"crop_area": (0.8, 1.0), "flip": False}
 
 
-@keras.saving.register_keras_serializable(package=_PACKAGE)
-class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
-    """vit_jax's `create_learning_rate_schedule`: linear warm-up from 0, then cosine or linear decay.
-
-        progress = clip((step - warmup_steps) / (total_steps - warmup_steps), 0, 1)
-        cosine:  lr = base * 0.5 * (1 + cos(pi * progress))
-        linear:  lr = end + (base - end) * (1 - progress)
-        lr *= min(1, step / warmup_steps)
-
-    `steps_per_update` divides the optimizer's iteration counter, which Keras advances on every
-    batch even when gradients are accumulated, so `step` counts updates.
-    """
-
-    def __init__(self, base_learning_rate, total_steps, warmup_steps=0, decay="cosine",
-                 end_learning_rate=0.0, steps_per_update=1):
-        if decay not in ("cosine", "linear"):
-            raise ValueError(f"Unknown decay {decay!r}; expected 'cosine' or 'linear'.")
-        if total_steps <= warmup_steps:
-            raise ValueError(f"total_steps ({total_steps}) must exceed warmup_steps "
-                             f"({warmup_steps}); shorten the warm-up or train longer.")
-        self.base_learning_rate = float(base_learning_rate)
-        self.total_steps = int(total_steps)
-        self.warmup_steps = int(warmup_steps)
-        self.decay = decay
-        self.end_learning_rate = float(end_learning_rate)
-        self.steps_per_update = int(steps_per_update)
-
-    def __call__(self, step):
-        step = ops.floor(ops.cast(step, "float32") / self.steps_per_update)
-        progress = ops.clip((step - self.warmup_steps) / (self.total_steps - self.warmup_steps),
-                            0.0, 1.0)
-        if self.decay == "cosine":
-            lr = self.base_learning_rate * 0.5 * (1.0 + ops.cos(math.pi * progress))
-        else:
-            lr = self.end_learning_rate + (
-                self.base_learning_rate - self.end_learning_rate) * (1.0 - progress)
-        if self.warmup_steps:
-            lr = lr * ops.minimum(1.0, step / self.warmup_steps)
-        return lr
-
-    def get_config(self):
-        return {"base_learning_rate": self.base_learning_rate, "total_steps": self.total_steps,
-                "warmup_steps": self.warmup_steps, "decay": self.decay,
-                "end_learning_rate": self.end_learning_rate,
-                "steps_per_update": self.steps_per_update}
-
-
 def make_optimizer(recipe, total_steps=None, accum_steps=1):
     """The recipe's optimizer with its warm-up schedule, global-norm clipping and accumulation.
 
@@ -140,12 +93,27 @@ def use_jit_compile():
     return keras.backend.backend() in ("jax", "tensorflow")
 
 
+def save_jit_compile_as_auto(model):
+    """Makes `model.save` record `jit_compile="auto"` in its compile config, whatever the model
+    was compiled with, so that `keras.models.load_model` lets the loading backend choose: Keras
+    resolves "auto" to eager on torch, where a restored `jit_compile=True` would torch.compile the
+    first `predict` (about a minute on CPU with recompilation warnings), and to XLA on JAX.
+
+    Keras stores the resolved value of the `compile` argument; the stored config is replaced in
+    place. Call it after `compile`, and only when the user did not choose `jit_compile`."""
+    config = getattr(model, "_compile_config", None)
+    if config is not None:
+        config.config["jit_compile"] = "auto"
+    return model
+
+
 def compile_model(model, optimizer, label_smoothing=0.0, jit_compile=None):
     """Softmax cross-entropy on one-hot labels, top-1 and top-5 accuracy.
 
     The accuracies are weighted metrics: they honour sample weights (the zero-weight padding of
     a multi-process evaluation, `distribution.pad_to_whole_batches`) and equal plain ones
-    without."""
+    without. `jit_compile=None` compiles with `use_jit_compile()` and saves "auto"
+    (`save_jit_compile_as_auto`); `True` or `False` is used and saved as given."""
     num_classes = model.output_shape[-1]
     metrics = [keras.metrics.CategoricalAccuracy(name="accuracy")]
     if num_classes > 5:
@@ -156,6 +124,8 @@ def compile_model(model, optimizer, label_smoothing=0.0, jit_compile=None):
                                                   label_smoothing=label_smoothing),
         weighted_metrics=metrics,
         jit_compile=use_jit_compile() if jit_compile is None else jit_compile)
+    if jit_compile is None:
+        save_jit_compile_as_auto(model)
     return model
 
 

@@ -9,13 +9,19 @@
     logs/                TensorBoard event files
     backup/              the state to resume from, while the run is unfinished
     skipped_files.txt    an image folder's files that could not be read, one per line
+    lock                 while a process runs in the folder: its pid and host (JSON)
 
 Every file is written through a temporary name and `os.replace`, so a killed run never leaves a
-truncated file. Apps that take a `.keras` file find the rest beside it with `RunFolder.of_model`.
+truncated file (the temporary files it may leave are removed when the run resumes).
+`metrics.json` is written last: a folder that has it holds a finished run. Apps that take a
+`.keras` file find the rest beside it with `RunFolder.of_model`.
 """
 
+import contextlib
 import json
 import os
+import shutil
+import socket
 
 import numpy as np
 
@@ -53,6 +59,14 @@ def read_json(path):
         return None
 
 
+class RunFolderError(RuntimeError):
+    """A run folder cannot be used: it cannot be written, or another process holds it."""
+
+
+class RunFolderBusyError(RunFolderError):
+    """Another live process holds the run folder's lock."""
+
+
 def load_class_names(path):
     """Class names from a JSON list of strings or a text file with one name per line."""
     with open(path, encoding="utf-8") as f:
@@ -87,10 +101,106 @@ class RunFolder:
     logs = property(lambda self: self._file("logs"))
     backup = property(lambda self: self._file("backup"))
     skipped_files = property(lambda self: self._file("skipped_files.txt"))
+    lock = property(lambda self: self._file("lock"))
 
     def create(self):
-        os.makedirs(self.path, exist_ok=True)
+        """Creates the folder; `RunFolderError` (one line, no traceback needed) if it cannot."""
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as error:
+            raise self._unwritable(error) from None
         return self
+
+    def _unwritable(self, error):
+        return RunFolderError(
+            f"Cannot write the run folder {self.path}: {error.strerror or error}. Make it "
+            f"writable, or choose another --output_dir or --run_name.")
+
+    @contextlib.contextmanager
+    def locked(self):
+        """Holds the folder's `lock` file while the block runs: a second process that tries
+        meanwhile gets `RunFolderBusyError` naming this one's pid and host, at once.
+
+        The lock is an advisory `flock` on the file, which the kernel drops when its process
+        ends, however it ends: the file of a killed run never locks the folder. The file holds
+        `{"pid": ..., "host": ...}` for the message, and is removed when the block ends.
+        Creates the folder; `RunFolderError` when it cannot be written.
+        """
+        self.create()
+        try:
+            import fcntl
+        except ImportError:  # no flock (Windows): run without the guard
+            yield self
+            return
+        try:
+            descriptor = self._acquire(fcntl)
+        except RunFolderError:
+            raise
+        except OSError as error:
+            raise self._unwritable(error) from None
+        try:
+            yield self
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(self.lock)  # before unlocking: a waiting opener then sees a new file
+            os.close(descriptor)
+
+    def _acquire(self, fcntl):
+        while True:
+            descriptor = os.open(self.lock, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = read_json(self.lock) or {}
+                os.close(descriptor)
+                who = (f"process {holder['pid']} on {holder.get('host', 'an unknown host')}"
+                       if "pid" in holder else "another process")
+                raise RunFolderBusyError(
+                    f"{self.path} is in use by {who} (lock file {self.lock}): wait for that run "
+                    f"to end, or pass another --run_name.") from None
+            except BaseException:
+                os.close(descriptor)
+                raise
+            # The previous holder removes the file before unlocking: locking a removed file
+            # locks nothing anyone else sees, so try again with the file now at the path.
+            try:
+                same = os.path.samestat(os.fstat(descriptor), os.stat(self.lock))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(descriptor)
+        os.ftruncate(descriptor, 0)
+        os.write(descriptor, json.dumps({"pid": os.getpid(),
+                                         "host": socket.gethostname()}).encode())
+        return descriptor
+
+    def is_complete(self):
+        """Whether the folder holds a finished run: its `metrics.json`, written last."""
+        return self.read_metrics() is not None
+
+    def clear(self):
+        """Removes everything a run wrote (for `--overwrite`); keeps the folder and its lock."""
+        for name in os.listdir(self.path):
+            path = self._file(name)
+            if path == self.lock:
+                continue
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+
+    def remove_backup(self):
+        shutil.rmtree(self.backup, ignore_errors=True)
+
+    def remove_temporary_files(self):
+        """Deletes what interrupted atomic writes left (call while holding the lock: no other
+        process is then writing them). Returns their paths relative to the folder."""
+        found = self.temporary_files()
+        for name in found:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self._file(name))
+        return found
 
     def write_flags(self, text):
         temporary = f"{self.flags}.tmp-{os.getpid()}"
@@ -116,5 +226,12 @@ class RunFolder:
         return read_json(self.metrics)
 
     def temporary_files(self):
-        """Names in the folder left by an interrupted atomic write (none after a clean run)."""
-        return [name for name in os.listdir(self.path) if ".tmp" in name]
+        """Files left by interrupted atomic writes (none after a clean run), relative to the
+        folder: `NAME.tmp-PID[.keras]` beside the outputs, `saving-PID.weights.h5` and
+        `*.tmp-PID` in `backup/`."""
+        found = [name for name in os.listdir(self.path)
+                 if ".tmp-" in name and os.path.isfile(self._file(name))]
+        if os.path.isdir(self.backup):
+            found += [os.path.join("backup", name) for name in os.listdir(self.backup)
+                      if name.startswith("saving-") or ".tmp-" in name]
+        return found

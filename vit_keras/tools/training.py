@@ -7,6 +7,7 @@ import dataclasses
 import math
 import os
 import shutil
+import signal
 import tempfile
 import time
 import warnings
@@ -20,6 +21,11 @@ from vit_keras.tools import distribution as distribution_lib
 from vit_keras.tools import recipes as recipes_lib
 from vit_keras.tools.config_flags import option
 from vit_keras.tools.run_folder import RunFolder
+
+# A test hook: set to 1, `run` kills its own process with SIGKILL once training has finished,
+# before the final evaluation (as a kill at that moment would), so that the resumption at the
+# evaluation can be tested without racing a timer.
+KILL_AFTER_TRAINING = "VIT_KERAS_TEST_KILL_AFTER_TRAINING"
 
 
 @dataclasses.dataclass
@@ -60,7 +66,8 @@ class RunConfig:
         None, "Class token or global average pooling (default: gap for ViT-digits, token "
         "otherwise; with --weights the checkpoint decides).", choices=("token", "gap"))
     image_size: int = option(None, "Training and evaluation resolution (recipe default: 384 "
-                             "fine-tuning, 224 pre-training, 16 digits).")
+                             "fine-tuning, 224 pre-training, 16 digits; with --weights on the "
+                             "digits recipe, the weights' own).")
     dropout: float = option(None, "Dropout rate (recipe default: 0.0 fine-tuning, 0.1 "
                             "otherwise).")
     attention_dropout: float = option(0.0, "Dropout on the attention probabilities.")
@@ -69,8 +76,9 @@ class RunConfig:
         None, "Width of a pre-logits layer (Dense + tanh) before the head (new models only).")
     # recipe
     recipe: str = option(
-        "auto", "Base recipe: auto = finetune with --weights, digits on the digits data, pretrain "
-        "otherwise. The flags below override single values.",
+        "auto", "Base recipe: auto = digits on the digits data (with or without --weights), "
+        "finetune with --weights elsewhere, pretrain otherwise. The flags below override single "
+        "values.",
         choices=("auto", *recipes_lib.RECIPES))
     optimizer: str = option(None, "sgd (momentum, fine-tuning) or adamw (pre-training, digits).",
                             choices=("sgd", "adamw"))
@@ -140,7 +148,11 @@ class RunConfig:
     # run
     output_dir: str = option("saved_models", "Where run folders are written.")
     run_name: str = option(
-        None, "Run folder name (default APP_DATASET_MODEL); the same name resumes the run.")
+        None, "Run folder name (default APP_DATASET_MODEL); the same name resumes an unfinished "
+        "run and leaves a finished one (its metrics.json) as it is.")
+    overwrite: bool = option(
+        False, "Start the run over: delete what the run folder holds (a finished run's model and "
+        "metrics, an unfinished run's backup) and train afresh. Never written to flags.txt.")
     seed: int = option(0, "Seed of the initialisation, the data order and the splits.")
     verbose: int = option(1, "Keras fit verbosity: 1 progress bars, 2 one line per epoch.")
     flags_text: str = None          # written to flags.txt (the app's --flagfile); not a flag
@@ -153,19 +165,26 @@ def choose_recipe(config):
             raise ValueError(f"Unknown recipe {config.recipe!r}; expected auto or one of "
                              f"{sorted(recipes_lib.RECIPES)}.")
         return recipes_lib.RECIPES[config.recipe], f"recipe {config.recipe} (--recipe)"
-    if config.weights:
-        return recipes_lib.FINETUNE_RECIPE, (f"fine-tuning {config.weights} with vit_jax's "
-                                             "fine-tuning recipe")
     if config.dataset == "digits":
+        if config.weights:
+            return recipes_lib.DIGITS_RECIPE, (f"fine-tuning {config.weights} on the digits with "
+                                               "the digits recipe")
         return recipes_lib.DIGITS_RECIPE, ("no pretrained weights given (--weights): training "
                                            "from scratch with the digits recipe (the paper's "
                                            "pre-training recipe at digits scale)")
+    if config.weights:
+        return recipes_lib.FINETUNE_RECIPE, (f"fine-tuning {config.weights} with vit_jax's "
+                                             "fine-tuning recipe")
     return recipes_lib.PRETRAIN_RECIPE, ("no pretrained weights given (--weights): training "
                                          "from scratch with the paper's pre-training recipe")
 
 
 def resolve_recipe(config):
-    """The run's `recipes.Recipe`: the chosen base with every explicitly given field replaced."""
+    """The run's `recipes.Recipe`: the chosen base with every explicitly given field replaced.
+
+    With `--weights` on the digits recipe and no `--image_size`, `image_size` is `None`: the
+    weights' own size, known once the model is built (`run` fills it in). A model pre-trained on
+    the digits at 16 px is fine-tuned on them at 16 px."""
     base, reason = choose_recipe(config)
     overrides = {field: getattr(config, field) for field in (
         "optimizer", "learning_rate", "momentum", "weight_decay", "grad_clip_norm",
@@ -173,6 +192,8 @@ def resolve_recipe(config):
         "label_smoothing", "dropout") if getattr(config, field) is not None}
     if config.total_steps is not None and config.epochs is None:
         overrides["epochs"] = None   # an explicit step count wins over the recipe's epochs
+    if config.weights and config.image_size is None and base.name == "digits":
+        overrides["image_size"] = None
     return dataclasses.replace(base, **overrides), reason
 
 
@@ -184,7 +205,10 @@ def default_run_name(config, app="finetune"):
     if pretrained.is_release_name(config.weights):
         model = f"{model}_{config.weights}"  # one release serves many variants
     elif config.weights:
-        model = os.path.splitext(os.path.basename(config.weights.rstrip("/")))[0]
+        path = config.weights.rstrip("/")
+        model = os.path.splitext(os.path.basename(path))[0]
+        if os.path.basename(path) == "model.keras":  # a run's model: name it by its run
+            model = os.path.basename(os.path.dirname(os.path.abspath(path))) or model
     return f"{app}_{dataset}_{model}"
 
 
@@ -208,12 +232,12 @@ def build_run_model(config, recipe, num_classes, log=print):
         from vit_keras import masked_patch_prediction
 
         loaded = keras.saving.load_model(config.weights, compile=False)
-        size = loaded.input_shape[1]
+        size = model_image_size(loaded)
         if masked_patch_prediction.is_pretraining_model(loaded):
             # apps/pretrain.py's model: fine-tune its ViT, without [mask] token and MPP head.
             log(f"{config.weights} is a masked patch prediction model: fine-tuning its encoder.")
             loaded = masked_patch_prediction.pretrained_encoder(loaded)
-        elif loaded.output_shape[-1] == num_classes and size == recipe.image_size:
+        elif loaded.output_shape[-1] == num_classes and recipe.image_size in (None, size):
             log(f"Continuing from {config.weights} (same classes and image size).")
             return loaded
         # Another head or resolution: go through the npz layout, which resamples position
@@ -323,33 +347,178 @@ def _no_length_warning(multi_process):
         yield
 
 
+def model_image_size(model):
+    """The side of the square images a built model takes: its input's, or for a model of dynamic
+    image size the size it was built for."""
+    from vit_keras import geometry
+
+    height = model.input_shape[1]
+    return height if height is not None else (geometry.token_grid(model)[0] *
+                                              geometry.token_pixels(model))
+
+
+class ActivationMemoryError(ValueError):
+    """A training step's activations cannot fit in the memory of the device it runs on."""
+
+
+def training_activation_bytes(model, batch_size):
+    """A lower bound of the bytes of activations one training step of `model` keeps for its
+    backward pass, at `batch_size` images per device.
+
+    Per image and Transformer block: the attention logits and probabilities,
+    `2 * heads * tokens**2` float32 values (unless the block's attention runs through a fused
+    kernel, which keeps none), and `8 * tokens * hidden + 2 * tokens * mlp_dim` values in the
+    compute dtype (the inputs of the two LayerNorms, of the q/k/v and output projections, and of
+    the MLP's two layers and its GELU). Embeddings, a hybrid's ResNet, the head, gradients and
+    the optimizer come on top.
+    """
+    from vit_keras import geometry
+    from vit_keras import layers as vit_layers
+
+    blocks = [layer for layer in model.layers if isinstance(layer, vit_layers.TransformerBlock)]
+    if not blocks:
+        return 0
+    rows, cols = geometry.token_grid(model)
+    has_class_token = any(isinstance(layer, vit_layers.ClassToken) for layer in model.layers)
+    tokens = rows * cols + int(has_class_token)
+    total = 0
+    for block in blocks:
+        hidden = block.attention.query.kernel.shape[0]
+        value_bytes = 2 if block.compute_dtype in ("float16", "bfloat16") else 4
+        linear = (8 * tokens * hidden + 2 * tokens * block.mlp_dim) * value_bytes
+        # `_fused`: the layer's own answer to whether keras.ops.dot_product_attention reaches a
+        # fused kernel here (attention dropout takes the explicit path).
+        fused = getattr(block.attention, "_fused", False) and not block.attention_dropout
+        attention = 0 if fused else 2 * block.num_heads * tokens * tokens * 4
+        total += linear + attention
+    return total * int(batch_size)
+
+
+def device_memory():
+    """`(bytes, name)` of the memory a training step runs in: the first accelerator's where the
+    backend reports it, else the host's RAM (within a cgroup's limit); `(None, name)` when
+    unknown (TensorFlow on a GPU)."""
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        device = jax.devices()[0]
+        if device.platform != "cpu":
+            limit = (device.memory_stats() or {}).get("bytes_limit")
+            return limit, f"{device.device_kind} ({device.platform})"
+    elif backend == "torch":
+        import torch
+
+        if torch.cuda.is_available():
+            return (torch.cuda.get_device_properties(0).total_memory,
+                    torch.cuda.get_device_name(0))
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        if tf.config.list_physical_devices("GPU"):
+            return None, "GPU"
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        physical = min(physical, int(limit)) if limit.isdigit() else physical
+    except OSError:
+        pass
+    return physical, "host memory (RAM)"
+
+
+def _binary_size(count):
+    value, unit = count / 1024 ** 3, "GiB"
+    for larger in ("TiB", "PiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, larger
+    return f"{value:,.1f} {unit}"
+
+
+def check_activation_memory(model, batch_size, image_size, memory=None):
+    """Raises `ActivationMemoryError` (one line: the estimate, the memory, the flags to change)
+    when `training_activation_bytes` exceeds the device's memory (`device_memory()` unless
+    `memory`, a `(bytes, name)` pair, is given); returns the estimate otherwise."""
+    needed = training_activation_bytes(model, batch_size)
+    available, where = memory or device_memory()
+    if available and needed > available:
+        raise ActivationMemoryError(
+            f"A training step at --image_size {image_size} and --batch_size {batch_size} "
+            f"(per device) keeps at least {_binary_size(needed)} of activations for "
+            f"{model.name}, more than the {_binary_size(available)} of {where}: lower "
+            f"--image_size or --batch_size (with --accum_steps to keep the batch per update).")
+    return needed
+
+
+def finished_run(folder, overwrite=False, processes=distribution_lib.Processes(), log=print):
+    """What a run folder holds before a run starts in it, decided by process 0 for all (call
+    while holding the folder's lock).
+
+    Returns the finished run's metrics (from `metrics.json`, with `"already_complete": True`)
+    when the folder holds one and `overwrite` is false: nothing is to be done. Otherwise returns
+    `None` after removing, on process 0, what `overwrite` discards (everything) and the
+    temporary files of interrupted writes (an unfinished run then resumes from its backup)."""
+    complete = processes.is_chief and not overwrite and folder.is_complete()
+    if distribution_lib.process_values(int(complete), processes)[0]:
+        log(f"Run {folder.path} is complete (its metrics.json is written): nothing to do. Pass "
+            f"--overwrite to train it again, or another --run_name.")
+        return {**(folder.read_metrics() or {}), "already_complete": True}
+    if processes.is_chief:
+        if overwrite and [name for name in os.listdir(folder.path)
+                          if os.path.join(folder.path, name) != folder.lock]:
+            log(f"--overwrite: deleting what {folder.path} holds and starting the run over.")
+            folder.clear()
+        removed = folder.remove_temporary_files()
+        if removed:
+            log(f"Removed {len(removed)} temporary files of interrupted writes from "
+                f"{folder.path}: {', '.join(removed)}.")
+    distribution_lib.process_values(0, processes)  # the others wait until that is done
+    return None
+
+
 def run(config, app="finetune", log=print, started=None):
     """Trains and evaluates one run; writes `saved_models/<run_name>/`; returns the metrics dict.
 
-    Files: `model.keras` (after every epoch, atomically), `metrics.json` (atomically),
-    `flags.txt`, `class_names.json`, `history.csv`, `training_curves.png`, `logs/` (TensorBoard) and,
-    while the run is unfinished, `backup/` (BackupAndRestore: the same command resumes from the
-    last completed epoch).
+    Files: `model.keras` (after every epoch, atomically), `metrics.json` (atomically, last),
+    `flags.txt`, `class_names.json`, `history.csv`, `training_curves.png`, `logs/` (TensorBoard),
+    `lock` while the run is in progress, and `backup/` until `metrics.json` is written.
+    A folder with `metrics.json` holds a finished run: `run` returns its metrics (with
+    `"already_complete": True`) and changes nothing, unless `config.overwrite` starts it over.
+    An unfinished run resumes: from the last completed epoch's backup, or, when training had
+    finished, at the final evaluation. Another process running in the folder is refused at once
+    (`run_folder.RunFolderBusyError`), and so is a folder that cannot be written
+    (`run_folder.RunFolderError`).
     With several processes (`config.num_processes`, `distribution.initialize_processes`), every
     process trains, evaluates and saves (saving is collective on JAX), but only process 0 writes
-    the run folder; the others write into a private temporary folder deleted at the end.
-    Raises `callbacks.NonFiniteLossError` when the loss becomes NaN or infinite, and
+    the run folder (and holds its lock); the others write into a private temporary folder
+    deleted at the end.
+    Raises `callbacks.NonFiniteLossError` when the loss becomes NaN or infinite,
+    `ActivationMemoryError` when a training step cannot fit in memory, and
     `distribution.MultiProcessError` when several processes cannot be set up.
     """
-    from vit_keras.tools import data
-
     started = started or time.perf_counter()
     # First: JAX must join the other processes before it computes anything.
     processes = distribution_lib.initialize_processes(config.coordinator_address,
                                                       config.num_processes, config.process_id,
                                                       config.peer_timeout)
-    recipe, reason = resolve_recipe(config)
-    log(reason + ".")
     run_name = config.run_name or default_run_name(config, app)
     folder = RunFolder(os.path.join(config.output_dir, run_name))
+    with folder.locked() if processes.is_chief else contextlib.nullcontext():
+        finished = finished_run(folder, config.overwrite, processes, log)
+        if finished is not None:
+            return finished
+        return _train_and_evaluate(config, folder, run_name, processes, log, started)
+
+
+def _train_and_evaluate(config, folder, run_name, processes, log, started):
+    from vit_keras.tools import data
+
+    recipe, reason = resolve_recipe(config)
+    log(reason + ".")
     # Saving is collective on JAX: every process saves, but only process 0 into the run folder;
     # the others write into a private folder deleted at the end.
-    writes = (folder.create() if processes.is_chief else
+    writes = (folder if processes.is_chief else
               RunFolder(tempfile.mkdtemp(prefix=f"vit_keras-process{processes.index}-")))
     if processes.multi:
         log(f"Process {processes.index} of {processes.count}"
@@ -382,8 +551,10 @@ def run(config, app="finetune", log=print, started=None):
         epochs = max(1, math.ceil(recipe.total_steps * accum / steps_per_epoch))
     total_updates = max(1, epochs * steps_per_epoch // accum)
 
+    # The backup outlives `fit`: it is deleted once metrics.json is written, so that a run
+    # killed during its final evaluation resumes there instead of training again.
     backup = callbacks_lib.AtomicBackupAndRestore(folder.backup, seed=config.seed,
-                                                  save_dir=writes.backup)
+                                                  save_dir=writes.backup, delete_checkpoint=False)
     resume_epoch = backup.resume_epoch
     found = distribution_lib.process_values(resume_epoch, processes)
     if len(set(found)) > 1:
@@ -392,6 +563,27 @@ def run(config, app="finetune", log=print, started=None):
             f"The processes disagree on the epoch to resume from ({epochs_found}): process 0 "
             f"writes the backup {folder.backup}, and every process must read it, so --output_dir must "
             f"be on a filesystem all of them see. Delete {folder.backup} to start afresh.")
+    trained = resume_epoch >= epochs
+
+    jit_compile = config.jit_compile
+    if (jit_compile is None and config.distribution == "data_parallel"
+            and keras.backend.backend() == "tensorflow"):
+        # XLA cannot use MirroredStrategy's per-device variables ("Trying to access resource ...
+        # located in device CPU:1 from device CPU:0", tensorflow.org/xla/known_issues).
+        jit_compile = False
+        log("MirroredStrategy: XLA compilation off (TensorFlow's XLA cannot place mirrored "
+            "variables).")
+    with scope:
+        model = build_run_model(config, recipe, splits.num_classes, log=log)
+        optimizer = recipes_lib.make_optimizer(recipe, total_updates, accum)
+        recipes_lib.compile_model(model, optimizer, recipe.label_smoothing, jit_compile)
+    if config.jit_compile is None:  # the loading backend chooses (also when forced off above)
+        recipes_lib.save_jit_compile_as_auto(model)
+    if recipe.image_size is None:  # the weights' own (resolve_recipe)
+        recipe = dataclasses.replace(recipe, image_size=model_image_size(model))
+    if not trained:
+        check_activation_memory(model, recipe.batch_size // replicas, recipe.image_size)
+
     augmentation = augmentation_for(config)
     # An image folder's unreadable files are named in skipped_files.txt as they are met; a resumed
     # run reads it back, so that its stream skips them as the interrupted one did.
@@ -411,62 +603,25 @@ def run(config, app="finetune", log=print, started=None):
         eval_sets = {split: distribution_lib.pad_to_whole_batches(
             ds, splits.num_examples[split], eval_batch) for split, ds in eval_sets.items()}
 
-    jit_compile = config.jit_compile
-    if (jit_compile is None and config.distribution == "data_parallel"
-            and keras.backend.backend() == "tensorflow"):
-        # XLA cannot use MirroredStrategy's per-device variables ("Trying to access resource ...
-        # located in device CPU:1 from device CPU:0", tensorflow.org/xla/known_issues).
-        jit_compile = False
-        log("MirroredStrategy: XLA compilation off (TensorFlow's XLA cannot place mirrored "
-            "variables).")
-    with scope:
-        model = build_run_model(config, recipe, splits.num_classes, log=log)
-        optimizer = recipes_lib.make_optimizer(recipe, total_updates, accum)
-        recipes_lib.compile_model(model, optimizer, recipe.label_smoothing, jit_compile)
-
-    nan_guard = callbacks_lib.StopOnNaN()
-    backup.guard = nan_guard
-    if resume_epoch:
-        log(f"Resuming {folder.path} from its backup after epoch {resume_epoch} of {epochs}.")
     throughput = callbacks_lib.Throughput(recipe.batch_size, steps_per_epoch)
-    checkpoint = callbacks_lib.AtomicModelCheckpoint(writes.model)
-    checkpoint.guard = nan_guard
-    callbacks = [
-        nan_guard,
-        throughput,
-        *([keras.callbacks.CSVLogger(folder.history, append=True)] if processes.is_chief else []),
-        checkpoint,
-        backup,   # last: the backup of an epoch exists only once its other files are written
-    ]
-    import importlib.util
-
-    if not processes.is_chief:
-        pass  # TensorBoard logs are process 0's
-    elif importlib.util.find_spec("tensorboard") and importlib.util.find_spec("tensorflow"):
-        callbacks.insert(2, keras.callbacks.TensorBoard(folder.logs,
-                                                        write_graph=False))
-    else:
-        log("TensorBoard is not installed (pip install tensorboard): no TensorBoard logs.")
-
     log(f"Run {run_name}: {model.name}, {model.count_params():,} parameters, image size "
         f"{recipe.image_size}, {splits.num_examples['train']} training images, batch "
         f"{recipe.batch_size}" + (f" x {accum} accumulated" if accum > 1 else "") +
         f", {epochs} epochs of {steps_per_epoch} steps, {recipe.optimizer} lr "
         f"{recipe.learning_rate:g}, backend {keras.backend.backend()}.")
-    fit_started = time.perf_counter()
-    with _no_length_warning(processes.multi):
-        model.fit(train_ds, epochs=epochs, steps_per_epoch=steps_per_epoch,
-                  validation_data=eval_sets["val"], callbacks=callbacks, verbose=config.verbose,
-                  shuffle=False)  # tf.data shuffles
-    fit_seconds = time.perf_counter() - fit_started
-    if nan_guard.bad_step:
-        epoch, batch, loss = nan_guard.bad_step
-        raise callbacks_lib.NonFiniteLossError(
-            f"The training loss became {loss} at epoch {epoch + 1}, batch {batch + 1}; the run "
-            f"stopped and {folder.model} keeps the last finite epoch. Lower "
-            f"--learning_rate (now {recipe.learning_rate:g}), keep --grad_clip_norm on (now "
-            f"{recipe.grad_clip_norm:g}), lengthen --warmup_steps, or use --mixed_precision "
-            f"bfloat16 instead of float16.")
+    if trained:
+        log(f"Resuming {folder.path}: its training ended (epoch {resume_epoch} of {epochs}) "
+            f"before the final evaluation; evaluating the backed-up model.")
+        backup.restore(model)
+        fit_seconds = 0.0
+    else:
+        if resume_epoch:
+            log(f"Resuming {folder.path} from its backup after epoch {resume_epoch} of "
+                f"{epochs}.")
+        fit_seconds = _fit(model, config, folder, writes, processes, backup, throughput,
+                           train_ds, eval_sets["val"], epochs, steps_per_epoch, recipe, log)
+        if os.environ.get(KILL_AFTER_TRAINING) == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
 
     with _no_length_warning(processes.multi):
         results = {split: model.evaluate(ds, verbose=0, return_dict=True)
@@ -518,13 +673,58 @@ def run(config, app="finetune", log=print, started=None):
         },
     }
     if processes.is_chief:
-        folder.write_metrics(metrics)
+        folder.write_metrics(metrics)  # last: from now on the folder holds a finished run
+        folder.remove_backup()
     else:
         shutil.rmtree(writes.path, ignore_errors=True)
     set_precision("none")
     if config.distribution != "none" and keras.backend.backend() == "jax":
         keras.distribution.set_distribution(None)
     return metrics
+
+
+def _fit(model, config, folder, writes, processes, backup, throughput, train_ds, val_ds, epochs,
+         steps_per_epoch, recipe, log):
+    """`model.fit` with the run's callbacks; returns its seconds. Raises `NonFiniteLossError`
+    (after deleting the backup: the next run starts afresh) when the loss stops being finite."""
+    nan_guard = callbacks_lib.StopOnNaN()
+    backup.guard = nan_guard
+    checkpoint = callbacks_lib.AtomicModelCheckpoint(writes.model)
+    checkpoint.guard = nan_guard
+    callbacks = [
+        nan_guard,
+        throughput,
+        *([keras.callbacks.CSVLogger(folder.history, append=True)] if processes.is_chief else []),
+        checkpoint,
+        backup,   # last: the backup of an epoch exists only once its other files are written
+    ]
+    import importlib.util
+
+    if not processes.is_chief:
+        pass  # TensorBoard logs are process 0's
+    elif importlib.util.find_spec("tensorboard") and importlib.util.find_spec("tensorflow"):
+        callbacks.insert(2, keras.callbacks.TensorBoard(folder.logs,
+                                                        write_graph=False))
+    else:
+        log("TensorBoard is not installed (pip install tensorboard): no TensorBoard logs.")
+
+    fit_started = time.perf_counter()
+    with _no_length_warning(processes.multi):
+        model.fit(train_ds, epochs=epochs, steps_per_epoch=steps_per_epoch,
+                  validation_data=val_ds, callbacks=callbacks, verbose=config.verbose,
+                  shuffle=False)  # tf.data shuffles
+    fit_seconds = time.perf_counter() - fit_started
+    if nan_guard.bad_step:
+        if processes.is_chief:
+            folder.remove_backup()
+        epoch, batch, loss = nan_guard.bad_step
+        raise callbacks_lib.NonFiniteLossError(
+            f"The training loss became {loss} at epoch {epoch + 1}, batch {batch + 1}; the run "
+            f"stopped and {folder.model} keeps the last finite epoch. Lower "
+            f"--learning_rate (now {recipe.learning_rate:g}), keep --grad_clip_norm on (now "
+            f"{recipe.grad_clip_norm:g}), lengthen --warmup_steps, or use --mixed_precision "
+            f"bfloat16 instead of float16.")
+    return fit_seconds
 
 
 def metrics_table(metrics):

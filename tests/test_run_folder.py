@@ -1,0 +1,87 @@
+"""vit_keras.tools.run_folder: the folder's lock, what a finished run is, clearing and the
+temporary files of interrupted writes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO_ROOT
+from vit_keras.tools.run_folder import RunFolder, RunFolderBusyError, RunFolderError
+
+pytestmark = [pytest.mark.backend_independent,
+              pytest.mark.skipif(sys.platform == "win32", reason="flock is POSIX")]
+
+
+def test_a_held_folder_refuses_a_second_holder_naming_the_first(tmp_path):
+    folder = RunFolder(tmp_path / "run")
+    with folder.locked():
+        holder = json.loads(open(folder.lock).read())
+        assert holder["pid"] == os.getpid()
+        # flock is per open file: a second open, even in this process, is another holder.
+        with pytest.raises(RunFolderBusyError, match=f"in use by process {os.getpid()} on "):
+            with RunFolder(tmp_path / "run").locked():
+                pass
+    assert not os.path.exists(folder.lock)  # removed when the run ends
+    with folder.locked():  # and free again
+        pass
+
+
+def test_the_lock_of_a_killed_process_does_not_hold_the_folder(tmp_path):
+    code = ("import os, signal, sys\n"
+            "from vit_keras.tools.run_folder import RunFolder\n"
+            "with RunFolder(sys.argv[1]).locked():\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    killed = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    folder = RunFolder(tmp_path / "run")
+    assert json.loads(open(folder.lock).read())["pid"] != os.getpid()  # the dead process's file
+    with folder.locked():
+        assert json.loads(open(folder.lock).read())["pid"] == os.getpid()
+
+
+def test_a_folder_that_cannot_be_written_is_a_run_folder_error(tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(RunFolderError, match="Cannot write the run folder .*file/run") as error:
+        with RunFolder(tmp_path / "file" / "run").locked():
+            pass
+    assert "\n" not in str(error.value)
+
+
+def test_a_folder_with_metrics_holds_a_finished_run(tmp_path):
+    folder = RunFolder(tmp_path / "run").create()
+    assert not folder.is_complete()
+    open(folder.model, "wb").close()  # a model alone is not a finished run: it is every epoch's
+    assert not folder.is_complete()
+    folder.write_metrics({"test_accuracy": 0.5})
+    assert folder.is_complete()
+
+
+def test_clear_removes_everything_but_the_lock(tmp_path):
+    folder = RunFolder(tmp_path / "run")
+    with folder.locked():
+        folder.write_metrics({})
+        os.makedirs(os.path.join(folder.backup, "nested"))
+        open(folder.model, "wb").close()
+        folder.clear()
+        assert os.listdir(folder.path) == ["lock"]
+
+
+def test_temporary_files_of_interrupted_writes_are_found_and_removed(tmp_path):
+    folder = RunFolder(tmp_path / "run").create()
+    os.makedirs(folder.backup)
+    kept = ["model.keras", "metrics.json", os.path.join("backup", "epoch-3.weights.h5"),
+            os.path.join("backup", "training_metadata.json")]
+    stale = ["model.tmp-123.keras", "metrics.json.tmp-123", "flags.txt.tmp-9",
+             os.path.join("backup", "saving-123.weights.h5"),
+             os.path.join("backup", "training_metadata.json.tmp-123")]
+    for name in kept + stale:
+        open(os.path.join(folder.path, name), "wb").close()
+    assert sorted(folder.remove_temporary_files()) == sorted(stale)
+    assert folder.temporary_files() == []
+    for name in kept:
+        assert os.path.exists(os.path.join(folder.path, name)), name

@@ -1,0 +1,360 @@
+"""User journeys, each step in a fresh process as a user would run it: every `.keras` file an app
+writes loads anywhere with `import keras, vit_keras` alone; a pre-trained model fine-tunes with
+no extra flags; a finished run is never redone; a killed run resumes where it stopped; two runs
+never share a folder. The apps run on this pass's backend; their models load on all three.
+
+The runs are tiny (one epoch of two steps on the digits) and shared by the tests through
+module-scoped fixtures."""
+
+import hashlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+
+import vit_keras
+from conftest import BACKENDS, REPO_ROOT, TINY_CONFIG, randomize_weights, run_on_backend
+from vit_keras.tools.run_folder import RunFolder
+
+BACKEND = keras.backend.backend()
+OTHER_BACKEND = "torch" if BACKEND != "torch" else "jax"
+# One epoch of two steps: the cheapest run that trains, evaluates and writes every file.
+SHORT = ["--epochs", "1", "--steps_per_epoch", "2", "--verbose", "2"]
+# What `fit(verbose=2)` prints at the end of each epoch ("2/2 - 1s - 50ms/step - ... loss: ...").
+EPOCH_LINE = re.compile(r"^\d+/\d+ - .* loss: ", re.M)
+# The test hook of `vit_keras.tools.training.run`: SIGKILL itself after training, before the
+# final evaluation.
+KILL_AFTER_TRAINING = "VIT_KERAS_TEST_KILL_AFTER_TRAINING"
+
+
+def _env(**extra):
+    env = {name: value for name, value in os.environ.items() if name != KILL_AFTER_TRAINING}
+    return {**env, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_BACKEND": OTHER_BACKEND, **extra}
+
+
+def _command(app, *args):
+    return [sys.executable, os.path.join("apps", app), *args]
+
+
+def _run(command, env=None, check=True, **kwargs):
+    result = subprocess.run(command, cwd=REPO_ROOT, env=env or _env(), capture_output=True,
+                            text=True, timeout=600, **kwargs)
+    if check and result.returncode:
+        raise AssertionError(f"{' '.join(command)} exited {result.returncode}:\n"
+                             f"{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
+    return result
+
+
+def _saved_model(stdout):
+    return re.search(r"^Saved model: (.+)$", stdout, re.M).group(1)
+
+
+def _snapshot(folder):
+    """`{relative path: (mtime_ns, sha256)}` of every file under `folder`."""
+    found = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                digest = hashlib.sha256(f.read()).hexdigest()
+            found[os.path.relpath(path, folder)] = (os.stat(path).st_mtime_ns, digest)
+    return found
+
+
+def _one_line_error(result):
+    """The `ERROR: ...` line of a user error: exit status 2, that one line last on stderr, no
+    traceback (TensorFlow's and JAX's own start-up logs may come before it)."""
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert "Traceback" not in result.stderr and lines[-1].startswith("ERROR: "), result.stderr
+    assert [line for line in lines if "ERROR" in line] == lines[-1:], result.stderr
+    return lines[-1]
+
+
+def _history_epochs(folder):
+    with open(os.path.join(folder, "history.csv")) as f:
+        return [line.split(",")[0] for line in f.read().splitlines()[1:]]
+
+
+# --- the runs the journeys share -------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def output_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("saved_models")
+
+
+@pytest.fixture(scope="module")
+def pretrain_run(output_dir):
+    result = _run(_command("pretrain.py", "--backend", BACKEND, *SHORT, "--fewshot_shots=",
+                           "--output_dir", str(output_dir)))
+    return {"model": _saved_model(result.stdout)}
+
+
+@pytest.fixture(scope="module")
+def finetune_run(output_dir, pretrain_run):
+    """apps/finetune.py on the digits from the pre-trained model, with no size or recipe flag."""
+    command = _command("finetune.py", "--backend", BACKEND, "--weights", pretrain_run["model"],
+                       *SHORT, "--output_dir", str(output_dir))
+    result = _run(command)
+    model = _saved_model(result.stdout)
+    return {"command": command, "model": model, "folder": os.path.dirname(model),
+            "stdout": result.stdout}
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed_train_run(output_dir):
+    """apps/train.py killed (SIGKILL, by the test hook) between training and its final
+    evaluation, with the temporary files of an interrupted save planted in its folder, then run
+    again with the same command."""
+    command = _command("train.py", "--backend", BACKEND, *SHORT, "--output_dir",
+                       str(output_dir), "--run_name", "killed")
+    folder = RunFolder(output_dir / "killed")
+    first = _run(command, env=_env(**{KILL_AFTER_TRAINING: "1"}), check=False)
+    assert first.returncode == -signal.SIGKILL, first.stdout[-3000:] + first.stderr[-3000:]
+    assert not os.path.exists(folder.metrics)
+    stale = [os.path.join(folder.path, "model.tmp-999999.keras"),
+             os.path.join(folder.backup, "saving-999999.weights.h5")]
+    for path in stale:
+        with open(path, "wb") as f:
+            f.write(b"half a file")
+    second = _run(command)
+    return {"first": first.stdout, "second": second.stdout, "folder": folder, "stale": stale,
+            "model": folder.model}
+
+
+@pytest.fixture(scope="module")
+def converted_model(output_dir):
+    model = randomize_weights(vit_keras.build_model(TINY_CONFIG, image_size=16, num_classes=5))
+    checkpoint = vit_keras.save_npz(model, str(output_dir / "tiny.npz"))
+    out = str(output_dir / "converted.keras")
+    _run(_command("convert.py", "--backend", BACKEND, "--weights", checkpoint, "--out", out,
+                  "--num_classes", "7"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def hybrid_model(output_dir):
+    out = str(output_dir / "hybrid.keras")
+    _run(_command("build_hybrid.py", "--backend", BACKEND, "--variant", "R+ViT-Ti/16",
+                  "--image_size", "32", "--num_classes", "3", "--out", out))
+    return out
+
+
+# --- every app's model loads anywhere --------------------------------------------------------
+
+_LOAD_CODE = """
+import keras, vit_keras
+import numpy as np
+
+found = {}
+for path in ARGS["paths"]:
+    model = keras.models.load_model(path)  # compile=True, safe_mode=True: the defaults
+    images = np.random.default_rng(0).uniform(0, 255, (2, *model.input_shape[1:]))
+    names = {layer.name for layer in model.layers}
+    # The features under a head too: a zero-initialised head hides them from the logits.
+    probe = keras.Model(model.input, [model.output, *(
+        [model.get_layer("head").input] if "head" in names else [])])
+    outputs = probe.predict(images.astype("float32"), verbose=0)
+    found[path] = {"outputs": [np.asarray(o, "float64").tolist() for o in outputs],
+                   "compiled": model.compiled,
+                   "jit_compile": model.jit_compile if model.compiled else None}
+print(json.dumps(found))
+"""
+
+
+@pytest.fixture(scope="module")
+def loaded_everywhere(finetune_run, pretrain_run, killed_and_resumed_train_run, converted_model,
+                      hybrid_model):
+    paths = {"finetune": finetune_run["model"], "pretrain": pretrain_run["model"],
+             "train": killed_and_resumed_train_run["model"], "convert": converted_model,
+             "build_hybrid": hybrid_model}
+    loads = {backend: run_on_backend(backend, _LOAD_CODE, paths=list(paths.values()))
+             for backend in BACKENDS}
+    return {app: {backend: loads[backend][path] for backend in BACKENDS}
+            for app, path in paths.items()}
+
+
+@pytest.mark.parametrize("app", ["finetune", "train", "pretrain", "convert", "build_hybrid"])
+def test_every_apps_model_loads_with_only_vit_keras_and_predicts_alike_on_every_backend(
+        loaded_everywhere, app):
+    loads = loaded_everywhere[app]
+    reference = [np.asarray(o) for o in loads[BACKEND]["outputs"]]
+    for backend in BACKENDS:
+        found = [np.asarray(o) for o in loads[backend]["outputs"]]
+        for expected, actual in zip(reference, found, strict=True):
+            # The same float32 computation on another backend's kernels (as tests/test_saving.py).
+            np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5,
+                                       err_msg=f"{app} loaded on {backend}")
+    if app in ("finetune", "train", "pretrain"):  # written compiled: reloaded compiled
+        assert all(loads[backend]["compiled"] for backend in BACKENDS)
+
+
+def test_a_model_trained_with_xla_loads_on_torch_without_torch_compile(loaded_everywhere):
+    # The training apps compile with XLA on JAX and TensorFlow; each backend that loads the
+    # model decides for itself (torch: eager, Keras' "auto").
+    for app in ("finetune", "train", "pretrain"):
+        assert loaded_everywhere[app]["torch"]["jit_compile"] is False, app
+        assert loaded_everywhere[app]["jax"]["jit_compile"] is True, app
+
+
+# --- defaults follow the weights and the data ------------------------------------------------
+
+def test_finetuning_a_pretrained_digits_model_keeps_its_size_and_the_digits_recipe(
+        finetune_run, pretrain_run):
+    metrics = RunFolder(finetune_run["folder"]).read_metrics()
+    pretrained = RunFolder.of_model(pretrain_run["model"]).read_metrics()
+    assert metrics["config"]["recipe"]["name"] == "digits"
+    assert metrics["config"]["recipe"]["image_size"] == pretrained["config"]["recipe"][
+        "image_size"] == 16
+    assert "masked patch prediction model" in finetune_run["stdout"]
+
+
+def test_a_configuration_too_large_for_memory_is_refused_before_the_first_step(pretrain_run,
+                                                                                tmp_path):
+    # 384 px with 4-pixel patches: 9,216 tokens; attention alone needs terabytes at batch 512.
+    result = _run(_command("finetune.py", "--backend", BACKEND, "--weights",
+                           pretrain_run["model"], "--image_size", "384", "--batch_size", "512",
+                           "--output_dir", str(tmp_path)), check=False)
+    error = _one_line_error(result)
+    assert re.search(r"\d+(\.\d+)? [GTP]iB", error)
+    assert "--image_size" in error and "--batch_size" in error
+    assert not EPOCH_LINE.search(result.stdout)
+
+
+# --- a finished run stays finished -----------------------------------------------------------
+
+def test_rerunning_a_finished_run_says_it_is_complete_and_changes_nothing(finetune_run):
+    before = _snapshot(finetune_run["folder"])
+    assert {"model.keras", "metrics.json"} <= set(before)
+    result = _run(finetune_run["command"])
+    assert "is complete" in result.stdout, result.stdout[-3000:]
+    assert "--overwrite" in result.stdout
+    assert not EPOCH_LINE.search(result.stdout)
+    assert _snapshot(finetune_run["folder"]) == before
+
+
+@pytest.fixture(scope="module")
+def replayed_from_flagfile(finetune_run, tmp_path_factory):
+    """A copy of the finished fine-tuning run replayed from its flags.txt with `--overwrite`,
+    with KERAS_BACKEND naming another backend than the file's."""
+    output = tmp_path_factory.mktemp("replayed")
+    copy = output / os.path.basename(finetune_run["folder"])
+    shutil.copytree(finetune_run["folder"], copy)
+    before = _snapshot(copy)
+    result = _run(_command("finetune.py", "--flagfile", str(copy / "flags.txt"),
+                           "--output_dir", str(output), "--overwrite"),
+                  env=_env(KERAS_BACKEND=OTHER_BACKEND))
+    return {"folder": copy, "before": before, "stdout": result.stdout}
+
+
+def test_overwrite_starts_a_finished_run_over(replayed_from_flagfile):
+    folder = replayed_from_flagfile["folder"]
+    assert "is complete" not in replayed_from_flagfile["stdout"]
+    assert EPOCH_LINE.search(replayed_from_flagfile["stdout"])
+    assert _history_epochs(folder) == ["0"]  # trained afresh, not appended to the old history
+    after = _snapshot(folder)
+    for name in ("model.keras", "metrics.json"):
+        assert after[name] != replayed_from_flagfile["before"][name], name
+
+
+def test_a_flagfile_replays_its_backend_whatever_keras_backend_says(replayed_from_flagfile):
+    metrics = RunFolder(replayed_from_flagfile["folder"]).read_metrics()
+    assert metrics["config"]["backend"] == BACKEND != OTHER_BACKEND
+
+
+def test_flags_txt_holds_only_the_apps_flags(finetune_run):
+    from vit_keras.tools import config_flags, training
+
+    with open(os.path.join(finetune_run["folder"], "flags.txt")) as f:
+        lines = f.read().splitlines()
+    app_flags = {"backend", *(field.name for field in config_flags.flag_fields(training.RunConfig))}
+    written = set()
+    for line in lines:
+        name = line.split("=", 1)[0].removeprefix("--")
+        written.add(name[2:] if name not in app_flags and name.startswith("no") else name)
+    assert written and written <= app_flags, sorted(written - app_flags)  # no absl or TF flags
+    assert "overwrite" not in written  # replaying the file must not erase the run it describes
+    assert f"--backend={BACKEND}" in lines
+
+
+# --- a killed run resumes where it stopped ---------------------------------------------------
+
+def test_a_run_killed_during_its_final_evaluation_resumes_at_the_evaluation(
+        killed_and_resumed_train_run):
+    run = killed_and_resumed_train_run
+    assert EPOCH_LINE.search(run["first"])  # the first process trained ...
+    assert not EPOCH_LINE.search(run["second"]), run["second"][-3000:]  # ... the second did not
+    assert "evaluating" in run["second"]
+    folder = run["folder"]
+    metrics = folder.read_metrics()
+    assert metrics["resumed_from_epoch"] == metrics["epochs"] == 1
+    assert _history_epochs(folder.path) == ["0"]
+    assert not os.path.exists(folder.backup)
+
+
+def test_temporary_files_of_an_interrupted_save_are_removed_on_resume(
+        killed_and_resumed_train_run):
+    for path in killed_and_resumed_train_run["stale"]:
+        assert not os.path.exists(path), path
+    assert not [name for name in os.listdir(killed_and_resumed_train_run["folder"].path)
+                if ".tmp" in name]
+
+
+# --- one run per folder ----------------------------------------------------------------------
+
+def test_a_second_process_into_a_busy_run_folder_stops_at_once_naming_the_first(tmp_path):
+    command = _command("finetune.py", "--backend", BACKEND, *SHORT, "--output_dir",
+                       str(tmp_path), "--run_name", "busy")
+    lock = RunFolder(tmp_path / "busy").lock
+    holder = subprocess.Popen(command, cwd=REPO_ROOT, env=_env(), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        # Until the lock holds the holder's pid (written once it is locked), then freeze it there.
+        while holder.poll() is None and time.monotonic() < deadline:
+            if os.path.exists(lock) and f'"pid": {holder.pid}' in open(lock).read():
+                break
+            time.sleep(0.02)
+        assert holder.poll() is None, "the first run ended before it was seen holding the lock"
+        os.kill(holder.pid, signal.SIGSTOP)
+        second = _run(command, check=False)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert f"process {holder.pid}" in _one_line_error(second)
+    assert not EPOCH_LINE.search(second.stdout)
+
+
+# As root, the command runs without the capabilities that let root write into a read-only folder:
+# dropped from the bounding set, which a root exec takes its permitted set from.
+_AS_WRITE_CHECKED = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+for capability in (1, 2, 3):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER
+    if libc.prctl(24, capability, 0, 0, 0):  # PR_CAPBSET_DROP
+        raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux-only")
+def test_a_read_only_run_folder_is_a_one_line_error(tmp_path):
+    folder = tmp_path / "read_only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    command = _command("finetune.py", "--backend", BACKEND, *SHORT, "--output_dir",
+                       str(tmp_path), "--run_name", "read_only")
+    if os.geteuid() == 0:
+        command = [sys.executable, "-c", _AS_WRITE_CHECKED, *command[1:]]
+    try:
+        result = _run(command, check=False)
+    finally:
+        folder.chmod(0o755)
+    assert str(folder) in _one_line_error(result)
