@@ -246,6 +246,30 @@ def test_transformer_block_is_pre_layer_norm_attention_and_gelu_mlp_with_residua
                                rtol=1e-4, atol=1e-4)
 
 
+def test_exact_gelu_takes_each_backends_fastest_form():
+    """jax.nn.gelu and tf.nn.gelu write exact GELU through erfc, which XLA expands into a longer
+    sequence of exponentials and selects: on both XLA backends the MLP hands XLA erf instead. On
+    torch it is torch's own fused GELU kernel."""
+    mlp = layers.MlpBlock(8)
+    mlp.build((None, 3, 4))
+    x = np.random.default_rng(0).normal(size=(2, 3, 4)).astype("float32")
+    backend = keras.backend.backend()
+    if backend == "torch":
+        import torch  # pylint: disable=import-outside-toplevel
+        hidden = torch.nn.functional.gelu(mlp.dense_0(x))
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(mlp(x)),
+                                      keras.ops.convert_to_numpy(mlp.dense_1(hidden)))
+        return
+    if backend == "jax":
+        import jax  # pylint: disable=import-outside-toplevel
+        primitives = {str(equation.primitive) for equation in jax.make_jaxpr(mlp)(x).eqns}
+    else:
+        import tensorflow as tf  # pylint: disable=import-outside-toplevel
+        graph = tf.function(mlp).get_concrete_function(tf.TensorSpec(x.shape, x.dtype)).graph
+        primitives = {operation.type.lower() for operation in graph.get_operations()}
+    assert "erf" in primitives and "erfc" not in primitives, sorted(primitives)
+
+
 def test_drop_path_drops_whole_residual_branches_per_example_only_in_training():
     block = layers.TransformerBlock(2, 16, drop_path_rate=0.5, seed=1)
     x = np.random.default_rng(4).normal(size=(64, 5, 8)).astype("float32")

@@ -8,8 +8,10 @@ The switch: `VIT_KERAS_XLA_CPU_WORKAROUNDS=0|1` (read when a layer first needs i
 `set_workarounds(enabled)` (also a context manager), which takes effect for models traced after
 it. Switched on, the workarounds apply where Keras runs on JAX with a CPU device and nowhere else
 (`workarounds_active()`); switched off, the layers are plain Keras there too: `keras.ops.einsum`
-and `Dense` calls, no gradient barrier, attention through `keras.ops.dot_product_attention` and
-GELU through `keras.ops.gelu`. Both compute the same function, up to float rounding.
+and `Dense` calls, no gradient barrier and attention through `keras.ops.dot_product_attention`.
+Both compute the same function, up to float rounding. (Exact GELU is written through `erf` on
+JAX and TensorFlow whatever the switch: `jax.nn.gelu` and `tf.nn.gelu` go through `erfc`, which
+XLA expands into exponentials and selects on every device.)
 
 1. XLA fuses the elementwise part of each LayerNorm backward, and the residual additions between
    blocks, into *every* consumer of the residual stream's gradient instead of computing that
@@ -18,9 +20,7 @@ GELU through `keras.ops.gelu`. Both compute the same function, up to float round
    block boundary: an identity whose cotangent passes through a conditional, which XLA does not
    fuse across. (`jax.lax.optimization_barrier` would say this directly, but XLA:CPU removes it
    before fusion.) Attention takes an explicit head-major path, which XLA:CPU differentiates
-   faster than the token-major softmax `keras.ops.dot_product_attention` is on CPU, and GELU is
-   written through `erf`: `jax.nn.gelu` goes through `erfc`, which XLA:CPU expands into
-   exponentials and selects.
+   faster than the token-major softmax `keras.ops.dot_product_attention` is on CPU.
 2. Under `mixed_bfloat16`, XLA:CPU runs a bfloat16 product whose result is bfloat16 as a float32
    product: it converts both operands, so mixed precision trains no faster than float32. A
    product of bfloat16 operands with a float32 result stays bfloat16. `einsum` asks for that,
