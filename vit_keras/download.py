@@ -29,9 +29,10 @@ HOME_VARIABLE = "VIT_KERAS_HOME"
 TIMEOUT_SECONDS = 5
 """How long a connection attempt, or a download that receives nothing at all, waits before failing."""
 PROGRESS_WINDOW_SECONDS = 30
+"""The window over which a download's progress is measured (see `MIN_PROGRESS_BYTES`)."""
 MIN_PROGRESS_BYTES = 64 * 1024
-"""A download that receives fewer than `MIN_PROGRESS_BYTES` in `PROGRESS_WINDOW_SECONDS` (a server
-that trickles bytes, which `TIMEOUT_SECONDS` alone never catches) is given up; its `.part` file is
+"""A download that receives fewer bytes than this in `PROGRESS_WINDOW_SECONDS` (a server that
+trickles bytes, which `TIMEOUT_SECONDS` alone never catches) is given up; its `.part` file is
 kept, and the next call resumes it."""
 
 _CHUNK = 1 << 20
@@ -133,11 +134,12 @@ def fetch(path, *, progress=True, verify=None):
       WeightsUnavailableError: within about `TIMEOUT_SECONDS` when the source cannot be reached
         (or when it sends fewer than `MIN_PROGRESS_BYTES` in `PROGRESS_WINDOW_SECONDS`), naming
         the URL, the cache path for a copy placed by hand, and the mirror variable.
-      InvalidFileError: when the downloaded file fails `verify` (or is shorter than the server's
-        `Content-Length`), naming the URL and what is wrong.
+      InvalidFileError: when the complete download fails `verify`, naming the URL and what is
+        wrong. (A download shorter than the server's `Content-Length` is a
+        `WeightsUnavailableError`: its `.part` file is kept, and the next call resumes it.)
     """
     parts = _parts(path)
-    base, folder = _source()
+    _, folder = _source()
     if folder is not None:
         local = os.path.join(folder, *parts)
         if not os.path.isfile(local):
