@@ -81,7 +81,7 @@ def measure(library, product_list, repeats):
         operands = [to_tensor(rng.standard_normal([sizes[i] for i in spec], dtype=np.float32))
                     for spec in equation.split("->")[0].split(",")]
         call = compile_product(equation)
-        _, times = time_calls(lambda: call(*operands), warmup=3, steps=repeats)
+        _, times, _ = time_calls(lambda: call(*operands), warmup=3, steps=repeats)
         results.append(flops(sizes) / statistics.median(times))
     return results
 

@@ -8,6 +8,7 @@ Prints one JSON object on its last line of stdout.
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 
@@ -18,21 +19,25 @@ sys.modules.setdefault("triton", None)
 import numpy as np  # noqa: E402
 
 GEMM_SIZE = 2048
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def time_calls(step, warmup, steps):
-    """Seconds of the first call (compile included), then of each timed call."""
+    """Seconds of the first call (compile included), of each timed call, and the process's minor
+    page faults per timed call."""
     started = time.perf_counter()
     step()
     first = time.perf_counter() - started
     for _ in range(max(warmup - 1, 0)):
         step()
     times = []
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(steps):
         started = time.perf_counter()
         step()
         times.append(time.perf_counter() - started)
-    return first, times
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    return first, times, faults / steps
 
 
 def gemm_peak(library, size=GEMM_SIZE, repeats=5):
@@ -52,7 +57,7 @@ def gemm_peak(library, size=GEMM_SIZE, repeats=5):
         import torch  # pylint: disable=import-outside-toplevel
         a, b = torch.from_numpy(a), torch.from_numpy(b)
         call = lambda: torch.mm(a, b)  # noqa: E731
-    _, times = time_calls(call, warmup=2, steps=repeats)
+    _, times, _ = time_calls(call, warmup=2, steps=repeats)
     return 2 * size ** 3 / min(times)
 
 
@@ -174,13 +179,14 @@ def main():
     if args.implementation.startswith("timm"):
         library = "torch"
     else:
+        if args.implementation == "vit_keras" and os.environ.get("KERAS_BACKEND") == "jax":
+            # As the apps do: before vit_keras is imported and JAX starts its CPU client.
+            sys.path.insert(0, os.path.join(REPO, "apps"))
+            import _backend  # pylint: disable=import-outside-toplevel
+
+            _backend.keep_freed_host_memory()
         import keras  # pylint: disable=import-outside-toplevel
         library = keras.backend.backend()
-        if args.implementation == "vit_keras" and library == "jax":
-            # As the apps do, before JAX starts its CPU client (the GEMM below would start it).
-            from vit_keras import xla_cpu  # pylint: disable=import-outside-toplevel
-
-            xla_cpu.keep_freed_host_memory()
     result = {"implementation": args.implementation, "library": library,
               "peak_flops": gemm_peak(library), "runs": []}
     print(f"  {library} fp32 GEMM peak: {result['peak_flops'] / 1e9:.1f} GFLOP/s", file=sys.stderr,
@@ -192,11 +198,14 @@ def main():
             steps, prepare, info = keras_steps(args.implementation, config, args)
         for mode in args.modes:
             prepare(mode)
-            first, times = time_calls(steps[mode], args.warmup, args.steps)
+            first, times, faults = time_calls(steps[mode], args.warmup, args.steps)
             result["runs"].append({
                 "model": config["name"], "mode": mode, "batch_size": args.batch_size,
                 "first_call_s": first, "step_s": times,
-                "images_per_s": args.batch_size * len(times) / sum(times), **info})
+                "images_per_s": args.batch_size * len(times) / sum(times),
+                # A step that maps its scratch memory afresh each time (see vit_keras.xla_cpu)
+                # shows here whatever the machine's load, unlike its time.
+                "page_faults_per_step": faults, **info})
             print(f"  {args.implementation}/{library} {config['name']} {mode}: "
                   f"{result['runs'][-1]['images_per_s']:.2f} images/s", file=sys.stderr,
                   flush=True)

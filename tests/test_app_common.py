@@ -89,7 +89,8 @@ class Recording(ctypes.CDLL):
         if name != "mallopt":
             return super().__getattr__(name)
         def mallopt(parameter, value):
-            calls.append({"parameter": parameter, "value": value, "client": client_started()})
+            calls.append({"parameter": parameter, "value": value, "client": client_started(),
+                          "vit_keras": "vit_keras" in sys.modules})
             return 1
         return mallopt
 
@@ -127,6 +128,8 @@ def test_an_app_keeps_freed_host_memory_on_jax_before_its_cpu_client_starts(
         assert [(c["parameter"], c["value"]) for c in found["calls"]] == [
             (-8, 1), (-4, 0), (-1, 1 << 30)], found
         assert not any(c["client"] for c in found["calls"]), found
+        # Before the package's import, after which the settings reach only part of XLA's memory.
+        assert not any(c["vit_keras"] for c in found["calls"]), found
     else:
         assert found["calls"] == [], found
 

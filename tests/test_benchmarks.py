@@ -42,6 +42,7 @@ def test_throughput_benchmark_measures_vit_keras_on_a_tiny_model(tmp_path, dtype
     assert report["gemm_peak_flops"][backend][0] > 1e8
     (process,) = report["rounds"][0].values()
     assert {run["dtype"] for run in process["runs"]} == {dtype}  # the policy the model was built with
+    assert all(run["page_faults_per_step"] >= 0 for run in process["runs"])
 
 
 def test_throughput_benchmark_runs_jax_data_parallel_over_cpu_devices(tmp_path):
