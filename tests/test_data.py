@@ -209,6 +209,38 @@ def test_image_folder_skips_unreadable_files_where_they_are_read_and_names_them(
         assert any(path in line for line in logged), path
 
 
+@pytest.mark.parametrize("files_per_task", [1, 2, 3, 32])
+def test_decoder_names_every_refused_file_wherever_it_falls_in_its_task(tmp_path, monkeypatch,
+                                                                        files_per_task):
+    """Refused files at a task's start and end, several in a row, and a whole task of them: the
+    decoder keeps the order of the others and names each refused one."""
+    monkeypatch.setattr(data, "_FILES_PER_TASK", files_per_task)
+    good = []
+    for index in range(6):
+        good.append(str(tmp_path / f"{index}.png"))
+        Image.new("RGB", (index + 1, 2), (index, 0, 0)).save(good[-1])  # width: which image
+    bad = [str(tmp_path / f"bad{index}.png") for index in range(6)]
+    for path in bad:
+        open(path, "wb").close()
+    order = [bad[0], good[0], good[1], bad[1], bad[2], bad[3], good[2], good[3], bad[4], good[4],
+             good[5], bad[5]]
+    unreadable = data.UnreadableFiles(log=lambda _: None)
+    dataset = _paths_dataset(order)
+    widths = [image.shape[1] for image, _ in unreadable.decode(dataset).as_numpy_iterator()]
+    assert widths == [1, 2, 3, 4, 5, 6]
+    assert unreadable.paths() == sorted(bad)
+    keyed = unreadable.decode(dataset.enumerate(100), keyed=True)
+    assert [int(key) for key, _ in keyed.as_numpy_iterator()] == [
+        100 + order.index(path) for path in good]
+
+
+def _paths_dataset(paths):
+    import tensorflow as tf
+
+    return tf.data.Dataset.from_tensor_slices(
+        (tf.constant(paths), tf.range(len(paths), dtype=tf.int32)))
+
+
 def _folder_with_splits(root, per_class=5):
     """`root/train` (with three unreadable files) and `root/val`, all PNG: exact pixels."""
     _write_folder(os.path.join(root, "train"), per_class=per_class)

@@ -148,6 +148,9 @@ _RECORD_HEADER = ("# Files of the image folder that were skipped, one per line: 
                   "A resumed run skips the same ones.\n")
 # Files named individually in the log; after that only the count and the record name them.
 _LOGGED_FILES = 20
+# Files decoded one after another in each of the decoder's parallel tasks: enough to make the cost
+# of a task's small dataset negligible, few enough to keep every core busy from the first batch.
+_FILES_PER_TASK = 32
 
 
 def list_image_files(path, class_names=None):
@@ -281,15 +284,16 @@ class UnreadableFiles:
         where = f"; the list is in {self._record}" if self._record else ""
         return f"Skipped {count} unreadable file(s): {names}{where}."
 
-    def note_refused(self, path):
-        """The failure path of `decode`: names the file the decoder refused (with the decoder's
-        own error, decoding it again here) and returns True."""
-        path = path.numpy().decode("utf-8", "replace") if hasattr(path, "numpy") else str(path)
-        try:
-            reason = decode_error(path) or "refused by the decoder while reading"
-        except Exception as error:  # naming the file must never stop the run
-            reason = f"{type(error).__name__}: {error}"
-        self.add(path, reason)
+    def note_refused(self, paths):
+        """The failure path of `decode`: names the files the decoder refused, each with the
+        decoder's own error (decoding it again here). Returns True."""
+        for path in paths.numpy() if hasattr(paths, "numpy") else paths:
+            path = path.decode("utf-8", "replace") if isinstance(path, bytes) else str(path)
+            try:
+                reason = decode_error(path) or "refused by the decoder while reading"
+            except Exception as error:  # naming a file must never stop the run
+                reason = f"{type(error).__name__}: {error}"
+            self.add(path, reason)
         return True
 
     def decode(self, dataset, keyed=False):
@@ -297,30 +301,46 @@ class UnreadableFiles:
         `keyed`), in parallel and in order, into `(image uint8 (H, W, 3), label)` (or
         `(key, (image, label))`); files the decoder refuses are left out and added here.
 
-        Each file is decoded in a one-element dataset whose error `ignore_errors` drops; only
-        then is the concatenated fallback read, which names the file (a `tf.py_function` on the
-        failure path alone).
+        The files go in tasks of `_FILES_PER_TASK`, decoded side by side by `interleave`: within
+        a task, `ignore_errors` drops a file the decoder refuses, and the gap it leaves in the
+        task's positions names it (a `tf.py_function` on that path only).
         """
-        if not keyed:
-            dataset = dataset.map(lambda path, label: (tf.constant(0, tf.int64), (path, label)))
+        if keyed:  # flat tuples through the tasks: nested ones cost measurably per image
+            dataset = dataset.map(lambda key, example: (key, *example))
+        dataset = dataset.batch(_FILES_PER_TASK).interleave(
+            self._decode_task, cycle_length=tf.data.AUTOTUNE, block_length=_FILES_PER_TASK,
+            num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        if keyed:
+            dataset = dataset.map(lambda key, image, label: (key, (image, label)))
+        return dataset
 
-        def read(key, example):
-            path, label = example
-            return key, (decode_image_file(path), label)
+    def _decode_task(self, *batch):
+        """`(*keys, paths, labels)`, each `(n,)` → the dataset of their `(*key, image, label)` in
+        order, without the files the decoder refuses, which are named."""
+        paths, labels = batch[-2:]
+        count = tf.size(paths)
 
-        def refused(key, example):
-            noted = tf.py_function(self.note_refused, [example[0]], tf.bool)
+        def read(position, *element):
+            return (position, *element[:-2], decode_image_file(element[-2]), element[-1])
+
+        decoded = tf.data.Dataset.from_tensor_slices((tf.range(count), *batch)).map(
+            read).ignore_errors()
+        # A last element at position `count` (label -1) closes a gap at the task's end.
+        end = tf.data.Dataset.from_tensors(
+            (count, *[tf.zeros([], keys.dtype) for keys in batch[:-2]],
+             tf.zeros([0, 0, 3], tf.uint8), tf.constant(-1, labels.dtype)))
+
+        def name_refused(expected, element):
+            position = element[0]
+            noted = tf.cond(position > expected,
+                            lambda: tf.py_function(self.note_refused,
+                                                   [paths[expected:position]], tf.bool),
+                            lambda: tf.constant(True))
             with tf.control_dependencies([noted]):
-                return key, (tf.zeros([0, 0, 3], tf.uint8), tf.constant(-1, tf.int32))
+                return position + 1, element[1:]
 
-        def decode_one(key, example):
-            element = tf.data.Dataset.from_tensors((key, example))
-            return element.map(read).ignore_errors().concatenate(element.map(refused)).take(1)
-
-        dataset = dataset.interleave(decode_one, cycle_length=tf.data.AUTOTUNE, block_length=1,
-                                     num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-        dataset = dataset.filter(lambda key, example: example[1] >= 0)
-        return dataset if keyed else dataset.map(lambda key, example: example)
+        return decoded.concatenate(end).scan(tf.constant(0), name_refused).filter(
+            lambda *element: element[-1] >= 0)
 
     def without_known(self, dataset):
         """Drops the keyed `(key, (path, label))` elements whose file is already known to be
