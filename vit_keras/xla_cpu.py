@@ -117,7 +117,10 @@ def keep_freed_host_memory(trim_threshold=1 << 30):
 
     It changes the whole process and reaches only threads that have not allocated yet, so call it
     first thing, before JAX creates its CPU client (before the first array, `jax.devices()` or
-    model). The same settings from the process's start, for every thread, without code:
+    model). Even then, a call made after `import vit_keras` is only partly effective: modules
+    loaded before it may already have made malloc arenas that XLA's threads then use (a ViT-Ti/16
+    training step on 2 CPUs page-faulted ~25,000 times instead of ~0; untuned, ~124,000). The same
+    settings from the process's start, for every thread and exactly, without code:
 
         GLIBC_TUNABLES=glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1073741824
 
