@@ -145,6 +145,7 @@ def training_app(name, started, recipe="auto", recipe_help=None):
     module_name = _backend.flag_module()
     config_flags.define_flags(training.RunConfig, module_name=module_name, recipe=recipe_flag)
 
+    @exit_on_user_error
     def main(argv):
         if len(argv) > 1:
             raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
@@ -228,3 +229,45 @@ def model_image_size(model):
 
     return training.model_image_size(model)
 
+
+def exit_on_user_error(main):
+    """Wraps an absl main: a user's mistake ends the app with one line, `ERROR: <what was wrong
+    and what to do>`, and status 2, without a traceback or the `--help` text.
+
+    A user's mistake is an `app.UsageError` (a flag's value), or a `ValueError` or a missing,
+    existing or wrong kind of path (`FileNotFoundError`, `FileExistsError`, `NotADirectoryError`,
+    `IsADirectoryError`) raised by the code of vit_keras or of the apps: an unknown variant, an
+    image size the patch size does not divide, a missing image folder. The same errors raised
+    inside Keras, TensorFlow, JAX, torch or NumPy keep their traceback: they are bugs to report.
+    """
+    import functools
+
+    @functools.wraps(main)
+    def wrapped(argv):
+        try:
+            return main(argv)
+        except app.UsageError as error:
+            message = str(error)
+        except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError,
+                IsADirectoryError) as error:
+            if not _raised_by_own_code(error):
+                raise
+            message = str(error)
+        print(f"ERROR: {message}", file=sys.stderr)
+        return 2
+
+    return wrapped
+
+
+def _raised_by_own_code(error):
+    """Whether the innermost frame of `error`'s traceback is in vit_keras or in apps/."""
+    import traceback
+
+    import vit_keras
+
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return False
+    roots = (os.path.dirname(os.path.abspath(vit_keras.__file__)),
+             os.path.dirname(os.path.abspath(__file__)))
+    return os.path.abspath(frames[-1].filename).startswith(tuple(root + os.sep for root in roots))

@@ -33,6 +33,7 @@ flags.DEFINE_string("json", None, "Also write the results as JSON to this path."
 FLAGS = flags.FLAGS
 
 
+@_common.exit_on_user_error
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
@@ -57,9 +58,12 @@ def main(argv):
     pipeline = data.make_pipeline(splits, FLAGS.split, image_size=image_size,
                                   batch_size=FLAGS.batch_size)
     logits, labels = training.evaluate_model(model, pipeline)
+    if splits.skipped_files:
+        print(splits.unreadable.summary())
     report = training.classification_report(logits, labels, splits.class_names)
     report.update(model=os.path.abspath(FLAGS.model), dataset=dataset, split=FLAGS.split,
-                  backend=keras.backend.backend())
+                  backend=keras.backend.backend(),
+                  skipped_files=[path for path, _ in splits.skipped_files])
     print(f"{dataset} {FLAGS.split}: {report['count']} images, accuracy "
           f"{100 * report['accuracy']:.2f}%, top-5 {100 * report['top5_accuracy']:.2f}%")
     print("\n| class | images | accuracy |\n|---|---|---|")

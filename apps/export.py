@@ -13,6 +13,10 @@
 runtime, run on a fixed batch and compared with Keras; the program exits with status 1 when a float
 export differs by more than 1e-4 (relative to the largest logit).
 
+An export that exists already (a `.tflite` or `.onnx` file, a SavedModel version, a labels file of
+other class names) stops the program with status 2 before the model loads, unless `--overwrite`
+is given: then the new export replaces it once it is verified.
+
 `--dynamic_image_size` exports a model trained at one size so that it takes any image size
 (`vit_keras.with_dynamic_image_size`): inputs `(batch, None, None, 3)`, position embeddings
 resampled in the graph; the export is then verified at three sizes.
@@ -53,12 +57,17 @@ flags.DEFINE_string("class_names", None,
                     "Class names: a JSON list or a text file with one name per line. Default: "
                     "class_names.json beside the .keras file, if present.")
 flags.DEFINE_integer("top_k", 5, "Classes listed by the SavedModel's top_k outputs.")
+flags.DEFINE_bool("overwrite", False,
+                  "Replace exports that exist already (a .tflite or .onnx file, a SavedModel "
+                  "version, a labels file of other class names) once the new ones are verified. "
+                  "Without it an existing export stops the program before the model loads.")
 flags.DEFINE_bool("dynamic_image_size", False,
                   "Export a model that takes images of any size (sides multiples of the patch "
                   "size): position embeddings resampled in the graph, exact at the trained size.")
 FLAGS = flags.FLAGS
 
 
+@_common.exit_on_user_error
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # TensorFlow's SavedModel writer logs every step
@@ -71,6 +80,18 @@ def main(argv):
         raise app.UsageError(f"--model {FLAGS.model} is not a file.")
     name = FLAGS.name or os.path.basename(os.path.dirname(os.path.abspath(FLAGS.model)))
     class_names = _common.read_class_names(FLAGS.class_names, FLAGS.model)
+    if os.path.exists(FLAGS.out) and not os.path.isdir(FLAGS.out):
+        raise app.UsageError(f"--out {FLAGS.out} is a file; give the folder the exports go in "
+                             f"(it is created if missing).")
+    existing = list(dict.fromkeys(path for export_format in formats for path in (
+        vit_export.existing_outputs(export_format, FLAGS.out, name, FLAGS.version, FLAGS.quantize,
+                                    class_names))))
+    if existing and not FLAGS.overwrite:
+        raise app.UsageError(
+            f"{', '.join(existing)} already exist{'s' if len(existing) == 1 else ''}; pass "
+            f"--overwrite to replace {'it' if len(existing) == 1 else 'them'}, or choose another "
+            f"--out or --name" + (" (or leave out --version for the next SavedModel version)"
+                                  if FLAGS.version is not None else "") + ".")
     model = vit_export.load_model(FLAGS.model)
     if FLAGS.dynamic_image_size:
         import vit_keras
@@ -80,7 +101,8 @@ def main(argv):
         try:
             path, verifications = vit_export.export(
                 model, export_format, FLAGS.out, name=name, version=FLAGS.version,
-                quantize=FLAGS.quantize, class_names=class_names, top_k=FLAGS.top_k)
+                quantize=FLAGS.quantize, class_names=class_names, top_k=FLAGS.top_k,
+                overwrite=FLAGS.overwrite)
         except vit_export.ExportVerificationError as error:
             print(f"Export verification failed ({export_format}).\n{error}", file=sys.stderr)
             return 1

@@ -50,6 +50,7 @@ flags.DEFINE_string("json", None, "Also write the results as JSON to this path."
 FLAGS = flags.FLAGS
 
 
+@_common.exit_on_user_error
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
@@ -75,6 +76,8 @@ def main(argv):
     features = {split: fewshot.dataset_features(model, data.make_pipeline(
         splits, split, image_size=image_size, batch_size=FLAGS.batch_size).as_numpy_iterator())
         for split in (FLAGS.train_split, FLAGS.test_split)}
+    if splits.skipped_files:
+        print(splits.unreadable.summary())
     try:
         results = fewshot.evaluate(*features[FLAGS.train_split], *features[FLAGS.test_split],
                                    shots=shots, seeds=FLAGS.seeds, l2_reg=FLAGS.l2_reg,

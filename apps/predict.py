@@ -19,7 +19,6 @@ otherwise classes are numbered.
 """
 
 import os
-import sys
 
 import _backend
 
@@ -62,6 +61,7 @@ def _published_model(variant, weights, image_size):
 
 
 @_common.exit_on_unavailable
+@_common.exit_on_user_error
 def main(argv):
     files = argv[1:]
     if not files:
@@ -89,11 +89,7 @@ def main(argv):
         model, release = _published_model(FLAGS.model, FLAGS.weights, FLAGS.image_size)
         class_names = _common.read_class_names(FLAGS.class_names, None) if FLAGS.class_names \
             else (vit_keras.class_names(release) if release is not None else [])
-    try:
-        images = data.load_image_files(files, _common.model_image_size(model))
-    except ValueError as error:
-        print(f"ERROR: {error}", file=sys.stderr)
-        return 2
+    images = data.load_image_files(files, _common.model_image_size(model))  # names bad files
     logits = keras.ops.convert_to_numpy(model.predict(images, verbose=0))
     predictions = training.top_k_predictions(logits, class_names, FLAGS.top_k)
     for file, ranked in zip(files, predictions):

@@ -21,10 +21,11 @@ _backend.start_app()  # before keras is imported
 
 import json  # noqa: E402
 import os  # noqa: E402
-import sys  # noqa: E402
 
 import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
+
+import _common  # noqa: E402
 
 flags.DEFINE_string("model", None, "A .keras file, or a variant name (random weights).")
 flags.DEFINE_list("images", [], "Image files (any format PIL reads).")
@@ -121,25 +122,20 @@ def image_titles(model, inputs, paths):
     return titles
 
 
+@_common.exit_on_user_error
 def main(argv):
     paths = list(FLAGS.images) + list(argv[1:])
-    try:
-        pictures = read_images(paths)
-    except ValueError as error:
-        sys.exit(f"visualize.py: error: {error}")
+    pictures = read_images(paths)  # a missing or bad file: a one-line error (exit_on_user_error)
 
     import vit_keras  # Keras, after the images are known to be readable
     from vit_keras import analysis
     from vit_keras.tools import plots
 
-    try:
-        model = load_model(FLAGS.model)
-        _, height, width, channels = model.inputs[0].shape
-        grid = analysis.token_grid(model)
-        token_size = analysis.token_size_pixels(model)
-        images = resize_images(pictures, height, width, channels) if paths else None
-    except ValueError as error:
-        sys.exit(f"visualize.py: error: {error}")
+    model = load_model(FLAGS.model)
+    _, height, width, channels = model.inputs[0].shape
+    grid = analysis.token_grid(model)
+    token_size = analysis.token_size_pixels(model)
+    images = resize_images(pictures, height, width, channels) if paths else None
     os.makedirs(FLAGS.out, exist_ok=True)
     summary = {"model": FLAGS.model, "image_size": [height, width], "grid": list(grid),
                "token_size_pixels": list(token_size), "images": paths}

@@ -197,13 +197,52 @@ def test_onnx_export_computes_exact_gelu_with_erf(onnx_export):
     assert "Erf" in op_types and "Erfc" not in op_types
 
 
-def test_saved_model_versions_increment_and_never_overwrite(model, tmp_path):
+def test_saved_model_versions_increment_and_an_existing_one_is_replaced_only_on_request(
+        model, tmp_path):
     for existing in ("1", "7", "backup"):  # TF Serving only loads numeric version folders
         os.makedirs(tmp_path / "m" / existing)
+    (tmp_path / "m" / "7" / "old.txt").write_text("version 7 as it was")
     path, _ = vit_export.export(model, "saved_model", str(tmp_path), name="m", verify=False)
     assert os.path.basename(path) == "8"
-    with pytest.raises(FileExistsError, match="already exists"):
+    with pytest.raises(FileExistsError, match="m/7 already exists"):
         vit_export.export(model, "saved_model", str(tmp_path), name="m", version=7)
+    assert os.listdir(tmp_path / "m" / "7") == ["old.txt"]
+    path, _ = vit_export.export(model, "saved_model", str(tmp_path), name="m", version=7,
+                                overwrite=True, verify=False)
+    assert "saved_model.pb" in os.listdir(path) and "old.txt" not in os.listdir(path)
+    assert sorted(os.listdir(tmp_path / "m")) == ["1", "7", "8", "backup"]  # nothing left over
+
+
+@pytest.mark.parametrize("export_format", ["tflite", "onnx"])
+def test_an_existing_tflite_or_onnx_file_is_replaced_only_on_request(model, tmp_path,
+                                                                     export_format):
+    path = vit_export.export_path(export_format, str(tmp_path), "tiny")
+    with open(path, "wb") as f:
+        f.write(b"an earlier export")
+    with pytest.raises(FileExistsError, match="tiny." + export_format + " already exists"):
+        vit_export.export(model, export_format, str(tmp_path), name="tiny", verify=False)
+    with open(path, "rb") as f:
+        assert f.read() == b"an earlier export"
+    vit_export.export(model, export_format, str(tmp_path), name="tiny", overwrite=True)
+    assert os.path.getsize(path) > 10_000  # the new model: verified, then moved into place
+
+
+def test_labels_of_other_class_names_are_replaced_only_on_request(model, tmp_path):
+    labels = tmp_path / "tiny.labels.txt"
+    labels.write_text("".join(f"{name}\n" for name in CLASS_NAMES))
+    # The same names: the file is the new export's too, nothing is replaced.
+    assert vit_export.existing_outputs("onnx", str(tmp_path), "tiny",
+                                       class_names=CLASS_NAMES) == []
+    other = [f"other_{i}" for i in range(NUM_CLASSES)]
+    with pytest.raises(FileExistsError, match="tiny.labels.txt already exists"):
+        vit_export.export(model, "onnx", str(tmp_path), name="tiny", class_names=other)
+    assert not os.path.exists(tmp_path / "tiny.onnx")
+
+
+def test_an_export_folder_that_is_a_file_is_refused(model, tmp_path):
+    (tmp_path / "exports").write_text("not a folder")
+    with pytest.raises(NotADirectoryError, match="exports is a file"):
+        vit_export.export(model, "onnx", str(tmp_path / "exports"), name="tiny")
 
 
 def test_failed_verification_raises_and_leaves_the_artifact_unpublished(model, tmp_path,

@@ -2,7 +2,9 @@
 command line, reproduce the logits of the backend that trained them."""
 
 import concurrent.futures
+import hashlib
 import os
+import shutil
 import subprocess
 import sys
 
@@ -173,3 +175,95 @@ def test_app_exports_a_fixed_size_model_to_serve_any_size(trained_runs, app_runs
     wide = np.tile(images[:4], (1, 1, 2, 1))[:, :24, :40]  # 24x40 pixels, 3x5 patches
     np.testing.assert_allclose(serving(images=tf.constant(wide))["logits"].numpy(),
                                keras.ops.convert_to_numpy(model(wide)), rtol=1e-4, atol=1e-5)
+
+
+# --- an export that exists already --------------------------------------------------------------
+
+def _digests(folder):
+    """`{relative path: sha256}` of every file under `folder`."""
+    found = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                found[os.path.relpath(os.path.join(root, name), folder)] = hashlib.sha256(
+                    f.read()).hexdigest()
+    return found
+
+
+def _assert_one_line_error(result, *expected):
+    """Exit status 2 and one `ERROR: ...` line, last on stderr, holding `expected`; no traceback."""
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert "Traceback" not in result.stderr and lines[-1].startswith("ERROR: "), result.stderr
+    assert [line for line in lines if "ERROR" in line] == lines[-1:], result.stderr
+    for text in expected:
+        assert text in lines[-1], lines[-1]
+
+
+@pytest.fixture(scope="module")
+def repeated_runs(trained_runs, app_runs, tmp_path_factory):
+    """The jax and torch command lines again, into the folders they wrote: as they were, and with
+    --overwrite into copies; and --out naming a file. `{case: (CompletedProcess, out, before)}`,
+    `before` the digests of `out` before the run."""
+    jax_model = os.path.join(trained_runs["jax"], "model.keras")
+    torch_model = os.path.join(trained_runs["torch"], "model.keras")
+    jax_out, torch_out = app_runs["jax"][1], app_runs["torch"][1]
+    copies = {name: str(tmp_path_factory.mktemp(name)) for name in ("jax_copy", "torch_copy")}
+    shutil.copytree(jax_out, copies["jax_copy"], dirs_exist_ok=True)
+    shutil.copytree(torch_out, copies["torch_copy"], dirs_exist_ok=True)
+    a_file = os.path.join(str(tmp_path_factory.mktemp("file")), "exports.txt")
+    with open(a_file, "w") as f:
+        f.write("not a folder")
+    labels = os.path.join(torch_out, "labels.txt")
+    saved_model = ["--format", "saved_model", "--name", "vit", "--version", "3", "--class_names",
+                   labels]
+    cases = {
+        "files_again": (["--model", jax_model, "--format", "tflite", "--format", "onnx", "--out",
+                         jax_out], jax_out),
+        "version_again": (["--model", torch_model, *saved_model, "--out",
+                           os.path.join(torch_out, "serving")], torch_out),
+        "files_overwritten": (["--model", jax_model, "--format", "tflite", "--format", "onnx",
+                               "--out", copies["jax_copy"], "--overwrite"], copies["jax_copy"]),
+        "version_overwritten": (["--model", torch_model, *saved_model, "--out",
+                                 os.path.join(copies["torch_copy"], "serving"), "--overwrite"],
+                                copies["torch_copy"]),
+        "out_is_a_file": (["--model", jax_model, "--format", "onnx", "--out", a_file],
+                          os.path.dirname(a_file)),
+    }
+    before = {case: _digests(out) for case, (_, out) in cases.items()}
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        results = dict(zip(cases, pool.map(lambda case: run_app(*case[0]), cases.values())))
+    return {case: (results[case], cases[case][1], before[case]) for case in cases}
+
+
+def test_a_second_tflite_and_onnx_export_is_refused_with_one_line(repeated_runs):
+    result, out, before = repeated_runs["files_again"]
+    _assert_one_line_error(result, "jax_run.tflite", "jax_run.onnx", "already exist",
+                           "--overwrite")
+    assert _digests(out) == before  # nothing written
+
+
+def test_a_second_export_of_a_saved_model_version_is_refused_with_one_line(repeated_runs):
+    result, out, before = repeated_runs["version_again"]
+    _assert_one_line_error(result, os.path.join("vit", "3"), "already exists", "--overwrite",
+                           "leave out --version")
+    assert _digests(out) == before
+
+
+@pytest.mark.parametrize("case", ["files_overwritten", "version_overwritten"])
+def test_overwrite_replaces_an_existing_export_once_verified(repeated_runs, case):
+    result, out, before = repeated_runs[case]
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "OK" in result.stdout and "Wrote" in result.stdout
+    written = {"files_overwritten": ["jax_run.tflite", "jax_run.onnx"],
+               "version_overwritten": [os.path.join("serving", "vit", "3")]}[case]
+    for path in written:
+        assert f"Wrote {os.path.join(out, path)}\n" in result.stdout, result.stdout
+    after = _digests(out)
+    assert sorted(after) == sorted(before)  # the same files: replaced, nothing left beside them
+
+
+def test_an_out_that_is_a_file_is_a_one_line_error(repeated_runs):
+    result, out, before = repeated_runs["out_is_a_file"]
+    _assert_one_line_error(result, "--out", "exports.txt is a file")
+    assert _digests(out) == before

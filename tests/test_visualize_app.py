@@ -96,7 +96,7 @@ def test_app_names_a_corrupt_image_file(tmp_path):
     corrupt.write_bytes(b"\xff\xd8\xff\xe0 this is not really a JPEG")
     result = run_app("--model", "ViT-Ti/16", "--image_size", "32", "--images", str(corrupt),
                      "--out", str(tmp_path / "out"))
-    assert result.returncode == 1
+    assert result.returncode == 2  # a user error: one `ERROR:` line
     assert f"Cannot read image file {str(corrupt)!r}" in result.stderr
     assert not (tmp_path / "out").exists()
 

@@ -441,23 +441,77 @@ def _next_version(model_dir):
     return max(versions, default=0) + 1
 
 
+def export_path(format, out_dir, name, version=None, quantize="none"):
+    """Where `export` writes an artifact: `out_dir/name/version` (`saved_model`; by default the
+    next version), `out_dir/name[_quantize].tflite` or `out_dir/name.onnx`."""
+    if format == "saved_model":
+        model_dir = os.path.join(out_dir, name)
+        return os.path.join(model_dir, str(_next_version(model_dir) if version is None
+                                           else int(version)))
+    if format == "tflite":
+        return os.path.join(out_dir, f"{name}{'' if quantize == 'none' else '_' + quantize}.tflite")
+    return os.path.join(out_dir, f"{name}.onnx")
+
+
+def labels_path(out_dir, name):
+    """The class names file written beside `tflite` and `onnx` artifacts, one name per line."""
+    return os.path.join(out_dir, f"{name}.labels.txt")
+
+
+def _labels_text(class_names):
+    return "".join(f"{name}\n" for name in class_names)
+
+
+def existing_outputs(format, out_dir, name, version=None, quantize="none", class_names=None):
+    """The files `export` would replace: the artifact, and a labels file of other class names.
+
+    Raises `NotADirectoryError` when `out_dir` is a file."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise NotADirectoryError(f"The export folder {out_dir} is a file; give the folder the "
+                                 f"exports go in (it is created if missing).")
+    found = []
+    path = export_path(format, out_dir, name, version, quantize)
+    if os.path.exists(path):
+        found.append(path)
+    labels = labels_path(out_dir, name)
+    if format != "saved_model" and class_names and os.path.exists(labels):
+        with open(labels, encoding="utf-8") as f:
+            if f.read() != _labels_text(class_names):
+                found.append(labels)
+    return found
+
+
 def _write_labels(path, class_names):
     if class_names:
         with open(path, "w", encoding="utf-8") as f:
-            f.write("".join(f"{name}\n" for name in class_names))
+            f.write(_labels_text(class_names))
+
+
+def _publish(staged, path):
+    """Moves a verified artifact into place; an existing one is replaced (`overwrite`)."""
+    if not os.path.isdir(staged) or not os.path.exists(path):
+        os.replace(staged, path)  # a file replaces a file atomically
+        return
+    # A directory cannot replace a directory in one step: the old version is moved aside under
+    # a name no server loads (TF Serving takes numeric folders only), then deleted.
+    replaced = f"{path}.replaced-{os.getpid()}"
+    os.replace(path, replaced)
+    os.replace(staged, path)
+    shutil.rmtree(replaced)
 
 
 def export(model, format, out_dir, *, name, version=None, quantize="none", class_names=None,
-           top_k=5, verify=True, images=None):
+           top_k=5, verify=True, images=None, overwrite=False):
     """Exports `model` in one format under `out_dir`, then reloads and verifies the artifact.
 
     Args:
       model: a Keras model (on the TensorFlow backend) with one image input of raw pixels; a
         mixed-precision model is exported in float32 (`float32_model`).
       format: `"saved_model"`, `"tflite"` or `"onnx"`.
-      out_dir: the root folder. `saved_model` writes `out_dir/name/version/`; `tflite` writes
-        `out_dir/name.tflite` (`out_dir/name_{quantize}.tflite` when quantised); `onnx` writes
-        `out_dir/name.onnx`. With class names, `tflite` and `onnx` also write
+      out_dir: the root folder (created if missing). `saved_model` writes
+        `out_dir/name/version/`; `tflite` writes `out_dir/name.tflite`
+        (`out_dir/name_{quantize}.tflite` when quantised); `onnx` writes `out_dir/name.onnx`
+        (`export_path`). With class names, `tflite` and `onnx` also write
         `out_dir/name.labels.txt`.
       name: the model name (TF Serving's `MODEL_NAME`, and the file stem).
       version: the SavedModel version folder; by default one more than the highest present.
@@ -466,12 +520,17 @@ def export(model, format, out_dir, *, name, version=None, quantize="none", class
       top_k: how many classes `top_k_indices` / `top_k_names` list.
       verify: reload the artifact in its runtime and compare with Keras (raise beyond tolerance).
       images: the verification batch; `verification_images(model)` by default.
+      overwrite: replace an existing artifact (and a labels file of other class names) once the
+        new one is verified; without it, they are refused before anything is written.
 
     Returns:
       `(path, verifications)`: the artifact's path and a list of `Verification`s (empty if
       `verify=False`).
 
     Raises:
+      FileExistsError: the artifact (a file, or the SavedModel version) or a labels file of other
+        class names exists, and `overwrite` is False.
+      NotADirectoryError: `out_dir` is a file.
       ExportVerificationError: an artifact differs from Keras beyond `RELATIVE_TOLERANCE`
         (float exports) or returns non-finite logits.
     """
@@ -484,19 +543,15 @@ def export(model, format, out_dir, *, name, version=None, quantize="none", class
         raise ValueError(f"Quantization {quantize!r} applies to the tflite format only, not "
                          f"{format!r}; use --quantize none.")
     _check_class_names(model, class_names)
+    existing = existing_outputs(format, out_dir, name, version, quantize, class_names)
+    if existing and not overwrite:
+        raise FileExistsError(
+            f"{' and '.join(existing)} already exist{'s' if len(existing) == 1 else ''}; export "
+            f"under another name, folder or version, or pass overwrite=True to replace "
+            f"{'it' if len(existing) == 1 else 'them'}.")
     model = float32_model(model)
     os.makedirs(out_dir, exist_ok=True)
-    if format == "saved_model":
-        model_dir = os.path.join(out_dir, name)
-        version = _next_version(model_dir) if version is None else int(version)
-        path = os.path.join(model_dir, str(version))
-        if os.path.exists(path):
-            raise FileExistsError(
-                f"{path} already exists; TF Serving versions are immutable. Give a new --version "
-                f"(or leave it out to use {_next_version(model_dir)}), or delete the old one.")
-    else:
-        suffix = "" if quantize == "none" else f"_{quantize}"
-        path = os.path.join(out_dir, f"{name}{suffix}.{'tflite' if format == 'tflite' else 'onnx'}")
+    path = export_path(format, out_dir, name, version, quantize)
     # Written under a name no runtime picks up (TF Serving loads numeric folders only) and moved
     # into place once verified, so a model server watching out_dir never sees a bad artifact.
     staged = path + ".unverified"
@@ -519,7 +574,7 @@ def export(model, format, out_dir, *, name, version=None, quantize="none", class
             + "\n".join(v.summary() for v in failed)
             + f"\nFloat exports must match Keras' logits within a relative difference of "
               f"{RELATIVE_TOLERANCE:.0e}. The artifact was left at {staged} for inspection.")
-    os.replace(staged, path)
+    _publish(staged, path)
     if format != "saved_model":
-        _write_labels(os.path.join(out_dir, f"{name}.labels.txt"), class_names)
+        _write_labels(labels_path(out_dir, name), class_names)
     return path, verifications

@@ -1,0 +1,76 @@
+"""A user's mistake ends an app with one line, `ERROR: ...`, and status 2: no traceback and no
+`--help` text. Tracebacks are for bugs."""
+
+import concurrent.futures
+import re
+
+import pytest
+
+from conftest import run_app
+
+
+def _assert_one_line_error(result, *expected):
+    """Exit status 2, one `ERROR: ...` line last on stderr holding `expected`, no traceback and no
+    flag help (TensorFlow's and JAX's own start-up logs may come before the line)."""
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-4000:]
+    lines = result.stderr.strip().splitlines()
+    assert "Traceback" not in output and lines[-1].startswith("ERROR: "), output[-4000:]
+    assert [line for line in lines if "ERROR" in line] == lines[-1:], result.stderr
+    for text in expected:
+        assert text in lines[-1], lines[-1]
+    # absl's --help lists each flag as "  --name: help"; none of it belongs in an error.
+    assert not re.search(r"^\s+--\w+: ", output, re.M), output[-4000:]
+    assert "USAGE" not in output
+
+
+# Each case: the app, its arguments, and what its one line must say. The apps start in parallel
+# (two at a time): each is a fresh process whose start-up dominates.
+CASES = {
+    "finetune_missing_folder": (
+        "finetune.py", ["--dataset=folder:{tmp}/no_such_folder", "--output_dir={tmp}/runs"],
+        ["no_such_folder", "does not exist", "one sub-folder per class"]),
+    "evaluate_missing_folder": (
+        "evaluate.py", ["--model={tmp}/model.keras", "--dataset=folder:{tmp}/no_such_folder"],
+        ["no_such_folder", "does not exist"]),
+    "finetune_image_size_not_divisible": (
+        "finetune.py", ["--model=ViT-Ti/16", "--image_size=30", "--epochs=1",
+                        "--output_dir={tmp}/runs"],
+        ["30 is not divisible by patch size 16", "multiple of 16"]),
+    "visualize_image_size_not_divisible": (
+        "visualize.py", ["--model=ViT-Ti/16", "--image_size=30", "--out={tmp}/figures"],
+        ["30 is not divisible by patch size 16"]),
+    "finetune_unknown_variant": (
+        "finetune.py", ["--model=ViT-X/16", "--epochs=1", "--output_dir={tmp}/runs"],
+        ["Unknown variant 'ViT-X/16'", "ViT-B/16"]),
+    "predict_unknown_variant": (
+        "predict.py", ["--model=ViT-X/16", "--weights={tmp}/weights.npz", "{tmp}/image.png"],
+        ["--model ViT-X/16", "Unknown variant 'ViT-X/16'"]),
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("app_errors"))
+
+    def run(case):
+        app, args, _ = CASES[case]
+        return run_app(app, *[arg.format(tmp=tmp) for arg in args], timeout=300)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return dict(zip(CASES, pool.map(run, CASES)))
+
+
+@pytest.mark.parametrize("case", [case for case in CASES if "missing_folder" in case])
+def test_a_missing_image_folder_is_a_one_line_error(results, case):
+    _assert_one_line_error(results[case], *CASES[case][2])
+
+
+@pytest.mark.parametrize("case", [case for case in CASES if "not_divisible" in case])
+def test_an_image_size_the_patch_size_does_not_divide_is_a_one_line_error(results, case):
+    _assert_one_line_error(results[case], *CASES[case][2])
+
+
+@pytest.mark.parametrize("case", [case for case in CASES if "unknown_variant" in case])
+def test_an_unknown_variant_is_a_one_line_error_without_the_help_text(results, case):
+    _assert_one_line_error(results[case], *CASES[case][2])
