@@ -190,8 +190,8 @@ def _pretrain(config, folder, run_name, log):
         optimizer = recipes.make_optimizer(
             recipe, max(1, epochs * steps_per_epoch // accum), accum)
         model.compile(optimizer=optimizer, loss=None, jit_compile=jit_compile)
-    if config.jit_compile is None:
-        recipes.save_jit_compile_as_auto(model)  # the loading backend chooses
+    # Loadable on every backend, which chooses its own jit_compile unless the user did.
+    recipes.portable_compile_config(model, keep_jit_compile=config.jit_compile is not None)
     replicas = (distribution_lib.num_replicas(config.distribution)
                 if config.distribution != "none" else 1)
     if not trained:

@@ -100,6 +100,23 @@ def test_a_compiled_model_saves_jit_compile_auto_unless_it_was_chosen(tiny_confi
     assert forced.get_compile_config()["jit_compile"] is False
 
 
+def test_a_compiled_model_saves_its_optimizer_under_the_public_keras_name(tiny_config, tmp_path):
+    # On torch Keras compiles with a torch subclass (keras.src.backend.torch.optimizers...):
+    # saved under that name, another backend would import torch to read it.
+    optimizer = recipes.make_optimizer(recipes.DIGITS_RECIPE, total_steps=10)
+    model = recipes.compile_model(tiny_model(tiny_config), optimizer)
+    saved = model.get_compile_config()["optimizer"]
+    assert (saved["module"], saved["class_name"], saved["registered_name"]) == (
+        "keras.optimizers", "AdamW", None)
+    assert saved["config"]["learning_rate"]["registered_name"] == "vit_keras>WarmupSchedule"
+    x, y = tiny_data(num_classes=3, size=8)
+    model.fit(x, y, epochs=1, verbose=0)
+    model.save(tmp_path / "model.keras")
+    loaded = keras.saving.load_model(tmp_path / "model.keras")  # compiled, optimizer state too
+    assert type(loaded.optimizer) is type(model.optimizer)  # this backend's own class
+    assert int(loaded.optimizer.iterations) == int(model.optimizer.iterations) == 1
+
+
 def test_importing_vit_keras_alone_registers_the_schedule_without_the_tools():
     from conftest import run_on_backend
 

@@ -93,16 +93,32 @@ def use_jit_compile():
     return keras.backend.backend() in ("jax", "tensorflow")
 
 
-def save_jit_compile_as_auto(model):
-    """Makes `model.save` record `jit_compile="auto"` in its compile config, whatever the model
-    was compiled with, so that `keras.models.load_model` lets the loading backend choose: Keras
-    resolves "auto" to eager on torch, where a restored `jit_compile=True` would torch.compile the
-    first `predict` (about a minute on CPU with recompilation warnings), and to XLA on JAX.
+def portable_compile_config(model, keep_jit_compile=False):
+    """Makes what `model.save` records of `model`'s compilation load on every backend.
 
-    Keras stores the resolved value of the `compile` argument; the stored config is replaced in
-    place. Call it after `compile`, and only when the user did not choose `jit_compile`."""
+    - The optimizer is recorded under its public name (`keras.optimizers.AdamW`). On torch Keras
+      compiles with a torch subclass and records its private module
+      (`keras.src.backend.torch.optimizers.torch_adamw`): another backend reading that imports
+      torch (TensorFlow then crashes) and would update the weights with torch's code. The
+      public class gives each backend its own.
+    - `jit_compile` is recorded as "auto" unless `keep_jit_compile`: Keras records the value it
+      resolved, so a model trained with XLA on JAX would torch.compile its first `predict` on
+      torch (about a minute on CPU, with recompilation warnings); "auto" lets the loading
+      backend choose (eager on torch, XLA on JAX).
+
+    Keras keeps the arguments of `compile` in `model._compile_config`; they are replaced there.
+    Call after `compile`; calling again changes nothing."""
     config = getattr(model, "_compile_config", None)
-    if config is not None:
+    if config is None:
+        return model
+    optimizer = config.config.get("optimizer")
+    public = getattr(keras.optimizers, type(optimizer).__name__, None)
+    if (isinstance(optimizer, keras.optimizers.Optimizer) and isinstance(public, type)
+            and isinstance(optimizer, public)):
+        serialized = keras.saving.serialize_keras_object(optimizer)
+        serialized.update(module="keras.optimizers", registered_name=None)
+        config.config["optimizer"] = serialized  # the optimizer's state is saved from the model
+    if not keep_jit_compile:
         config.config["jit_compile"] = "auto"
     return model
 
@@ -112,8 +128,8 @@ def compile_model(model, optimizer, label_smoothing=0.0, jit_compile=None):
 
     The accuracies are weighted metrics: they honour sample weights (the zero-weight padding of
     a multi-process evaluation, `distribution.pad_to_whole_batches`) and equal plain ones
-    without. `jit_compile=None` compiles with `use_jit_compile()` and saves "auto"
-    (`save_jit_compile_as_auto`); `True` or `False` is used and saved as given."""
+    without. `jit_compile=None` compiles with `use_jit_compile()` and saves "auto"; `True` or
+    `False` is used and saved as given (`portable_compile_config`)."""
     num_classes = model.output_shape[-1]
     metrics = [keras.metrics.CategoricalAccuracy(name="accuracy")]
     if num_classes > 5:
@@ -124,9 +140,7 @@ def compile_model(model, optimizer, label_smoothing=0.0, jit_compile=None):
                                                   label_smoothing=label_smoothing),
         weighted_metrics=metrics,
         jit_compile=use_jit_compile() if jit_compile is None else jit_compile)
-    if jit_compile is None:
-        save_jit_compile_as_auto(model)
-    return model
+    return portable_compile_config(model, keep_jit_compile=jit_compile is not None)
 
 
 RECIPES = {"finetune": FINETUNE_RECIPE, "pretrain": PRETRAIN_RECIPE, "digits": DIGITS_RECIPE}

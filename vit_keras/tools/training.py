@@ -361,9 +361,10 @@ class ActivationMemoryError(ValueError):
     """A training step's activations cannot fit in the memory of the device it runs on."""
 
 
-def training_activation_bytes(model, batch_size):
+def training_activation_bytes(model, batch_size, image_size=None):
     """A lower bound of the bytes of activations one training step of `model` keeps for its
-    backward pass, at `batch_size` images per device.
+    backward pass, at `batch_size` images per device of `image_size` pixels a side (default: the
+    model's; a model of dynamic image size may be fed another).
 
     Per image and Transformer block: the attention logits and probabilities,
     `2 * heads * tokens**2` float32 values (unless the block's attention runs through a fused
@@ -378,7 +379,10 @@ def training_activation_bytes(model, batch_size):
     blocks = [layer for layer in model.layers if isinstance(layer, vit_layers.TransformerBlock)]
     if not blocks:
         return 0
-    rows, cols = geometry.token_grid(model)
+    if image_size is None:
+        rows, cols = geometry.token_grid(model)
+    else:
+        rows = cols = int(image_size) // geometry.token_pixels(model)
     has_class_token = any(isinstance(layer, vit_layers.ClassToken) for layer in model.layers)
     tokens = rows * cols + int(has_class_token)
     total = 0
@@ -440,7 +444,7 @@ def check_activation_memory(model, batch_size, image_size, memory=None):
     """Raises `ActivationMemoryError` (one line: the estimate, the memory, the flags to change)
     when `training_activation_bytes` exceeds the device's memory (`device_memory()` unless
     `memory`, a `(bytes, name)` pair, is given); returns the estimate otherwise."""
-    needed = training_activation_bytes(model, batch_size)
+    needed = training_activation_bytes(model, batch_size, image_size)
     available, where = memory or device_memory()
     if available and needed > available:
         raise ActivationMemoryError(
@@ -578,7 +582,7 @@ def _train_and_evaluate(config, folder, run_name, processes, log, started):
         optimizer = recipes_lib.make_optimizer(recipe, total_updates, accum)
         recipes_lib.compile_model(model, optimizer, recipe.label_smoothing, jit_compile)
     if config.jit_compile is None:  # the loading backend chooses (also when forced off above)
-        recipes_lib.save_jit_compile_as_auto(model)
+        recipes_lib.portable_compile_config(model)
     if recipe.image_size is None:  # the weights' own (resolve_recipe)
         recipe = dataclasses.replace(recipe, image_size=model_image_size(model))
     if not trained:
