@@ -81,16 +81,16 @@ def select_backend(argv=None):
 
 
 def keep_freed_host_memory():
-    """`vit_keras.keep_freed_host_memory()`, called before the `vit_keras` package is imported.
+    """`vit_keras.keep_freed_host_memory()`, before NumPy or any of vit_keras is imported.
 
-    Importing the package first loads modules after which glibc's settings reach only part of
-    XLA's allocations (a ViT-Ti/16 training step on JAX then still page-faults ~25,000 times
-    instead of ~0), so `vit_keras/xla_cpu.py` is run on its own, without the package's
-    `__init__`. Returns whether the settings were applied.
+    glibc's settings reach only threads that have not allocated yet, and importing NumPy starts
+    OpenBLAS's threads (a late call left a ViT-Ti/16 training step on JAX page-faulting ~26,000
+    times instead of 0 in some processes). `vit_keras/host_memory.py` imports only the standard
+    library, so it is run on its own, without the package's `__init__`. Returns whether the
+    settings were applied.
     """
-    package = importlib.util.find_spec("vit_keras").submodule_search_locations[0]
     spec = importlib.util.spec_from_file_location(
-        "_vit_keras_host_memory", os.path.join(package, "xla_cpu.py"))
+        "_vit_keras_host_memory", os.path.join(_CHECKOUT, "vit_keras", "host_memory.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.keep_freed_host_memory()

@@ -47,6 +47,7 @@ FLAGS = flags.FLAGS
 
 
 @_common.exit_on_unavailable
+@_common.exit_on_user_error
 def main(argv):
     del argv
     import keras  # pylint: disable=import-outside-toplevel

@@ -273,6 +273,7 @@ def _pretrain(config, folder, run_name, log):
 
 
 @_common.exit_on_unavailable
+@_common.exit_on_user_error
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")

@@ -12,14 +12,22 @@ import resource
 import sys
 import time
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 # torch (timm, Keras' torch backend) pulls in triton when installed; importing triton after
 # TensorFlow (keras-hub always imports it) segfaults the process. Nothing here needs triton.
 sys.modules.setdefault("triton", None)
 
+if os.environ.get("KERAS_BACKEND") == "jax" and "vit_keras" in sys.argv:
+    # As the apps start on JAX: glibc keeps freed memory, set before NumPy starts any thread.
+    sys.path.insert(0, os.path.join(REPO, "apps"))
+    import _backend  # noqa: E402
+
+    _backend.keep_freed_host_memory()
+
 import numpy as np  # noqa: E402
 
 GEMM_SIZE = 2048
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def time_calls(step, warmup, steps):
@@ -179,12 +187,6 @@ def main():
     if args.implementation.startswith("timm"):
         library = "torch"
     else:
-        if args.implementation == "vit_keras" and os.environ.get("KERAS_BACKEND") == "jax":
-            # As the apps do: before vit_keras is imported and JAX starts its CPU client.
-            sys.path.insert(0, os.path.join(REPO, "apps"))
-            import _backend  # pylint: disable=import-outside-toplevel
-
-            _backend.keep_freed_host_memory()
         import keras  # pylint: disable=import-outside-toplevel
         library = keras.backend.backend()
     result = {"implementation": args.implementation, "library": library,

@@ -40,6 +40,16 @@ CASES = {
     "visualize_image_size_not_divisible": (
         "visualize.py", ["--model=ViT-Ti/16", "--image_size=30", "--out={tmp}/figures"],
         ["30 is not divisible by patch size 16"]),
+    "pretrain_image_size_not_divisible": (
+        "pretrain.py", ["--model=ViT-Ti/16", "--image_size=30", "--epochs=1",
+                        "--output_dir={tmp}/runs"],
+        ["30 is not divisible by patch size 16"]),
+    "build_hybrid_unknown_variant": (
+        "build_hybrid.py", ["--variant=R50+ViT-X/16", "--out={tmp}/hybrid.keras"],
+        ["'R50+ViT-X/16' is not a hybrid", "R50+ViT-B/16"]),
+    "convert_missing_checkpoint": (
+        "convert.py", ["--weights={tmp}/weights.npz", "--out={tmp}/c.keras"],
+        ["weights.npz", "No checkpoint at"]),
     "finetune_unknown_variant": (
         "finetune.py", ["--model=ViT-X/16", "--epochs=1", "--output_dir={tmp}/runs"],
         ["Unknown variant 'ViT-X/16'", "ViT-B/16"]),
@@ -61,8 +71,8 @@ def results(tmp_path_factory):
         return dict(zip(CASES, pool.map(run, CASES)))
 
 
-@pytest.mark.parametrize("case", [case for case in CASES if "missing_folder" in case])
-def test_a_missing_image_folder_is_a_one_line_error(results, case):
+@pytest.mark.parametrize("case", [case for case in CASES if "_missing_" in case])
+def test_a_missing_folder_or_file_is_a_one_line_error(results, case):
     _assert_one_line_error(results[case], *CASES[case][2])
 
 

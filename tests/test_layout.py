@@ -106,6 +106,11 @@ def test_the_model_path_imports_no_framework_but_keras(module):
     assert not found, f"{module} imports {sorted(found)}"
 
 
+def test_host_memory_imports_only_the_standard_library():
+    """The apps load vit_keras/host_memory.py by path before NumPy starts its threads."""
+    assert {i.split(".")[0] for i in _imports("vit_keras.host_memory")} <= {"ctypes", "sys"}
+
+
 def test_the_builder_and_the_checkpoint_loader_do_not_import_each_other():
     checkpoints = [name for name in MODULES if name.startswith("vit_keras.checkpoints")]
     for name in checkpoints:

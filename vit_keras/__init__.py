@@ -38,7 +38,7 @@ from vit_keras.posemb import resample_position_embeddings
 from vit_keras.pretrained import build_model, build_model_from_checkpoint
 from vit_keras.releases import Release, list_weights
 from vit_keras.resnet import ResidualUnit, ResNetStage, ResNetStem, StdConv2D
-from vit_keras.xla_cpu import keep_freed_host_memory
+from vit_keras.host_memory import keep_freed_host_memory
 
 __version__ = "0.1.0"
 

@@ -26,26 +26,20 @@ XLA expands into exponentials and selects on every device.)
    product of bfloat16 operands with a float32 result stays bfloat16. `einsum` asks for that,
    rounds the result to bfloat16, and does the same in both gradients, which JAX would otherwise
    derive as float32 x bfloat16 products.
-3. XLA:CPU allocates each execution's scratch buffer with `malloc`; glibc maps a block that large
-   afresh with `mmap` and unmaps it on `free`, so every step page-faults the whole buffer in
-   again. `keep_freed_host_memory()` makes glibc serve large blocks from its heap and keep them,
-   so a step reuses earlier steps' pages. It changes the whole process, so the library never
-   calls it: a program opts in, before JAX starts (see its docstring for the environment-only
-   equivalent).
+3. XLA:CPU allocates each execution's scratch buffer with `malloc`, which glibc maps afresh for
+   every step unless told to keep freed memory: `vit_keras.host_memory.keep_freed_host_memory`
+   (re-exported here), an explicit opt-in since it changes the whole process.
 """
 
-import ctypes
 import functools
 import os
-import sys
 
 import keras
 from keras import ops
 
-SWITCH = "VIT_KERAS_XLA_CPU_WORKAROUNDS"
+from vit_keras.host_memory import keep_freed_host_memory  # noqa: F401 (item 3, re-exported)
 
-# glibc's mallopt parameters (malloc.h).
-_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
+SWITCH = "VIT_KERAS_XLA_CPU_WORKAROUNDS"
 
 # set_workarounds' setting; None: the environment's, read when first needed.
 _enabled = None
@@ -106,35 +100,6 @@ def on_xla_cpu():
 def workarounds_active():
     """Whether the layers apply the workarounds now: on XLA:CPU with the switch on."""
     return on_xla_cpu() and workarounds_enabled()
-
-
-def keep_freed_host_memory(trim_threshold=1 << 30):
-    """Makes glibc keep freed memory for reuse instead of returning it to the kernel (item 3).
-
-    One malloc arena for the threads that have not allocated yet (other arenas map large blocks
-    whatever the settings), no `mmap` for large blocks, and up to `trim_threshold` bytes kept free
-    at the top of the heap. The price is memory the process keeps rather than returns.
-
-    It changes the whole process and reaches only threads that have not allocated yet, so call it
-    first thing, before JAX creates its CPU client (before the first array, `jax.devices()` or
-    model). Even then, a call made after `import vit_keras` is only partly effective: modules
-    loaded before it may already have made malloc arenas that XLA's threads then use (a ViT-Ti/16
-    training step on 2 CPUs page-faulted ~25,000 times instead of ~0; untuned, ~124,000). The same
-    settings from the process's start, for every thread and exactly, without code:
-
-        GLIBC_TUNABLES=glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1073741824
-
-    (glibc's tunables call the functions `mallopt` does.) Returns whether it was applied (False
-    off Linux or on another C library).
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):  # another C library (musl)
-        return False
-    settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, int(trim_threshold)))
-    return all(mallopt(parameter, value) == 1 for parameter, value in settings)
 
 
 @functools.cache
