@@ -42,7 +42,7 @@ def resolve_weights(weights, variant, image_size=None, variant_flag="--variant")
 
     A release name without a variant, a release the variant does not have, or a file that does
     not exist is a usage error (naming `variant_flag`, the app's flag for the variant);
-    `vit_keras.download.WeightsUnavailableError` (offline) propagates: `exit_on_unavailable`
+    `vit_keras.download.WeightsUnavailableError` (offline) propagates: `exit_on_user_error`
     reports it.
     """
     from vit_keras import pretrained, releases
@@ -58,24 +58,6 @@ def resolve_weights(weights, variant, image_size=None, variant_flag="--variant")
         return pretrained.resolve_weights(weights, variant, image_size)
     except (ValueError, FileNotFoundError) as error:
         raise app.UsageError(f"--weights {weights}: {error}") from None
-
-
-def exit_on_unavailable(main):
-    """Wraps an absl main: published weights that cannot be downloaded (no network, a mirror
-    without the file) end the app with `ERROR: <why and what to do>` and status 2, no traceback."""
-    import functools
-
-    @functools.wraps(main)
-    def wrapped(argv):
-        from vit_keras import download
-
-        try:
-            return main(argv)
-        except download.WeightsUnavailableError as error:
-            print(f"ERROR: {error}", file=sys.stderr)
-            return 2
-
-    return wrapped
 
 
 class ReloadMismatchError(Exception):
@@ -149,8 +131,7 @@ def training_app(name, started, recipe="auto", recipe_help=None):
     def main(argv):
         if len(argv) > 1:
             raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
-        from vit_keras.tools import callbacks, data
-        from vit_keras.tools.run_folder import RunFolder, RunFolderError
+        from vit_keras.tools.run_folder import RunFolder
 
         if recipe != "auto" and FLAGS.dataset == "digits" and not FLAGS["recipe"].present:
             FLAGS.recipe = "digits"  # before flags.txt records it: a rerun then replays the same
@@ -169,16 +150,7 @@ def training_app(name, started, recipe="auto", recipe_help=None):
                                      f"{error}") from None
         config = config_flags.from_flags(training.RunConfig,
                                          flags_text=run_flags_text(module_name))
-        from vit_keras import download
-        from vit_keras.tools import distribution
-
-        try:
-            metrics = training.run(config, app=name, started=started)
-        except (data.DatasetNotPreparedError, callbacks.NonFiniteLossError,
-                download.WeightsUnavailableError, distribution.MultiProcessError,
-                RunFolderError, training.ActivationMemoryError) as error:
-            print(f"\nERROR: {error}", file=sys.stderr)
-            return 2
+        metrics = training.run(config, app=name, started=started)
         print()
         print(training.metrics_table(metrics))
         process = metrics.get("process", {"index": 0})
@@ -234,7 +206,9 @@ def exit_on_user_error(main):
     """Wraps an absl main: a user's mistake ends the app with one line, `ERROR: <what was wrong
     and what to do>`, and status 2, without a traceback or the `--help` text.
 
-    A user's mistake is an `app.UsageError` (a flag's value), or a `ValueError` or a missing,
+    A user's mistake is an `app.UsageError` (a flag's value), a `vit_keras.errors.UserError`
+    (data not prepared, weights that cannot be downloaded, a busy run folder, a diverged loss, ...),
+    or a `ValueError` or a missing,
     existing or wrong kind of path (`FileNotFoundError`, `FileExistsError`, `NotADirectoryError`,
     `IsADirectoryError`) raised by the code of vit_keras or of the apps: an unknown variant, an
     image size the patch size does not divide, a missing image folder. The same errors raised
@@ -242,11 +216,13 @@ def exit_on_user_error(main):
     """
     import functools
 
+    from vit_keras import errors
+
     @functools.wraps(main)
     def wrapped(argv):
         try:
             return main(argv)
-        except app.UsageError as error:
+        except (app.UsageError, errors.UserError) as error:
             message = str(error)
         except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError,
                 IsADirectoryError) as error:

@@ -46,7 +46,6 @@ flags.DEFINE_string("out", None, "Output .keras file, e.g. saved_models/NAME.ker
 FLAGS = flags.FLAGS
 
 
-@_common.exit_on_unavailable
 @_common.exit_on_user_error
 def main(argv):
     del argv

@@ -49,7 +49,6 @@ flags.DEFINE_integer("num_heads", None, "Attention heads, for timm files of non-
 FLAGS = flags.FLAGS
 
 
-@_common.exit_on_unavailable
 @_common.exit_on_user_error
 def main(argv):
     del argv

@@ -60,7 +60,6 @@ def _published_model(variant, weights, image_size):
                                                  image_size=image_size), release
 
 
-@_common.exit_on_unavailable
 @_common.exit_on_user_error
 def main(argv):
     files = argv[1:]

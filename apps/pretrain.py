@@ -39,7 +39,6 @@ import dataclasses  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
-import sys  # noqa: E402
 
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
@@ -272,13 +271,11 @@ def _pretrain(config, folder, run_name, log):
     return metrics
 
 
-@_common.exit_on_unavailable
 @_common.exit_on_user_error
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
-    from vit_keras.tools import callbacks, data
-    from vit_keras.tools.run_folder import RunFolder, RunFolderError
+    from vit_keras.tools.run_folder import RunFolder
 
     config = config_flags.from_flags(training.RunConfig,
                                      flags_text=_common.run_flags_text(_FLAG_MODULE))
@@ -291,12 +288,7 @@ def main(argv):
         raise app.UsageError("apps/pretrain.py runs in one process; --num_processes and "
                              "--coordinator_address are for apps/finetune.py and apps/train.py. "
                              "Use --distribution data_parallel over one process's devices.")
-    try:
-        metrics = run(config)
-    except (data.DatasetNotPreparedError, callbacks.NonFiniteLossError, RunFolderError,
-            training.ActivationMemoryError) as error:
-        print(f"\nERROR: {error}", file=sys.stderr)
-        return 2
+    metrics = run(config)
     speed = metrics["images_per_second"]
     print(f"\nMasked patch prediction loss (last epoch): {metrics['train_loss']:.4f}; "
           f"{metrics['epochs']} epochs in {metrics['fit_time_s']:.0f} s"

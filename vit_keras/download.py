@@ -22,6 +22,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+from vit_keras import errors
 from vit_keras import releases
 
 MIRROR_VARIABLE = "VIT_KERAS_WEIGHTS_MIRROR"
@@ -39,7 +40,7 @@ _CHUNK = 1 << 20
 _HTML_STARTS = (b"<!doctype html", b"<html", b"<head", b"<body", b"<?xml")
 
 
-class WeightsUnavailableError(OSError):
+class WeightsUnavailableError(errors.UserError, OSError):
     """A published file can be neither found in the cache nor downloaded."""
 
 

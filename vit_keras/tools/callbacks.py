@@ -8,6 +8,7 @@ import time
 import keras
 import numpy as np
 
+from vit_keras import errors
 from vit_keras.tools.run_folder import atomic_save_model, atomic_write_json, read_json
 
 
@@ -153,7 +154,7 @@ def set_seed_generator_states(model, states):
         variable.assign(np.asarray(values, dtype=variable.dtype))
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(errors.UserError, RuntimeError):
     """Training produced a NaN or infinite loss."""
 
 

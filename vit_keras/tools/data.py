@@ -21,12 +21,14 @@ import threading
 import numpy as np
 import tensorflow as tf
 
+from vit_keras import errors
+
 SPLITS = ("train", "val", "test")
 DIGITS = "digits"
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif")
 
 
-class DatasetNotPreparedError(RuntimeError):
+class DatasetNotPreparedError(errors.UserError, RuntimeError):
     """A tfds dataset is not in `data_dir` and cannot be downloaded (no network or not allowed)."""
 
 

@@ -9,6 +9,8 @@ import os
 import keras
 import numpy as np
 
+from vit_keras import errors
+
 
 DISTRIBUTIONS = ("none", "data_parallel", "model_parallel")
 # The environment variables of `keras.distribution.initialize`; the apps' flags default to them.
@@ -21,7 +23,7 @@ DEFAULT_PEER_TIMEOUT = 60
 _mirrored_strategy = None  # the last MirroredStrategy distribution_scope made (TensorFlow)
 
 
-class MultiProcessError(RuntimeError):
+class MultiProcessError(errors.UserError, RuntimeError):
     """Several processes were asked for where they cannot be set up (backend, flags)."""
 
 

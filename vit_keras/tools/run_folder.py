@@ -25,6 +25,8 @@ import socket
 
 import numpy as np
 
+from vit_keras import errors
+
 
 def atomic_save_model(model, path):
     """`model.save(path)` through a temporary file and `os.replace`, so `path` is always whole."""
@@ -59,7 +61,7 @@ def read_json(path):
         return None
 
 
-class RunFolderError(RuntimeError):
+class RunFolderError(errors.UserError, RuntimeError):
     """A run folder cannot be used: it cannot be written, or another process holds it."""
 
 

@@ -15,6 +15,7 @@ import warnings
 import keras
 import numpy as np
 
+from vit_keras import errors
 from vit_keras import pretrained
 from vit_keras.tools import callbacks as callbacks_lib
 from vit_keras.tools import distribution as distribution_lib
@@ -357,7 +358,7 @@ def model_image_size(model):
                                               geometry.token_pixels(model))
 
 
-class ActivationMemoryError(ValueError):
+class ActivationMemoryError(errors.UserError, ValueError):
     """A training step's activations cannot fit in the memory of the device it runs on."""
 
 
