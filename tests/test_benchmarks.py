@@ -146,18 +146,17 @@ def test_throughput_report_gives_the_fraction_of_peak_for_all_steps_and_for_the_
 
 @pytest.mark.backend_independent
 def test_throughput_benchmark_reprints_an_earlier_run_from_its_json():
-    earlier = os.path.join(REPO_ROOT, "benchmarks", "results", "throughput-cpu2-2026-11-23.json")
+    earlier = os.path.join(REPO_ROOT, "benchmarks", "results", "throughput-cpu2-2026-11-25.json")
     result = subprocess.run([sys.executable, BENCHMARK, "--from_json", earlier], cwd=REPO_ROOT,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr[-3000:]
     with open(earlier) as f:
         old_table = json.load(f)["markdown"]
-    # The same rows, with the fastest step's fraction of the peak added.
+    # The table is recomputed from the stored rounds' step times, not copied: the same numbers.
     old_row = next(line for line in old_table.splitlines() if "| ViT-B/16 | inference | timm |" in line)
     new_row = next(line for line in result.stdout.splitlines()
                    if "| ViT-B/16 | inference | timm |" in line)
-    assert new_row.split("|")[4:7] == old_row.split("|")[4:7]
-    assert new_row.split("|")[7].strip() == old_row.split("|")[7].strip() + " / 95%"
+    assert new_row == old_row
 
 
 @pytest.mark.backend_independent
