@@ -120,8 +120,7 @@ def test_run_folder_holds_model_metrics_flags_logs_and_curves(resumed_run):
     assert not [f for f in os.listdir(run_dir) if ".tmp" in f]
     # 12 short epochs on 4-token images: far from the default run's 97%, but clearly learning.
     # Deterministic for a backend and CPU. Over --seed 0..7 on each backend (24 runs) the test
-    # accuracy was 0.36 to 0.59 (mean 0.44, sd 0.07); 24 more with the MLP biases of an earlier
-    # initializer gave 0.28 to 0.62. Chance is 0.1.
+    # accuracy was 0.36 to 0.59 (mean 0.44, sd 0.07). Chance is 0.1.
     assert metrics["test_accuracy"] > 0.2
 
 
