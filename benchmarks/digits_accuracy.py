@@ -6,37 +6,39 @@ each backend.
     python benchmarks/digits_accuracy.py --backends jax torch --json digits.json
 
 Each backend runs the app exactly as a user would (a fresh process, the default flags, a fresh run
-folder), timed from process start to exit, and the numbers come from the run's metrics.json.
+folder: `--overwrite`), timed from process start to exit; the numbers come from the run's metrics
+(read through `vit_keras.tools.run_folder`, the one module that knows a run folder's layout).
 Prints a markdown table. Not part of the test suite.
 """
 
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # vit_keras from this checkout, installed or not
+from vit_keras.tools.run_folder import RunFolder  # noqa: E402
+
 TARGET_ACCURACY = 0.95
 TARGET_SECONDS = 300
 
 
 def measure(backend, output_dir):
-    run_dir = os.path.join(output_dir, "finetune_digits_ViT-digits")
-    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, never a resumed one
+    run_name = f"digits_accuracy_{backend}"
+    # --overwrite: a fresh run, never a resumed or an already finished one.
     command = [sys.executable, "apps/finetune.py", "--backend", backend, "--output_dir",
-               output_dir, "--verbose", "2"]
+               output_dir, "--run_name", run_name, "--overwrite", "--verbose", "2"]
     started = time.perf_counter()
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     seconds = time.perf_counter() - started
     if result.returncode:
         raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n"
                            f"{result.stderr[-3000:]}")
-    with open(os.path.join(run_dir, "metrics.json")) as f:
-        metrics = json.load(f)
+    metrics = RunFolder(os.path.join(output_dir, run_name)).read_metrics()
     return {"backend": backend, "test_accuracy": metrics["test_accuracy"],
             "val_accuracy": metrics["val_accuracy"], "process_seconds": seconds,
             "fit_seconds": metrics["fit_time_s"], "images_per_second": metrics["images_per_second"],
