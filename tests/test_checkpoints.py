@@ -28,6 +28,7 @@ from transformers import ViTConfig, ViTForImageClassification, ViTModel
 
 import vit_keras
 from conftest import run_on_backend
+from vit_keras import errors
 
 P, D, H, M, L = 4, 32, 4, 64, 2  # patch, hidden, heads, MLP, layers
 TINY = {"patch_size": P, "hidden_size": D, "mlp_dim": M, "num_heads": H, "num_layers": L}
@@ -535,15 +536,16 @@ def test_pickled_code_in_a_torch_file_is_refused(tmp_path):
     assert os.path.exists(marker)
 
 
-def test_missing_file_and_unknown_format(tmp_path):
-    with pytest.raises(FileNotFoundError, match="No checkpoint at"):
+def test_missing_file_and_unknown_format_are_user_errors(tmp_path):
+    # CheckpointNotFoundError is a FileNotFoundError and CheckpointError a ValueError, as before.
+    with pytest.raises(errors.CheckpointNotFoundError, match="No checkpoint at"):
         vit_keras.load_pretrained(keras_vit(), str(tmp_path / "nothing.npz"))
     (tmp_path / "notes.txt").write_text("not a checkpoint")
-    with pytest.raises(ValueError, match="Unrecognised checkpoint format"):
+    with pytest.raises(errors.CheckpointError, match="Unrecognised checkpoint format"):
         vit_keras.load_pretrained(keras_vit(), str(tmp_path / "notes.txt"))
-    with pytest.raises(ValueError, match="not a ViT checkpoint"):
+    with pytest.raises(errors.CheckpointError, match="not a ViT checkpoint"):
         vit_keras.load_pretrained(keras_vit(), write_npz(tmp_path / "other.npz", {"w": np.ones(3)}))
-    with pytest.raises(FileNotFoundError, match="No weights in folder"):
+    with pytest.raises(errors.CheckpointNotFoundError, match="No weights in folder"):
         vit_keras.load_pretrained(keras_vit(), str(tmp_path))
 
 
@@ -643,7 +645,7 @@ def test_nan_or_inf_is_refused_with_the_arrays_names_unless_allowed(tmp_path):
     path = write_npz(tmp_path / "diverged.npz", params)
     model = keras_vit()
     before = _weights(model)
-    with pytest.raises(ValueError, match=re.escape(
+    with pytest.raises(errors.CheckpointError, match=re.escape(
             f"{path!r} holds NaN or Inf values in 2 arrays (Transformer/encoderblock_1/MlpBlock_3/"
             f"Dense_0/kernel, embedding/bias)") + ".*pass allow_non_finite=True"):
         vit_keras.load_pretrained(model, path)
@@ -671,7 +673,7 @@ def test_a_wrong_variant_says_so_first_and_sums_up_the_mismatches(tmp_path):
     tiny = vit_keras.build_model("ViT-Ti/16", image_size=32, num_classes=CLASSES)
     path = vit_keras.save_npz(tiny, str(tmp_path / "ti16.npz"))
     small = vit_keras.build_model("ViT-S/16", image_size=32, num_classes=CLASSES)
-    with pytest.raises(ValueError) as error:
+    with pytest.raises(errors.CheckpointError) as error:
         vit_keras.load_pretrained(small, path)
     first_line, *listed = str(error.value).splitlines()
     assert first_line.startswith(

@@ -16,7 +16,9 @@ import pytest
 from conftest import random_images
 import vit_keras
 from vit_keras import download
+from vit_keras import errors
 from vit_keras import geometry
+from vit_keras import pretrained
 from vit_keras import releases
 from weights_mirror import MirrorServer, write_class_names, write_release
 
@@ -128,15 +130,57 @@ def test_a_release_is_found_by_name_at_the_nearest_resolution():
 
 
 @backend_independent
-def test_an_unknown_release_lists_the_variants_releases():
-    with pytest.raises(ValueError, match="its releases are: augreg_in21k, augreg_in21k_ft_in1k"):
+def test_a_release_the_variant_does_not_have_lists_the_variants_releases():
+    with pytest.raises(errors.ReleaseNotFoundError,
+                       match="ViT-Ti/16 has no release 'imagenet21k'; its releases are: "
+                             "augreg_in21k, augreg_in21k_ft_in1k"):
         vit_keras.build_model("ViT-Ti/16", weights="imagenet21k")
-    with pytest.raises(ValueError, match="no weights are published for it"):
+    with pytest.raises(errors.ReleaseNotFoundError, match="no weights are published for it"):
         releases.find_release("R26+ViT-B/32", "augreg_in21k")
-    with pytest.raises(ValueError, match="needs the variant.*augreg_in21k_ft_in1k"):
+
+
+@backend_independent
+def test_a_release_name_without_a_variant_is_one_user_error_naming_the_argument():
+    with pytest.raises(errors.ReleaseNeedsVariantError,
+                       match=re.escape("'augreg_in21k' is a release name: give the variant it is "
+                                       "for (variant='ViT-B/16', for example)")):
         vit_keras.build_model_from_checkpoint("augreg_in21k")
-    with pytest.raises(FileNotFoundError, match="No checkpoint at 'missing.npz'"):
+    # The apps name their flag instead of the argument, in the same sentence.
+    assert "(--model ViT-B/16, for example)" in str(
+        errors.ReleaseNeedsVariantError("augreg_in21k", variant_flag="--model"))
+
+
+@backend_independent
+def test_a_name_that_is_neither_a_file_nor_a_release_lists_the_releases():
+    with pytest.raises(errors.ReleaseNotFoundError,
+                       match="weights='augreg' is neither a file nor a release name; the "
+                             "releases are imagenet21k, imagenet21k\\+imagenet2012, "):
+        vit_keras.build_model("ViT-Ti/16", weights="augreg")
+
+
+@backend_independent
+def test_a_missing_checkpoint_path_is_a_user_error():
+    with pytest.raises(errors.CheckpointNotFoundError, match="No checkpoint at 'missing.npz'"):
         vit_keras.build_model("ViT-Ti/16", weights="missing.npz")
+
+
+@backend_independent
+def test_release_of_checks_weights_without_reading_or_downloading(tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("release_of must not download")
+
+    monkeypatch.setattr(download, "fetch", refuse)
+    monkeypatch.setattr(download, "fetch_hub", refuse)
+    assert pretrained.release_of("augreg_in21k_ft_in1k", "ViT-Ti/16", 384) == \
+        releases.find_release("ViT-Ti/16", "augreg_in21k_ft_in1k", 384)
+    release = releases.find_release("ViT-B/16", "augreg_in21k")
+    assert pretrained.release_of("hf-hub:" + release.hf_hub_id) == release
+    assert pretrained.release_of("hf-hub:someone/own-vit") is None
+    file = tmp_path / "augreg_in21k"  # a file wins over the release of that name
+    file.write_bytes(b"")
+    assert pretrained.release_of(str(file)) is None and pretrained.release_of(file) is None
+    with pytest.raises(errors.ReleaseNeedsVariantError):
+        pretrained.release_of("augreg_in21k")
 
 
 # --- The download cache ----------------------------------------------------------------------
@@ -342,11 +386,23 @@ def test_explicit_image_size_and_classes_resample_the_nearest_file_and_add_a_zer
     assert np.std(keras.ops.convert_to_numpy(features(random_images(2, 256, 256)))) > 1e-3
 
 
+def test_a_release_file_is_read_once_per_model(from_bucket, monkeypatch):
+    from vit_keras.checkpoints import files as checkpoint_files
+
+    vit_keras.build_model("ViT-Ti/16", weights="augreg_in21k")  # downloads and caches the file
+    reads = []
+    read_npz = checkpoint_files.read_npz
+    monkeypatch.setattr(checkpoint_files, "read_npz", lambda path: reads.append(path) or
+                        read_npz(path))
+    vit_keras.build_model("ViT-Ti/16", weights="augreg_in21k")
+    assert len(reads) == 1, reads
+
+
 def test_build_model_from_checkpoint_takes_a_release_name(from_bucket):
     model = vit_keras.build_model_from_checkpoint("augreg_in21k_ft_in1k", variant="ViT-Ti/16",
                                                   image_size=384)
     assert model.input_shape == (None, 384, 384, 3) and model.output_shape == (None, 1000)
-    with pytest.raises(ValueError, match="does not hold a ViT-S/16"):
+    with pytest.raises(errors.CheckpointError, match="does not hold a ViT-S/16"):
         vit_keras.build_model_from_checkpoint(
             download.fetch(releases.find_release("ViT-Ti/16", "augreg_in21k_ft_in1k").path),
             variant="ViT-S/16")

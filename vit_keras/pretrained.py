@@ -1,5 +1,6 @@
 """The public entry points that join an architecture and its weights: `build_model` and
-`build_model_from_checkpoint`.
+`build_model_from_checkpoint`, and the one place a `weights=` value is checked (`release_of`) and
+resolved to a local checkpoint (`resolve_weights`).
 
 The model builder (`model.py`) knows nothing of checkpoints and the checkpoint loader
 (`checkpoints/`) builds no models; this facade depends on both, so imports point one way.
@@ -9,6 +10,7 @@ import os
 
 from vit_keras import configs
 from vit_keras import download
+from vit_keras import errors
 from vit_keras import geometry
 from vit_keras import model as model_lib
 from vit_keras import releases
@@ -23,6 +25,41 @@ def is_release_name(weights):
     than a file; a release name needs the variant it is for."""
     return (isinstance(weights, str) and weights in releases.RELEASE_NAMES
             and not os.path.exists(weights))
+
+
+def release_of(weights, variant=None, image_size=None):
+    """The published `Release` a `weights=` value stands for, or None for a file, a folder, a
+    `Checkpoint` or a hub id of no release. Reads and downloads nothing: the one check of a
+    `weights=` value, made before anything slow (`resolve_weights` makes it first).
+
+    Args:
+      weights: as `resolve_weights` takes it.
+      variant: the variant a release name is looked up for.
+      image_size: picks among a release's resolutions (see `vit_keras.releases.find_release`).
+
+    Raises:
+      vit_keras.errors.ReleaseNeedsVariantError: a release name without `variant`.
+      vit_keras.errors.ReleaseNotFoundError: a release `variant` does not have (the message lists
+        those it has), or a name that is neither a file nor a release.
+      vit_keras.errors.CheckpointNotFoundError: a path (it has a folder or a checkpoint suffix)
+        with nothing at it.
+    """
+    if isinstance(weights, os.PathLike):
+        weights = os.fspath(weights)
+    if not isinstance(weights, str) or os.path.exists(weights):
+        return None
+    if weights.startswith(HUB_PREFIX):
+        return releases.release_for_hub_id(weights[len(HUB_PREFIX):])
+    if "/" in weights or os.sep in weights or weights.endswith(_CHECKPOINT_SUFFIXES):
+        raise errors.CheckpointNotFoundError(f"No checkpoint at {weights!r}.")
+    if weights not in releases.RELEASE_NAMES:
+        raise errors.ReleaseNotFoundError(
+            f"weights={weights!r} is neither a file nor a release name; the releases are "
+            f"{', '.join(releases.RELEASE_NAMES)} (vit_keras.list_weights() lists each "
+            f"variant's).")
+    if variant is None:
+        raise errors.ReleaseNeedsVariantError(weights)
+    return releases.find_release(variant, weights, image_size)
 
 
 def resolve_weights(weights, variant=None, image_size=None):
@@ -41,7 +78,7 @@ def resolve_weights(weights, variant=None, image_size=None):
       checked, see `read_release`), and the `Release` it is (or None).
 
     Raises:
-      ValueError: for a release the variant does not have (the message lists those it has).
+      The errors of `release_of` (checked before anything is downloaded), and:
       vit_keras.download.WeightsUnavailableError: when a release cannot be downloaded.
       vit_keras.download.InvalidFileError: when a release's file (downloaded, cached or in a
         mirror folder) is not that release's checkpoint: an error page, a truncated or corrupt
@@ -50,18 +87,11 @@ def resolve_weights(weights, variant=None, image_size=None):
     """
     if isinstance(weights, os.PathLike):
         weights = os.fspath(weights)
-    if not isinstance(weights, str) or os.path.exists(weights):
+    release = release_of(weights, variant, image_size)
+    if isinstance(weights, str) and weights.startswith(HUB_PREFIX):
+        return download.fetch_hub(weights[len(HUB_PREFIX):]), release
+    if release is None:  # a file, a folder or a Checkpoint
         return weights, None
-    if weights.startswith(HUB_PREFIX):
-        repo_id = weights[len(HUB_PREFIX):]
-        return download.fetch_hub(repo_id), releases.release_for_hub_id(repo_id)
-    if "/" in weights or os.sep in weights or weights.endswith(_CHECKPOINT_SUFFIXES):
-        raise FileNotFoundError(f"No checkpoint at {weights!r}.")
-    if variant is None:
-        raise ValueError(f"weights={weights!r} is not a file; as a release name it needs the "
-                         f"variant (e.g. build_model('ViT-B/16', weights={weights!r})). Releases: "
-                         f"{', '.join(releases.RELEASE_NAMES)}.")
-    release = releases.find_release(variant, weights, image_size)
     local = download.fetch(release.path, verify=lambda file: read_release(file, release))
     try:
         return read_release(local, release), release
@@ -89,7 +119,7 @@ def read_release(path, release):
         checkpoint = loader.read_checkpoint(path, num_heads=config.num_heads)
         arch = loader.architecture(checkpoint)
     except (KeyError, IndexError, TypeError) as error:  # arrays of impossible shapes or types
-        raise ValueError(f"{path!r} is not a well-formed ViT checkpoint "
+        raise errors.CheckpointError(f"{path!r} is not a well-formed ViT checkpoint "
                          f"({type(error).__name__}: {error}).") from error
     fields = {"resnet_layers": None, "resnet_width": 1, **arch["config"]}
     found = {**fields, "classifier": arch["classifier"], "num_classes": arch["num_classes"],
@@ -102,7 +132,7 @@ def read_release(path, release):
     differ = [f"{name} {found[name]} (expected {wanted[name]})" for name in wanted
               if found[name] != wanted[name]]
     if differ:
-        raise ValueError(f"{path!r} does not hold the {release.spec} weights: "
+        raise errors.CheckpointError(f"{path!r} does not hold the {release.spec} weights: "
                          f"{', '.join(differ)}.")
     loader.check_finite(checkpoint.params, path)
     return checkpoint
@@ -163,19 +193,18 @@ def build_model(variant, *, weights=None, image_size=None, num_classes=None, inc
       (float32 under mixed precision) or, without the top, to features `(batch, features)`.
     """
     checkpoint, release = resolve_weights(weights, variant, image_size)
-    if release is not None:
-        image_size = release.image_size if image_size is None else image_size
-        num_classes = release.num_classes if num_classes is None else num_classes
-        checkpoint = loader.read_checkpoint(checkpoint)  # a hub folder; a release file comes read
-        if representation_size is None:  # the file decides, as its head does
-            representation_size = loader.architecture(checkpoint)["representation_size"]
-    model = model_lib.build_vit(
-        variant, image_size=image_size, num_classes=num_classes, include_top=include_top,
-        include_preprocessing=include_preprocessing, classifier=classifier,
-        representation_size=representation_size, dropout=dropout,
-        attention_dropout=attention_dropout, drop_path_rate=drop_path_rate, channels=channels,
-        layer_norm_epsilon=layer_norm_epsilon, approximate_gelu=approximate_gelu,
-        hybrid_numerics=hybrid_numerics, dynamic_image_size=dynamic_image_size, name=name)
+    given = {"include_top": include_top, "include_preprocessing": include_preprocessing,
+             "classifier": classifier, "dropout": dropout, "attention_dropout": attention_dropout,
+             "drop_path_rate": drop_path_rate, "channels": channels,
+             "layer_norm_epsilon": layer_norm_epsilon, "approximate_gelu": approximate_gelu,
+             "hybrid_numerics": hybrid_numerics, "dynamic_image_size": dynamic_image_size,
+             "name": name}
+    if release is not None:  # the release's file decides the size, head and pre-logits left open
+        return build_model_from_checkpoint(
+            checkpoint, variant=variant, image_size=image_size, num_classes=num_classes, **given,
+            **({} if representation_size is None else {"representation_size": representation_size}))
+    model = model_lib.build_vit(variant, image_size=image_size, num_classes=num_classes,
+                                representation_size=representation_size, **given)
     if checkpoint is not None:
         loader.load_pretrained(model, checkpoint)
     return model
@@ -191,8 +220,9 @@ def _variant_for(fields, variant, path):
         if wanted != fields:
             differ = ", ".join(f"{n} {fields[n]} (variant: {wanted[n]})" for n in fields
                                if wanted[n] != fields[n])
-            raise ValueError(f"Checkpoint {path!r} does not hold a {config.name}: {differ}. Leave "
-                             f"the variant out to build the checkpoint's own architecture.")
+            raise errors.CheckpointError(
+                f"Checkpoint {path!r} does not hold a {config.name}: {differ}. Leave "
+                f"the variant out to build the checkpoint's own architecture.")
         return config
     return loader.variant_named(fields) or configs.ViTConfig(name="custom", **fields)
 
@@ -206,7 +236,8 @@ def build_model_from_checkpoint(path, *, variant=None, image_size=None, num_clas
     representation layer, channels and (for Hugging Face) LayerNorm epsilon and GELU variant.
 
     Args:
-      path: any checkpoint `read_checkpoint` accepts, a release name (with `variant`) or
+      path: any checkpoint `read_checkpoint` accepts (a `Checkpoint` too, as `resolve_weights`
+        returns it: it is not read again), a release name (with `variant`) or
         `"hf-hub:<repo id>"` (see `resolve_weights`).
       variant: optional variant name; an error if the checkpoint holds another architecture.
       image_size: `int` or `(height, width)`; default: the checkpoint's own resolution. Position
@@ -224,6 +255,10 @@ def build_model_from_checkpoint(path, *, variant=None, image_size=None, num_clas
 
     Returns:
       The loaded `keras.Model`.
+
+    Raises:
+      The errors of `resolve_weights`; `vit_keras.errors.CheckpointError` when the checkpoint
+      cannot be read or holds another architecture than `variant`.
     """
     if variant is not None and num_heads is None:
         num_heads = configs.get_config(variant).num_heads
@@ -233,15 +268,17 @@ def build_model_from_checkpoint(path, *, variant=None, image_size=None, num_clas
     config = _variant_for(arch["config"], variant, checkpoint.path)
     if image_size is None:
         if arch["grid"] is None:
-            raise ValueError(f"Cannot tell the image size of {checkpoint.path!r} (its position "
-                             f"grid is not square); pass image_size=(height, width).")
+            raise errors.CheckpointError(
+                f"Cannot tell the image size of {checkpoint.path!r} (its position "
+                f"grid is not square); pass image_size=(height, width).")
         image_size = geometry.image_size_for_grid(config, arch["grid"])
     if include_top is None:
         include_top = num_classes is not None or arch["num_classes"] is not None
     num_classes = num_classes or arch["num_classes"]
     if include_top and num_classes is None:
-        raise ValueError(f"{checkpoint.path!r} has no classification head; pass num_classes=... "
-                         f"for a new (zero-initialised) head, or include_top=False.")
+        raise errors.CheckpointError(
+            f"{checkpoint.path!r} has no classification head; pass num_classes=... "
+            f"for a new (zero-initialised) head, or include_top=False.")
     kwargs = {"image_size": image_size, "num_classes": num_classes or 1000,
               "include_top": include_top, "classifier": arch["classifier"],
               "representation_size": arch["representation_size"], "channels": arch["channels"],

@@ -11,6 +11,7 @@ ids are listed where the hub holds the same weights with the same head.
 import dataclasses
 
 from vit_keras import configs
+from vit_keras import errors
 
 OFFICIAL_BASE_URL = "https://storage.googleapis.com/"
 """The bucket every `Release.path` is relative to (`VIT_KERAS_WEIGHTS_MIRROR` replaces it)."""
@@ -188,14 +189,15 @@ def find_release(variant, name, image_size=None):
         `(height, width)` compares by the geometric mean of the two.
 
     Raises:
-      ValueError: naming the releases `variant` has, when it has no release `name`.
+      vit_keras.errors.ReleaseNotFoundError: naming the releases `variant` has, when it has no
+        release `name` (the one message for it).
     """
     config = configs.get_config(variant)
     own = list_weights(config.name)
     files = [release for release in own if release.name == name]
     if not files:
         known = sorted({release.name for release in own})
-        raise ValueError(
+        raise errors.ReleaseNotFoundError(
             f"{config.name} has no release {name!r}; "
             + (f"its releases are: {', '.join(known)}." if known else
                f"no weights are published for it. Variants with weights: "

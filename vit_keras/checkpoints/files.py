@@ -2,8 +2,8 @@
 
 `sniff` tells the container from the file's first bytes (not its extension); `.npz` is read with
 `allow_pickle=False`, PyTorch files with `torch.load(weights_only=True)`, safetensors without torch.
-A truncated or corrupt file gives a `ValueError` that names it and what is wrong; every array of an
-`.npz` is read whole, so its CRC-32 is checked.
+A truncated or corrupt file gives a `vit_keras.errors.CheckpointError` (a `ValueError`) that names
+it and what is wrong; every array of an `.npz` is read whole, so its CRC-32 is checked.
 """
 
 import os
@@ -11,6 +11,8 @@ import zipfile
 import zlib
 
 import numpy as np
+
+from vit_keras import errors
 
 NPZ, TORCH, SAFETENSORS = "npz", "torch", "safetensors"
 _SUPPORTED = ("a vit_jax or big_vision .npz, a PyTorch state dict (.pth/.bin), a .safetensors file, "
@@ -27,8 +29,9 @@ def sniff(path):
             with zipfile.ZipFile(path) as archive:
                 names = archive.namelist()
         except (zipfile.BadZipFile, EOFError) as error:
-            raise ValueError(f"{path!r} is a truncated or corrupt zip archive (.npz or PyTorch "
-                             f"file): {error}.") from error
+            raise errors.CheckpointError(
+                f"{path!r} is a truncated or corrupt zip archive (.npz or PyTorch "
+                f"file): {error}.") from error
         if names and all(name.endswith(".npy") for name in names):
             return NPZ
         if any(name.endswith("data.pkl") for name in names):
@@ -38,8 +41,9 @@ def sniff(path):
     elif len(head) == 9 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") < size:
         return SAFETENSORS
     found = "is empty" if not size else f"begins with {head!r}"
-    raise ValueError(f"Unrecognised checkpoint format: {path!r} {found}, and is none of "
-                     f"{_SUPPORTED}.")
+    raise errors.CheckpointError(
+        f"Unrecognised checkpoint format: {path!r} {found}, and is none of "
+        f"{_SUPPORTED}.")
 
 
 def read_npz(path):
@@ -57,7 +61,8 @@ def read_npz(path):
                     array = array.view(ml_dtypes.bfloat16).astype(np.float32)
                 arrays[key] = array
     except (zipfile.BadZipFile, EOFError) as error:  # opening or listing the archive
-        raise ValueError(f"{path!r} is a truncated or corrupt .npz file: {error}.") from error
+        raise errors.CheckpointError(
+            f"{path!r} is a truncated or corrupt .npz file: {error}.") from error
     return arrays
 
 
@@ -66,14 +71,16 @@ def _read_npz_array(path, archive, key):
         return archive[key]
     except ValueError as error:
         if "allow_pickle" not in str(error):  # NumPy's refusal of an object array says so
-            raise ValueError(f"{path!r} is a corrupt .npz file: array {key!r} cannot be read "
-                             f"({error}).") from error
-        raise ValueError(
+            raise errors.CheckpointError(
+                f"{path!r} is a corrupt .npz file: array {key!r} cannot be read "
+                f"({error}).") from error
+        raise errors.CheckpointError(
             f"Refusing to load {path!r}: array {key!r} is a pickled object array, and "
             f"unpickling can execute code. Checkpoints must hold numeric arrays only.") from error
     except (zipfile.BadZipFile, zlib.error, EOFError) as error:  # a bad CRC-32, cut data
-        raise ValueError(f"{path!r} is a truncated or corrupt .npz file: array {key!r} cannot "
-                         f"be read ({error}).") from error
+        raise errors.CheckpointError(
+            f"{path!r} is a truncated or corrupt .npz file: array {key!r} cannot "
+            f"be read ({error}).") from error
 
 
 def _to_numpy(tensor):
@@ -98,18 +105,19 @@ def read_torch(path):
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, AttributeError) as error:
-        raise ValueError(
+        raise errors.CheckpointError(
             f"Refusing to load {path!r}: it is not a plain PyTorch state dict (torch.load with "
             f"weights_only=True rejected it; loading it fully could execute code). Details: "
             f"{_first_line(error)}") from error
     except (RuntimeError, EOFError, OSError) as error:
-        raise ValueError(f"{path!r} is a truncated or corrupt PyTorch file: "
-                         f"{_first_line(error)}") from error
+        raise errors.CheckpointError(
+            f"{path!r} is a truncated or corrupt PyTorch file: "
+            f"{_first_line(error)}") from error
     for wrapper in ("model", "state_dict"):
         if isinstance(state, dict) and isinstance(state.get(wrapper), dict):
             state = state[wrapper]
     if not isinstance(state, dict):
-        raise ValueError(f"{path!r} holds a {type(state).__name__}, not a state dict.")
+        raise errors.CheckpointError(f"{path!r} holds a {type(state).__name__}, not a state dict.")
     arrays = {}
     for key, value in state.items():
         if isinstance(value, torch.Tensor):
@@ -131,8 +139,9 @@ def read_safetensors(paths):
         try:
             tensors = load_file(path)
         except (SafetensorError, OSError) as error:
-            raise ValueError(f"{path!r} is not a valid safetensors file (its header or data is "
-                             f"truncated or corrupt): {_first_line(error)}.") from error
+            raise errors.CheckpointError(
+                f"{path!r} is not a valid safetensors file (its header or data is "
+                f"truncated or corrupt): {_first_line(error)}.") from error
         for key, value in tensors.items():
             # bfloat16 (an ml_dtypes type) and float16 are widened to float32.
             arrays[key] = value.astype(np.float32) if value.dtype.name in (

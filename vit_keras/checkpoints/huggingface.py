@@ -4,6 +4,7 @@ its weights file, with the architecture read from `config.json` beside it when p
 import json
 import os
 
+from vit_keras import errors
 from vit_keras.checkpoints import names
 from vit_keras.checkpoints import timm
 
@@ -14,14 +15,14 @@ _GELU = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
 
 
 def _read_json(path):
-    """The JSON object in the file at `path`; a `ValueError` naming the file if it is not one."""
+    """The JSON object in the file at `path`; a `CheckpointError` naming the file if it is not one."""
     try:
         with open(path, encoding="utf-8") as f:
             value = json.load(f)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path!r} is not valid JSON ({error}).") from error
+        raise errors.CheckpointError(f"{path!r} is not valid JSON ({error}).") from error
     if not isinstance(value, dict):
-        raise ValueError(f"{path!r} holds a JSON {type(value).__name__}, not an object.")
+        raise errors.CheckpointError(f"{path!r} holds a JSON {type(value).__name__}, not an object.")
     return value
 
 
@@ -30,18 +31,20 @@ def _shards(index):
     weight_map = _read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map or not all(
             isinstance(name, str) for name in weight_map.values()):
-        raise ValueError(f"{index!r} has no \"weight_map\" of tensor names to shard files.")
+        raise errors.CheckpointError(f"{index!r} has no \"weight_map\" of tensor names to shard files.")
     folder = os.path.dirname(index)
     shards = []
     for shard in sorted(set(weight_map.values())):
         # Lexically, not with realpath: the hub's snapshot folders hold symlinks into its blobs.
         path = os.path.normpath(os.path.join(folder, shard))
         if os.path.isabs(shard) or os.path.dirname(path) != os.path.normpath(folder):
-            raise ValueError(f"{index!r} names the shard {shard!r}, which is not a file in its "
-                             f"folder; refusing to read outside {folder!r}.")
+            raise errors.CheckpointError(
+                f"{index!r} names the shard {shard!r}, which is not a file in its "
+                f"folder; refusing to read outside {folder!r}.")
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"{index!r} names the shard {shard!r}, which is missing "
-                                    f"from {folder!r}.")
+            raise errors.CheckpointNotFoundError(
+                f"{index!r} names the shard {shard!r}, which is missing "
+                f"from {folder!r}.")
         shards.append(path)
     return shards
 
@@ -57,7 +60,7 @@ def weight_files(folder):
     for name in ("pytorch_model.bin", "model.pth", "pytorch_model.pth"):
         if os.path.exists(os.path.join(folder, name)):
             return [os.path.join(folder, name)]
-    raise FileNotFoundError(
+    raise errors.CheckpointNotFoundError(
         f"No weights in folder {folder!r}: expected model.safetensors, "
         f"model.safetensors.index.json or pytorch_model.bin (a save_pretrained folder).")
 
@@ -69,7 +72,7 @@ def _positive_int(value):
 def _check_config(config, path):
     """Refuses a `config.json` whose fields that vit_keras reads have impossible values."""
     def bad(field, expected):
-        return ValueError(f"{path!r}: {field} is {config[field]!r}; expected {expected}.")
+        return errors.CheckpointError(f"{path!r}: {field} is {config[field]!r}; expected {expected}.")
 
     for field in ("num_attention_heads", "patch_size"):
         if field in config and not _positive_int(config[field]):
@@ -86,7 +89,7 @@ def _check_config(config, path):
 
 
 def read_config(folder):
-    """`config.json` in `folder` as a dict, or None; a `ValueError` naming the file and the field
+    """`config.json` in `folder` as a dict, or None; a `CheckpointError` naming the file and the field
     when it is not JSON or a field vit_keras reads has an impossible value."""
     path = os.path.join(folder, CONFIG)
     if not os.path.exists(path):

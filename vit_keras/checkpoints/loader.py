@@ -12,6 +12,7 @@ import keras
 import numpy as np
 
 from vit_keras import configs
+from vit_keras import errors
 from vit_keras import geometry
 from vit_keras import patch_resize
 from vit_keras import posemb
@@ -59,14 +60,15 @@ def read_checkpoint(path, *, num_heads=None):
       A `Checkpoint` (a `Checkpoint` passed as `path` comes back as it is).
 
     Raises:
-      ValueError: naming the file and what is wrong with it: an unknown format, a truncated or
-        corrupt container, a malformed `config.json`, or no ViT in it.
+      vit_keras.errors.CheckpointError: naming the file and what is wrong with it: an unknown
+        format, a truncated or corrupt container, a malformed `config.json`, or no ViT in it.
+      vit_keras.errors.CheckpointNotFoundError: nothing at `path`, or a folder without weights.
     """
     if isinstance(path, Checkpoint):
         return path
     path = os.fspath(path)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"No checkpoint at {path!r}.")
+        raise errors.CheckpointNotFoundError(f"No checkpoint at {path!r}.")
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     paths = huggingface.weight_files(path) if os.path.isdir(path) else [path]
     kind = files.sniff(paths[0])
@@ -82,7 +84,7 @@ def read_checkpoint(path, *, num_heads=None):
         elif huggingface.matches(state_dict):
             params, info = huggingface.convert(state_dict, huggingface.read_config(folder), num_heads)
         else:
-            raise ValueError(
+            raise errors.CheckpointError(
                 f"{path!r} is a state dict but neither a timm nor a Hugging Face ViT (no "
                 f"`patch_embed.proj.weight` or `embeddings.patch_embeddings.projection.weight`). "
                 f"First keys: {sorted(state_dict)[:5]}.")
@@ -189,12 +191,14 @@ def non_finite_arrays(params):
 
 
 def check_finite(params, path):
-    """Raises a `ValueError` naming the arrays of the checkpoint at `path` that hold NaN or Inf."""
+    """Raises a `vit_keras.errors.CheckpointError` naming the arrays of the checkpoint at `path`
+    that hold NaN or Inf."""
     bad = non_finite_arrays(params)
     if bad:
-        raise ValueError(f"{path!r} holds NaN or Inf values in {len(bad)} "
-                         f"array{'s' if len(bad) > 1 else ''} ({_summary(bad, ', ')}): the file is "
-                         f"damaged, or a training run diverged before it was written.")
+        raise errors.CheckpointError(
+            f"{path!r} holds NaN or Inf values in {len(bad)} "
+            f"array{'s' if len(bad) > 1 else ''} ({_summary(bad, ', ')}): the file is "
+            f"damaged, or a training run diverged before it was written.")
 
 
 def _summary(items, separator, indent=""):
@@ -245,7 +249,7 @@ def load_pretrained(model, path, *, strict=True, interpolation=None, antialias=N
     Args:
       model: a model from `build_model` (any image size, classes, `include_top`).
       path: a checkpoint file or Hugging Face folder (see `read_checkpoint`), or a `Checkpoint`.
-      strict: `True`: any missing key, unexpected key or shape mismatch raises one `ValueError`,
+      strict: `True`: any missing key, unexpected key or shape mismatch raises one `CheckpointError`,
         before anything is assigned; it says first how the architectures differ (e.g. the file
         holds a ViT-Ti/16, the model is a ViT-S/16), then lists the first problems and counts the
         rest. `False`: those are logged and skipped.
@@ -256,7 +260,7 @@ def load_pretrained(model, path, *, strict=True, interpolation=None, antialias=N
         (on for timm state dicts, as timm's `checkpoint_filter_fn`; off otherwise).
       checkpoint_grid: the checkpoint's patch grid `(rows, cols)` when it is not square and the file
         does not say (Hugging Face's `config.json` does).
-      allow_non_finite: `False`: an array to be loaded that holds NaN or Inf raises a `ValueError`
+      allow_non_finite: `False`: an array to be loaded that holds NaN or Inf raises a `CheckpointError`
         naming the arrays, before anything is assigned. `True`: such arrays are loaded.
 
     Returns:
@@ -302,7 +306,7 @@ def load_pretrained(model, path, *, strict=True, interpolation=None, antialias=N
         listing = (f"\n{len(problems)} difference{'s' if len(problems) > 1 else ''}:\n"
                    + _summary(problems, "\n", indent="  "))
         if strict:
-            raise ValueError(
+            raise errors.CheckpointError(
                 message + " Build the model with the checkpoint's architecture "
                 "(vit_keras.build_model_from_checkpoint reads it from the file), or pass "
                 "strict=False to load only the arrays that fit." + listing)
@@ -311,9 +315,10 @@ def load_pretrained(model, path, *, strict=True, interpolation=None, antialias=N
     if not allow_non_finite:
         try:
             check_finite({key: params[key] for key in from_file}, checkpoint.path)
-        except ValueError as error:
-            raise ValueError(f"{error} Nothing was loaded; pass allow_non_finite=True to load it "
-                             f"anyway.") from None
+        except errors.CheckpointError as error:
+            raise errors.CheckpointError(
+                f"{error} Nothing was loaded; pass allow_non_finite=True to load it "
+                f"anyway.") from None
     for weight, array in assignments:
         weight.assign(array)
     logger.info("Loaded %d arrays from %s (%s) into %s.", len(assignments) - len(zeroed),
@@ -342,18 +347,21 @@ def architecture(checkpoint):
     params = checkpoint.params
     kernel = params.get(names.EMBEDDING_KERNEL)
     if kernel is None or kernel.ndim != 4 or kernel.shape[0] != kernel.shape[1]:
-        raise ValueError(f"{checkpoint.path!r}: expected a square patch-embedding kernel "
-                         f"(patch, patch, channels, hidden); got "
-                         f"{None if kernel is None else kernel.shape}.")
+        raise errors.CheckpointError(
+            f"{checkpoint.path!r}: expected a square patch-embedding kernel "
+            f"(patch, patch, channels, hidden); got "
+            f"{None if kernel is None else kernel.shape}.")
     num_layers = 0
     while names.QUERY_KERNEL.format(num_layers) in params:
         num_layers += 1
     if not num_layers:
-        raise ValueError(f"{checkpoint.path!r} has no encoder blocks "
-                         f"({names.QUERY_KERNEL.format(0)!r} is missing).")
+        raise errors.CheckpointError(
+            f"{checkpoint.path!r} has no encoder blocks "
+            f"({names.QUERY_KERNEL.format(0)!r} is missing).")
     for key in (names.MLP_KERNEL.format(0), names.POSEMB):
         if key not in params:
-            raise ValueError(f"{checkpoint.path!r} has no {key!r}: it is not a whole ViT checkpoint.")
+            raise errors.CheckpointError(
+                f"{checkpoint.path!r} has no {key!r}: it is not a whole ViT checkpoint.")
     query = params[names.QUERY_KERNEL.format(0)]
     config = {"patch_size": int(kernel.shape[0]), "hidden_size": int(kernel.shape[3]),
               "mlp_dim": int(params[names.MLP_KERNEL.format(0)].shape[1]),

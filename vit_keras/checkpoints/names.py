@@ -26,6 +26,8 @@ import re
 
 import numpy as np
 
+from vit_keras import errors
+
 POSEMB = "Transformer/posembed_input/pos_embedding"
 CLS = "cls"
 EMBEDDING_KERNEL = "embedding/kernel"
@@ -121,8 +123,9 @@ def _heads_out(weight, num_heads):
 
 def _check_heads(hidden, num_heads):
     if not num_heads or hidden % num_heads:
-        raise ValueError(f"Cannot split hidden size {hidden} into {num_heads} attention heads; pass "
-                         f"the checkpoint's number of heads (num_heads=...).")
+        raise errors.CheckpointError(
+            f"Cannot split hidden size {hidden} into {num_heads} attention heads; pass "
+            f"the checkpoint's number of heads (num_heads=...).")
 
 
 def _conv(weight):
@@ -195,7 +198,7 @@ def from_timm(state_dict, num_heads):
     """A timm `VisionTransformer` state dict (NumPy values) → canonical dict; hybrids
     (`vit_base_r50_s16_384`, `vit_tiny_r_s16_p8_224`, ...) included."""
     if "fc_norm.weight" in state_dict:
-        raise ValueError(
+        raise errors.CheckpointError(
             "This timm checkpoint applies its final LayerNorm after pooling (fc_norm); vit_keras, "
             "like vit_jax, normalises before pooling (encoder_norm), so it cannot hold this model. "
             "Only timm ViTs with `norm` (fc_norm=False) are supported.")

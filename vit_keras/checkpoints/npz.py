@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from vit_keras import errors
 from vit_keras.checkpoints import files
 from vit_keras.checkpoints import names
 
@@ -11,7 +12,7 @@ def read(path):
     big_vision (`params/`, stacked blocks) `.npz`."""
     arrays = files.read_npz(path)
     if not any(p + names.EMBEDDING_KERNEL in arrays for p in ("",) + names.NPZ_PREFIXES):
-        raise ValueError(
+        raise errors.CheckpointError(
             f"{path!r} is an .npz file but not a ViT checkpoint: no `embedding/kernel` (with or "
             f"without an {'/'.join(names.NPZ_PREFIXES)} prefix). First keys: {sorted(arrays)[:5]}.")
     params, fmt = names.from_npz(arrays)

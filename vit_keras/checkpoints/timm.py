@@ -1,6 +1,7 @@
 """timm `VisionTransformer` state dicts (`.pth`, `.bin` or `.safetensors`)."""
 
 from vit_keras import configs
+from vit_keras import errors
 from vit_keras.checkpoints import names
 
 _ANCHOR = "patch_embed.proj.weight"
@@ -14,7 +15,7 @@ def default_num_heads(hidden_size):
     """The head count of the paper's variants for a hidden size (timm files do not store it)."""
     heads = {c.num_heads for c in configs.VARIANTS.values() if c.hidden_size == hidden_size}
     if len(heads) != 1:
-        raise ValueError(
+        raise errors.CheckpointError(
             f"Cannot tell the number of attention heads of a timm checkpoint with hidden size "
             f"{hidden_size} (not a standard variant); pass num_heads=... or variant=...")
     return heads.pop()
