@@ -110,22 +110,32 @@ def run_flags_text(module_name, leave_out=("overwrite",)):
     return "".join(line + "\n" for line in lines)
 
 
-def training_app(name, started, recipe="auto", recipe_help=None):
-    """Defines the training flags (the `option` fields of `vit_keras.tools.training.RunConfig`)
-    under the calling app and returns its absl main, which runs `training.run` and reports.
+def training_app(name, started, recipe="auto", recipe_help=None, objective=None):
+    """Defines the training flags under the calling app and returns its absl main, which runs
+    `training.run` with the objective and prints the objective's summary.
+
+    The flags are the `option` fields of `vit_keras.tools.training.RunConfig` but the
+    objective's `left_out_flags`, with the objective's `flag_overrides`, and the objective's own
+    `option` fields.
 
     Args:
       name: the app's name: run folders are called NAME_DATASET_MODEL by default.
       started: `time.perf_counter()` at the app's start (the run's wall time counts from it).
       recipe: the `--recipe` default. Other than "auto", the digits data still gets the digits
         recipe unless `--recipe` is given.
-      recipe_help: the `--recipe` help (default: `RunConfig`'s, which explains "auto").
+      recipe_help: the `--recipe` help (default: the objective's, which explains "auto").
+      objective: a `vit_keras.tools.objectives.Objective` class (default: `Classification`).
     """
-    from vit_keras.tools import config_flags, training
+    from vit_keras.tools import config_flags, objectives, training
 
-    recipe_flag = {"default": recipe, **({"help": recipe_help} if recipe_help else {})}
+    objective = objective or objectives.Classification
+    overrides = {field: dict(settings) for field, settings in objective.flag_overrides.items()}
+    overrides.setdefault("recipe", {}).update(
+        default=recipe, **({"help": recipe_help} if recipe_help else {}))
     module_name = _backend.flag_module()
-    config_flags.define_flags(training.RunConfig, module_name=module_name, recipe=recipe_flag)
+    config_flags.define_flags(training.RunConfig, module_name=module_name,
+                              leave_out=objective.left_out_flags, **overrides)
+    config_flags.define_flags(objective, module_name=module_name)
 
     @exit_on_user_error
     def main(argv):
@@ -148,11 +158,12 @@ def training_app(name, started, recipe="auto", recipe_help=None):
             except ValueError as error:
                 raise app.UsageError(f"--model {FLAGS.model} --weights {FLAGS.weights}: "
                                      f"{error}") from None
-        config = config_flags.from_flags(training.RunConfig,
+        config = config_flags.from_flags(training.RunConfig, leave_out=objective.left_out_flags,
                                          flags_text=run_flags_text(module_name))
-        metrics = training.run(config, app=name, started=started)
+        run_objective = config_flags.from_flags(objective)
+        metrics = training.run(config, app=name, started=started, objective=run_objective)
         print()
-        print(training.metrics_table(metrics))
+        print(run_objective.summary(metrics))
         process = metrics.get("process", {"index": 0})
         if process["index"]:
             print(f"\nProcess {process['index']} of {process['count']}: process 0 writes "

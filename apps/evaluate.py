@@ -40,7 +40,7 @@ def main(argv):
     import keras
 
     import vit_keras  # noqa: F401  (registers the layers for loading)
-    from vit_keras.tools import data, run_folder, training
+    from vit_keras.tools import data, evaluation, run_folder
 
     try:
         dataset, splits = _common.load_run_splits(FLAGS.model, FLAGS.dataset, FLAGS.data_dir,
@@ -57,10 +57,10 @@ def main(argv):
         return 2
     pipeline = data.make_pipeline(splits, FLAGS.split, image_size=image_size,
                                   batch_size=FLAGS.batch_size)
-    logits, labels = training.evaluate_model(model, pipeline)
+    logits, labels = evaluation.evaluate_model(model, pipeline)
     if splits.skipped_files:
         print(splits.unreadable.summary())
-    report = training.classification_report(logits, labels, splits.class_names)
+    report = evaluation.classification_report(logits, labels, splits.class_names)
     report.update(model=os.path.abspath(FLAGS.model), dataset=dataset, split=FLAGS.split,
                   backend=keras.backend.backend(),
                   skipped_files=[path for path, _ in splits.skipped_files])

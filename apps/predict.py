@@ -68,7 +68,7 @@ def main(argv):
     import keras
 
     import vit_keras  # registers the layers for loading
-    from vit_keras.tools import data, run_folder, training
+    from vit_keras.tools import data, evaluation, run_folder
 
     is_keras_file = FLAGS.model.endswith(".keras") or os.path.isfile(FLAGS.model)
     if FLAGS.weights is None:
@@ -90,7 +90,7 @@ def main(argv):
             else (vit_keras.class_names(release) if release is not None else [])
     images = data.load_image_files(files, _common.model_image_size(model))  # names bad files
     logits = keras.ops.convert_to_numpy(model.predict(images, verbose=0))
-    predictions = training.top_k_predictions(logits, class_names, FLAGS.top_k)
+    predictions = evaluation.top_k_predictions(logits, class_names, FLAGS.top_k)
     for file, ranked in zip(files, predictions):
         print(file)
         for rank, (name, probability) in enumerate(ranked, 1):

@@ -91,7 +91,7 @@ def test_killed_and_resumed_run_reproduces_the_uninterrupted_run_exactly(resumed
     index), the backup holds weights, optimizer and dropout-generator states, and a training step
     on the CPU is deterministic. The SIGKILL lands after any of the 12 epochs' backups. Equal in
     every run so far: 3 on JAX, 2 on TensorFlow, 2 on torch (plus one by hand on each)."""
-    from vit_keras.tools.training import read_history
+    from vit_keras.tools.run_folder import read_history
 
     resumed = read_history(resumed_run["dir"] / "history.csv")
     reference = read_history(uninterrupted_run["dir"] / "history.csv")

@@ -1,6 +1,7 @@
 """Training in several processes (docs/distributed.md): apps/finetune.py on the digits as two JAX
 processes of two XLA CPU devices each on 127.0.0.1, against one process of four devices; all of
-them killed and restarted; one of them killed.
+them killed and restarted; one of them killed. apps/pretrain.py (the same loop with another
+objective) as two processes, killed and restarted.
 
 Marked `multiprocess`: they start their own processes whatever this pass's backend, so only the
 JAX pass collects them (tests/conftest.py). On TensorFlow and torch several processes are refused
@@ -48,14 +49,14 @@ def _env(tmp, devices):
             "PYTHONUNBUFFERED": "1"}  # the logs are read while the processes run
 
 
-def _start(output, port, epochs, tmp, *extra):
-    """Both processes of a run, with the same flags but --process_id; stdout+stderr to files.
-    `output`: the --output_dir of both, or a list of one per process."""
+def _start(output, port, epochs, tmp, *extra, app="apps/finetune.py"):
+    """Both processes of a run of `app`, with the same flags but --process_id; stdout+stderr to
+    files. `output`: the --output_dir of both, or a list of one per process."""
     processes = []
     outputs = output if isinstance(output, list) else [output, output]
     for index, output in enumerate(outputs):
         log = open(tmp / f"process{index}-{time.monotonic_ns()}.log", "w+")
-        command = [sys.executable, "apps/finetune.py", *FLAGS, "--epochs", str(epochs),
+        command = [sys.executable, app, *FLAGS, "--epochs", str(epochs),
                    "--output_dir", str(output), "--coordinator_address", f"127.0.0.1:{port}",
                    "--num_processes", "2", "--process_id", str(index), *extra]
         processes.append((subprocess.Popen(command, cwd=REPO_ROOT, env=_env(tmp, 2), stdout=log,
@@ -88,20 +89,18 @@ def _wait_for_backup(processes, metadata, timeout=300):
 
 
 def _losses(run_dir):
-    from vit_keras.tools.training import read_history
+    from vit_keras.tools.run_folder import read_history
 
     history = read_history(run_dir / "history.csv")
     return {key: [row[key] for row in history] for key in ("loss", "val_loss", "val_accuracy")}
 
 
-@pytest.fixture(scope="module")
-def resumed_two_process_run(tmp_path_factory):
+def _killed_and_resumed(tmp, *extra, app="apps/finetune.py"):
     """Two processes SIGKILLed (both) after their first backed-up epoch, then started again
     with the same commands, the same coordinator port included."""
-    tmp = tmp_path_factory.mktemp("two_processes")
     output, port = tmp / "runs", _free_port()
     metadata = output / "run" / "backup" / "training_metadata.json"
-    first = _start(output, port, EPOCHS, tmp)
+    first = _start(output, port, EPOCHS, tmp, *extra, app=app)
     _wait_for_backup(first, metadata)
     for process, _ in first:
         os.kill(process.pid, signal.SIGKILL)
@@ -109,8 +108,22 @@ def resumed_two_process_run(tmp_path_factory):
     assert [code for code, _ in first_results] == [-signal.SIGKILL] * 2, (
         "a process ended on its own:\n" + "\n".join(out[-3000:] for _, out in first_results))
     killed_after = json.loads(metadata.read_text())["epoch"]
-    second = _finish(_start(output, port, EPOCHS, tmp))
+    second = _finish(_start(output, port, EPOCHS, tmp, *extra, app=app))
     return {"output": output, "killed_after": killed_after, "second": second}
+
+
+@pytest.fixture(scope="module")
+def resumed_two_process_run(tmp_path_factory):
+    return _killed_and_resumed(tmp_path_factory.mktemp("two_processes"))
+
+
+@pytest.fixture(scope="module")
+def resumed_two_process_pretraining(tmp_path_factory):
+    """apps/pretrain.py as two processes, killed and resumed, with a small few-shot evaluation
+    (each process extracts the features of every image)."""
+    return _killed_and_resumed(tmp_path_factory.mktemp("two_process_pretraining"),
+                               "--fewshot_shots", "1,2", "--fewshot_seeds", "2",
+                               app="apps/pretrain.py")
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +184,29 @@ def test_two_processes_train_as_one_process_on_four_devices(resumed_two_process_
     assert len(two["loss"]) == EPOCHS and len(set(one["loss"])) > 1  # the weights did change
     for key in ("loss", "val_loss", "val_accuracy"):
         assert two[key] == pytest.approx(one[key], rel=1e-5, abs=1e-6), key
+
+
+def test_two_pretraining_processes_resume_and_write_one_run_folder(
+        resumed_two_process_pretraining):
+    second = resumed_two_process_pretraining["second"]
+    killed_after = resumed_two_process_pretraining["killed_after"]
+    for index, (code, out) in enumerate(second):
+        assert code == 0, f"process {index} exited {code}:\n{out[-4000:]}"
+        assert f"from its backup after epoch {killed_after} of {EPOCHS}" in out
+    output = resumed_two_process_pretraining["output"]
+    assert os.listdir(output) == ["run"]
+    run_dir = output / "run"
+    assert {"model.keras", "metrics.json", "history.csv", "class_names.json", "flags.txt",
+            "logs", "training_curves.png"} <= set(os.listdir(run_dir))
+    assert not (run_dir / "backup").exists()
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["process"] == {"index": 0, "count": 2}
+    assert metrics["config"]["replicas"] == 4 and metrics["resumed_from_epoch"] == killed_after
+    assert metrics["config"]["objective"]["target"] == "mean_colour"
+    assert [row["epoch"] for row in metrics["history"]] == list(range(EPOCHS))
+    assert set(metrics["fewshot"]) == {"1", "2"}
+    assert "Few-shot linear accuracy" in second[0][1]
+    assert "Process 1 of 2: process 0 writes" in second[1][1]
 
 
 def test_when_one_process_dies_the_other_stops_with_an_error(tmp_path):

@@ -85,3 +85,13 @@ def test_temporary_files_of_interrupted_writes_are_found_and_removed(tmp_path):
     assert folder.temporary_files() == []
     for name in kept:
         assert os.path.exists(os.path.join(folder.path, name)), name
+
+
+def test_history_rows_leave_out_the_values_csvlogger_could_not_fill(tmp_path):
+    """A fit without validation data (pre-training) gets a `val_loss` column of NA; an epoch run
+    again after a resume keeps its last row."""
+    folder = RunFolder(tmp_path / "run").create()
+    assert folder.read_history() == []
+    with open(folder.history, "w") as f:
+        f.write("epoch,loss,val_loss\n0,6.5,NA\n1,5.0,NA\n1,4.5,NA\n")
+    assert folder.read_history() == [{"epoch": 0, "loss": 6.5}, {"epoch": 1, "loss": 4.5}]

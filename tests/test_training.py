@@ -1,4 +1,5 @@
-"""vit_keras.tools.training: recipe resolution, the run's model, `run`, reports."""
+"""vit_keras.tools.training: recipe resolution (per objective), the run's model, `run`, the
+run folder's finished-run rule."""
 
 import dataclasses
 import os
@@ -9,6 +10,7 @@ import pytest
 
 from vit_keras import build_model
 from vit_keras.tools import callbacks
+from vit_keras.tools import objectives
 from vit_keras.tools import recipes
 from vit_keras.tools import training
 
@@ -24,6 +26,19 @@ def test_recipe_choice_follows_weights_and_dataset():
     assert (recipe.optimizer, recipe.learning_rate, recipe.total_steps) == ("sgd", 0.01, 500)
     assert "fine-tuning" in reason
     assert "no pretrained weights" in training.resolve_recipe(RunConfig())[1]
+
+
+def test_masked_patch_prediction_chooses_among_its_own_recipes():
+    mpp = objectives.MaskedPatchPrediction()
+    RunConfig = training.RunConfig
+    assert training.resolve_recipe(RunConfig(), mpp)[0] == recipes.MPP_DIGITS_RECIPE
+    assert training.resolve_recipe(RunConfig(dataset="cifar10", weights="w.npz"), mpp)[0] == (
+        recipes.MPP_RECIPE)  # weights are an initialisation: no fine-tuning recipe
+    recipe, reason = training.resolve_recipe(RunConfig(recipe="mpp", learning_rate=1e-4), mpp)
+    assert (recipe.name, recipe.learning_rate, recipe.optimizer) == ("mpp", 1e-4, "adamw")
+    assert reason == "recipe mpp (--recipe)"
+    with pytest.raises(ValueError, match="expected auto or one of \\['mpp', 'mpp_digits'\\]"):
+        training.resolve_recipe(RunConfig(recipe="finetune"), mpp)
 
 
 def test_run_raises_a_clear_error_on_nan_loss(tmp_path):
@@ -55,18 +70,6 @@ def test_new_head_is_zero_and_position_embeddings_are_resampled_from_weights(tmp
         keras.ops.convert_to_numpy(posemb)[0, 0],
         keras.ops.convert_to_numpy(source.get_layer("posembed_input").pos_embedding)[0, 0],
         atol=1e-6)
-
-
-def test_classification_report_and_top_k():
-    logits = np.array([[3.0, 1.0, 0.0], [0.0, 2.0, 1.0], [0.0, 1.0, 2.0], [2.0, 0.0, 1.0]])
-    labels = np.array([0, 2, 2, 1])
-    report = training.classification_report(logits, labels, ["a", "b", "c"])
-    assert report["accuracy"] == 0.5 and report["count"] == 4
-    assert report["per_class"]["c"] == {"accuracy": 0.5, "count": 2}
-    assert report["per_class"]["b"] == {"accuracy": 0.0, "count": 1}
-    top = training.top_k_predictions(logits[:1], ["a", "b", "c"], k=2)
-    assert [name for name, _ in top[0]] == ["a", "b"]
-    assert top[0][0][1] == pytest.approx(np.exp(3) / (np.exp(3) + np.exp(1) + 1))
 
 
 def test_keras_file_weights_get_a_new_zero_head_and_resampled_position_embeddings(tmp_path,
@@ -124,27 +127,6 @@ def test_a_pretrained_digits_model_is_fine_tuned_at_its_own_size(tmp_path, tiny_
     model = training.build_run_model(config, recipe, num_classes=10, log=lambda _: None)
     assert model.input_shape == (None, 12, 12, 3) and model.output_shape == (None, 10)
     assert training.default_run_name(config) == "finetune_digits_pretrain_digits_tiny"
-
-
-def test_activation_estimate_grows_with_batch_and_tokens(tiny_config):
-    small = build_model(tiny_config, image_size=8, num_classes=3)     # 2x2 patches + class token
-    large = build_model(tiny_config, image_size=16, num_classes=3)    # 4x4 patches + class token
-    one = training.training_activation_bytes(small, 1)
-    assert one > 0 and training.training_activation_bytes(small, 8) == 8 * one
-    # 17 tokens against 5: at least linear, and quadratic where attention is not fused.
-    assert training.training_activation_bytes(large, 1) >= one * 17 / 5
-
-
-def test_a_step_that_cannot_fit_in_memory_is_refused_with_the_flags_to_change(tiny_config):
-    model = build_model(tiny_config, image_size=16, num_classes=3)
-    needed = training.training_activation_bytes(model, 64)
-    assert training.check_activation_memory(model, 64, 16, memory=(needed, "test")) == needed
-    with pytest.raises(training.ActivationMemoryError) as error:
-        training.check_activation_memory(model, 64, 16, memory=(needed - 1, "a test device"))
-    message = str(error.value)
-    assert "--image_size 16" in message and "--batch_size 64" in message
-    assert "of a test device" in message and "GiB" in message and "\n" not in message
-    assert training.check_activation_memory(model, 64, 16, memory=(None, "unknown")) == needed
 
 
 def test_a_finished_run_is_returned_as_it_is_and_overwrite_clears_it(tmp_path):

@@ -1,4 +1,5 @@
-"""Figures in the style of the paper's Figures 6 and 7 from the arrays of `vit_keras.analysis`.
+"""Figures in the style of the paper's Figures 6 and 7 from the arrays of `vit_keras.analysis`,
+and a training run's curves (`plot_history`).
 
 Each function writes one PNG of a fixed pixel size (stated in its docstring) and returns the path.
 matplotlib is imported inside the functions and drawn with its Agg canvas (no pyplot state, no
@@ -221,3 +222,26 @@ def filter_components_figure(components, path, explained=None, columns=7, title=
         heading += f"\n{100 * float(np.sum(explained)):.0f}% of the filters' variance"
     axes.set_title(heading, fontsize=10)
     return _save(figure, path)
+
+
+def plot_history(history, path):
+    """Loss and accuracy per epoch (train and val), from `run_folder.read_history` rows, as a
+    10x4 inch PNG at 100 dpi; a metric no row holds (a pre-training run's accuracy) gets no
+    panel."""
+    metrics = [m for m in ("loss", "accuracy") if any(m in row for row in history)] or ["loss"]
+    figure = _figure(10, 4)
+    epochs = [row["epoch"] + 1 for row in history]
+    for index, metric in enumerate(metrics):
+        axes = figure.add_subplot(1, len(metrics), index + 1)
+        for prefix, label in (("", "train"), ("val_", "val")):
+            if prefix and not any(prefix + metric in row for row in history):
+                continue
+            values = [row.get(prefix + metric, np.nan) for row in history]
+            axes.plot(epochs, values, marker="o", markersize=3, label=label)
+        axes.set_xlabel("epoch")
+        axes.set_title(metric)
+        axes.grid(alpha=0.3)
+        axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, format="png")
+    return path

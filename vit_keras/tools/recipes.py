@@ -1,6 +1,6 @@
-"""Training recipes as data (fine-tuning, pre-training, digits) and what turns one into a compiled
-model: the optimizer with its warm-up schedule (`vit_keras.schedules.WarmupSchedule`),
-`compile_model`. Imports only Keras at module level."""
+"""Training recipes as data (fine-tuning, pre-training, digits; masked patch prediction) and
+what turns one into a compiled model: the optimizer with its warm-up schedule
+(`vit_keras.schedules.WarmupSchedule`), `compile_model`. Imports only Keras at module level."""
 
 import dataclasses
 
@@ -63,6 +63,18 @@ DIGITS_RECIPE = dataclasses.replace(
     epochs=30, batch_size=32, image_size=16, label_smoothing=0.1, dropout=0.1)
 # Digits: no horizontal flip (a flipped 2 is not a 2), a mild inception crop.
 DIGITS_AUGMENTATION = {"crop_area": (0.8, 1.0), "flip": False}
+
+# Masked patch prediction, the paper's appendix B.1.2: "Adam, with a base learning rate of 2e-4,
+# warmup of 10k steps and cosine learning rate decay", batch 4096, 1M steps. It names no weight
+# decay for MPP: none here. No head to zero: the MPP head is new, the ViT's head is not used.
+MPP_RECIPE = Recipe(
+    name="mpp", optimizer="adamw", learning_rate=2e-4, weight_decay=0.0, warmup_steps=10_000,
+    decay="cosine", total_steps=1_000_000, batch_size=4096, image_size=224, grad_clip_norm=1.0,
+    dropout=0.0, zero_head=False)
+# The same shape at digits scale (16 px, 4x4 patches: 16 tokens per image).
+MPP_DIGITS_RECIPE = dataclasses.replace(
+    MPP_RECIPE, name="mpp_digits", learning_rate=1e-3, warmup_steps=100, total_steps=None,
+    epochs=60, batch_size=64, image_size=16)
 
 
 def make_optimizer(recipe, total_steps=None, accum_steps=1):
@@ -143,4 +155,7 @@ def compile_model(model, optimizer, label_smoothing=0.0, jit_compile=None):
     return portable_compile_config(model, keep_jit_compile=jit_compile is not None)
 
 
+# Supervised training's recipes (apps/finetune.py, apps/train.py) and masked patch prediction's
+# (apps/pretrain.py), by their --recipe names.
 RECIPES = {"finetune": FINETUNE_RECIPE, "pretrain": PRETRAIN_RECIPE, "digits": DIGITS_RECIPE}
+MPP_RECIPES = {"mpp": MPP_RECIPE, "mpp_digits": MPP_DIGITS_RECIPE}

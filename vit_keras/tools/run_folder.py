@@ -18,6 +18,7 @@ truncated file (the temporary files it may leave are removed when the run resume
 """
 
 import contextlib
+import csv
 import json
 import os
 import shutil
@@ -59,6 +60,26 @@ def read_json(path):
             return json.load(f)
     except (OSError, ValueError):
         return None
+
+
+def read_history(path):
+    """The epoch rows of a history.csv (Keras' `CSVLogger`): `[{"epoch": int, "loss": float,
+    ...}]`, one per epoch in order (an epoch run again after a resume keeps its last row); `[]`
+    when the file is absent.
+
+    A value CSVLogger could not fill is left out of its row: it writes `NA` in a column no log
+    of that epoch held (a pre-training run's `val_loss`, when a fit has no validation data)."""
+    if not os.path.exists(path):
+        return []
+    rows = {}
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            if row.get("epoch") in (None, "", "epoch"):
+                continue
+            rows[int(row["epoch"])] = {key: (float(value) if key != "epoch" else int(value))
+                                       for key, value in row.items()
+                                       if value not in (None, "", "NA")}
+    return [rows[epoch] for epoch in sorted(rows)]
 
 
 class RunFolderError(errors.UserError, RuntimeError):
@@ -222,6 +243,10 @@ class RunFolder:
     def read_class_names(self):
         """The run's class names, or `None` when it has no `class_names.json`."""
         return load_class_names(self.class_names) if os.path.exists(self.class_names) else None
+
+    def read_history(self):
+        """The rows of the run's history.csv (`read_history`), `[]` before its first epoch."""
+        return read_history(self.history)
 
     def read_metrics(self):
         """The run's `metrics.json` as a dict, or `None` when absent or unreadable."""

@@ -1,9 +1,11 @@
-"""One training run: `RunConfig` (the apps' flags) → `run` → `saved_models/<run_name>/`, plus its
-history, metrics table and evaluation reports. Imports only Keras and NumPy at module level."""
+"""One training run: `RunConfig` (the apps' flags) and an `objectives.Objective` → `run` →
+`saved_models/<run_name>/`. `run` goes through named steps: `_prepare` (recipe, data, schedule,
+resumption point, compiled model), `_train` (`fit`, or nothing when resumed after training) and
+`_report` (the objective's evaluation, the model, metrics.json last)."""
 
 import contextlib
-import csv
 import dataclasses
+import importlib.util
 import math
 import os
 import shutil
@@ -13,15 +15,22 @@ import time
 import warnings
 
 import keras
-import numpy as np
 
-from vit_keras import errors
+from vit_keras import configs as configs_lib
+from vit_keras import geometry
+from vit_keras import masked_patch_prediction
 from vit_keras import pretrained
+from vit_keras.checkpoints import save_npz
 from vit_keras.tools import callbacks as callbacks_lib
 from vit_keras.tools import distribution as distribution_lib
+from vit_keras.tools import memory
+from vit_keras.tools import objectives as objectives_lib
+from vit_keras.tools import plots
 from vit_keras.tools import recipes as recipes_lib
 from vit_keras.tools.config_flags import option
 from vit_keras.tools.run_folder import RunFolder
+
+CLASSIFICATION = objectives_lib.Classification()
 
 # A test hook: set to 1, `run` kills its own process with SIGKILL once training has finished,
 # before the final evaluation (as a kill at that moment would), so that the resumption at the
@@ -158,35 +167,14 @@ class RunConfig:
     verbose: int = option(1, "Keras fit verbosity: 1 progress bars, 2 one line per epoch.")
     flags_text: str = None          # written to flags.txt (the app's --flagfile); not a flag
 
-
-def choose_recipe(config):
-    """The base `recipes.Recipe` of a run and why it was chosen (a sentence for the log)."""
-    if config.recipe != "auto":
-        if config.recipe not in recipes_lib.RECIPES:
-            raise ValueError(f"Unknown recipe {config.recipe!r}; expected auto or one of "
-                             f"{sorted(recipes_lib.RECIPES)}.")
-        return recipes_lib.RECIPES[config.recipe], f"recipe {config.recipe} (--recipe)"
-    if config.dataset == "digits":
-        if config.weights:
-            return recipes_lib.DIGITS_RECIPE, (f"fine-tuning {config.weights} on the digits with "
-                                               "the digits recipe")
-        return recipes_lib.DIGITS_RECIPE, ("no pretrained weights given (--weights): training "
-                                           "from scratch with the digits recipe (the paper's "
-                                           "pre-training recipe at digits scale)")
-    if config.weights:
-        return recipes_lib.FINETUNE_RECIPE, (f"fine-tuning {config.weights} with vit_jax's "
-                                             "fine-tuning recipe")
-    return recipes_lib.PRETRAIN_RECIPE, ("no pretrained weights given (--weights): training "
-                                         "from scratch with the paper's pre-training recipe")
-
-
-def resolve_recipe(config):
-    """The run's `recipes.Recipe`: the chosen base with every explicitly given field replaced.
+def resolve_recipe(config, objective=CLASSIFICATION):
+    """The run's `recipes.Recipe`: the objective's base recipe (`Objective.choose_recipe`) with
+    every explicitly given field replaced, and why the base was chosen.
 
     With `--weights` on the digits recipe and no `--image_size`, `image_size` is `None`: the
     weights' own size, known once the model is built (`run` fills it in). A model pre-trained on
     the digits at 16 px is fine-tuned on them at 16 px."""
-    base, reason = choose_recipe(config)
+    base, reason = objective.choose_recipe(config)
     overrides = {field: getattr(config, field) for field in (
         "optimizer", "learning_rate", "momentum", "weight_decay", "grad_clip_norm",
         "warmup_steps", "decay", "total_steps", "epochs", "batch_size", "image_size",
@@ -223,15 +211,11 @@ def set_precision(mixed_precision):
 
 
 def build_run_model(config, recipe, num_classes, log=print):
-    """The model of a run: from `--weights` (a release name with `--model`, a checkpoint or a
+    """The ViT of a run: from `--weights` (a release name with `--model`, a checkpoint or a
     `.keras` file) or freshly initialised."""
-    from vit_keras import configs as configs_lib
-
     options = {"dropout": recipe.dropout, "attention_dropout": config.attention_dropout,
                "drop_path_rate": config.drop_path_rate}
     if config.weights and config.weights.endswith(".keras"):
-        from vit_keras import masked_patch_prediction
-
         loaded = keras.saving.load_model(config.weights, compile=False)
         size = model_image_size(loaded)
         if masked_patch_prediction.is_pretraining_model(loaded):
@@ -243,18 +227,15 @@ def build_run_model(config, recipe, num_classes, log=print):
             return loaded
         # Another head or resolution: go through the npz layout, which resamples position
         # embeddings and zero-initialises a new head (one mechanism for every weight source).
-        import tempfile
-
-        from vit_keras.checkpoints import save_npz
-
         with tempfile.TemporaryDirectory() as scratch:
             path = save_npz(loaded, os.path.join(scratch, "weights.npz"))
             return pretrained.build_model_from_checkpoint(
                 path, image_size=recipe.image_size, num_classes=num_classes,
                 include_top=True, **options)
     if config.weights:
-        # A release name without --model: pretrained.resolve_weights raises
-        # ReleaseNeedsVariantError (one check, one message).
+        if config.model is None and pretrained.is_release_name(config.weights):
+            raise ValueError(f"--weights {config.weights} is a release name: pass --model with "
+                             f"the variant it is for (e.g. --model ViT-B/16).")
         return pretrained.build_model_from_checkpoint(
             config.weights, variant=config.model, image_size=recipe.image_size,
             num_classes=num_classes, include_top=True,
@@ -273,7 +254,8 @@ def build_run_model(config, recipe, num_classes, log=print):
 
 
 def augmentation_for(config):
-    from vit_keras.tools import data
+    """The run's `data.Augmentation`: the flags', else the dataset's defaults."""
+    from vit_keras.tools import data  # tf.data: TensorFlow loads when a run starts, not at import
 
     digits = config.dataset == "digits"
     crop = config.crop_min_area
@@ -291,42 +273,6 @@ def augmentation_for(config):
                              f"{config.randaugment!r}.") from None
     return data.Augmentation(crop_area=(float(crop), 1.0), flip=bool(flip),
                              randaugment=randaugment, mixup=config.mixup, cutmix=config.cutmix)
-
-
-def read_history(path):
-    """Epoch rows of a CSVLogger file, one per epoch (a re-run epoch keeps its last row)."""
-    if not os.path.exists(path):
-        return []
-    rows = {}
-    with open(path) as f:
-        for row in csv.DictReader(f):
-            if row.get("epoch") in (None, "", "epoch"):
-                continue
-            rows[int(row["epoch"])] = {key: (float(value) if key != "epoch" else int(value))
-                                       for key, value in row.items() if value not in (None, "")}
-    return [rows[epoch] for epoch in sorted(rows)]
-
-
-def plot_history(history, path):
-    """Loss and accuracy per epoch (train and val) as a 10x4 inch PNG at 100 dpi."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(10, 4), dpi=100)
-    FigureCanvasAgg(figure)
-    epochs = [row["epoch"] + 1 for row in history]
-    for index, metric in enumerate(("loss", "accuracy")):
-        axes = figure.add_subplot(1, 2, index + 1)
-        for prefix, label in (("", "train"), ("val_", "val")):
-            values = [row.get(prefix + metric, np.nan) for row in history]
-            axes.plot(epochs, values, marker="o", markersize=3, label=label)
-        axes.set_xlabel("epoch")
-        axes.set_title(metric)
-        axes.grid(alpha=0.3)
-        axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, format="png")
-    return path
 
 
 def _rng_seed(seed):
@@ -350,109 +296,9 @@ def _no_length_warning(multi_process):
 def model_image_size(model):
     """The side of the square images a built model takes: its input's, or for a model of dynamic
     image size the size it was built for."""
-    from vit_keras import geometry
-
     height = model.input_shape[1]
     return height if height is not None else (geometry.token_grid(model)[0] *
                                               geometry.token_pixels(model))
-
-
-class ActivationMemoryError(errors.UserError, ValueError):
-    """A training step's activations cannot fit in the memory of the device it runs on."""
-
-
-def training_activation_bytes(model, batch_size, image_size=None):
-    """A lower bound of the bytes of activations one training step of `model` keeps for its
-    backward pass, at `batch_size` images per device of `image_size` pixels a side (default: the
-    model's; a model of dynamic image size may be fed another).
-
-    Per image and Transformer block: the attention logits and probabilities,
-    `2 * heads * tokens**2` float32 values (unless the block's attention runs through a fused
-    kernel, which keeps none), and `8 * tokens * hidden + 2 * tokens * mlp_dim` values in the
-    compute dtype (the inputs of the two LayerNorms, of the q/k/v and output projections, and of
-    the MLP's two layers and its GELU). Embeddings, a hybrid's ResNet, the head, gradients and
-    the optimizer come on top.
-    """
-    from vit_keras import geometry
-    from vit_keras import layers as vit_layers
-
-    blocks = [layer for layer in model.layers if isinstance(layer, vit_layers.TransformerBlock)]
-    if not blocks:
-        return 0
-    if image_size is None:
-        rows, cols = geometry.token_grid(model)
-    else:
-        rows = cols = int(image_size) // geometry.token_pixels(model)
-    has_class_token = any(isinstance(layer, vit_layers.ClassToken) for layer in model.layers)
-    tokens = rows * cols + int(has_class_token)
-    total = 0
-    for block in blocks:
-        hidden = block.attention.query.kernel.shape[0]
-        value_bytes = 2 if block.compute_dtype in ("float16", "bfloat16") else 4
-        linear = (8 * tokens * hidden + 2 * tokens * block.mlp_dim) * value_bytes
-        # `_fused`: the layer's own answer to whether keras.ops.dot_product_attention reaches a
-        # fused kernel here (attention dropout takes the explicit path).
-        fused = getattr(block.attention, "_fused", False) and not block.attention_dropout
-        attention = 0 if fused else 2 * block.num_heads * tokens * tokens * 4
-        total += linear + attention
-    return total * int(batch_size)
-
-
-def device_memory():
-    """`(bytes, name)` of the memory a training step runs in: the first accelerator's where the
-    backend reports it, else the host's RAM (within a cgroup's limit); `(None, name)` when
-    unknown (TensorFlow on a GPU)."""
-    backend = keras.backend.backend()
-    if backend == "jax":
-        import jax
-
-        device = jax.devices()[0]
-        if device.platform != "cpu":
-            limit = (device.memory_stats() or {}).get("bytes_limit")
-            return limit, f"{device.device_kind} ({device.platform})"
-    elif backend == "torch":
-        import torch
-
-        if torch.cuda.is_available():
-            return (torch.cuda.get_device_properties(0).total_memory,
-                    torch.cuda.get_device_name(0))
-    elif backend == "tensorflow":
-        import tensorflow as tf
-
-        if tf.config.list_physical_devices("GPU"):
-            return None, "GPU"
-    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        physical = min(physical, int(limit)) if limit.isdigit() else physical
-    except OSError:
-        pass
-    return physical, "host memory (RAM)"
-
-
-def _binary_size(count):
-    value, unit = count / 1024 ** 3, "GiB"
-    for larger in ("TiB", "PiB"):
-        if value < 1024:
-            break
-        value, unit = value / 1024, larger
-    return f"{value:,.1f} {unit}"
-
-
-def check_activation_memory(model, batch_size, image_size, memory=None):
-    """Raises `ActivationMemoryError` (one line: the estimate, the memory, the flags to change)
-    when `training_activation_bytes` exceeds the device's memory (`device_memory()` unless
-    `memory`, a `(bytes, name)` pair, is given); returns the estimate otherwise."""
-    needed = training_activation_bytes(model, batch_size, image_size)
-    available, where = memory or device_memory()
-    if available and needed > available:
-        raise ActivationMemoryError(
-            f"A training step at --image_size {image_size} and --batch_size {batch_size} "
-            f"(per device) keeps at least {_binary_size(needed)} of activations for "
-            f"{model.name}, more than the {_binary_size(available)} of {where}: lower "
-            f"--image_size or --batch_size (with --accum_steps to keep the batch per update).")
-    return needed
 
 
 def finished_run(folder, overwrite=False, processes=distribution_lib.Processes(), log=print):
@@ -481,8 +327,9 @@ def finished_run(folder, overwrite=False, processes=distribution_lib.Processes()
     return None
 
 
-def run(config, app="finetune", log=print, started=None):
-    """Trains and evaluates one run; writes `saved_models/<run_name>/`; returns the metrics dict.
+def run(config, app="finetune", log=print, started=None, objective=CLASSIFICATION):
+    """Trains `objective` (default: classification) and evaluates one run; writes
+    `saved_models/<run_name>/`; returns the metrics dict.
 
     Files: `model.keras` (after every epoch, atomically), `metrics.json` (atomically, last),
     `flags.txt`, `class_names.json`, `history.csv`, `training_curves.png`, `logs/` (TensorBoard),
@@ -498,7 +345,7 @@ def run(config, app="finetune", log=print, started=None):
     the run folder (and holds its lock); the others write into a private temporary folder
     deleted at the end.
     Raises `callbacks.NonFiniteLossError` when the loss becomes NaN or infinite,
-    `ActivationMemoryError` when a training step cannot fit in memory, and
+    `memory.ActivationMemoryError` when a training step cannot fit in memory, and
     `distribution.MultiProcessError` when several processes cannot be set up.
     """
     started = started or time.perf_counter()
@@ -512,284 +359,298 @@ def run(config, app="finetune", log=print, started=None):
         finished = finished_run(folder, config.overwrite, processes, log)
         if finished is not None:
             return finished
-        return _train_and_evaluate(config, folder, run_name, processes, log, started)
+        state = _RunState(config, objective, run_name, folder, processes, log, started)
+        _prepare(state)
+        fit_seconds = _train(state)
+        return _report(state, fit_seconds)
 
 
-def _train_and_evaluate(config, folder, run_name, processes, log, started):
-    from vit_keras.tools import data
+@dataclasses.dataclass
+class _RunState:
+    """One run between its steps: `_prepare` fills in the rest, `_train` trains, `_report`
+    evaluates and writes metrics.json."""
 
-    recipe, reason = resolve_recipe(config)
-    log(reason + ".")
+    config: RunConfig
+    objective: objectives_lib.Objective
+    name: str
+    folder: RunFolder
+    processes: distribution_lib.Processes
+    log: object
+    started: float
+    writes: RunFolder = None     # process 0: the run folder; the others: a private scratch one
+    recipe: recipes_lib.Recipe = None
+    reason: str = None
+    splits: object = None        # data.Splits of the dataset
+    training: object = None      # data.Splits whose "train" split the objective trains on
+    replicas: int = 1
+    accum: int = 1
+    steps_per_epoch: int = None
+    epochs: int = None
+    total_updates: int = None
+    backup: callbacks_lib.AtomicBackupAndRestore = None
+    resume_epoch: int = 0
+    model: keras.Model = None
+    augmentation: object = None  # data.Augmentation
+    throughput: callbacks_lib.Throughput = None
+
+    @property
+    def trained(self):
+        """Whether training had ended before the run was resumed (at its final evaluation)."""
+        return self.resume_epoch >= self.epochs
+
+    @property
+    def eval_batch(self):
+        batch = self.config.eval_batch_size
+        return batch - batch % self.replicas or self.replicas
+
+    def pipeline(self, split, whole_batches=False):
+        """A split's evaluation batches at the run's size (`Objective.evaluate`)."""
+        from vit_keras.tools import data  # tf.data: TensorFlow loads when a run starts
+
+        dataset = data.make_pipeline(self.splits, split, image_size=self.recipe.image_size,
+                                     batch_size=self.eval_batch)
+        if whole_batches and self.processes.multi:  # each process an equal slice of each batch
+            dataset = distribution_lib.pad_to_whole_batches(
+                dataset, self.splits.num_examples[split], self.eval_batch)
+        return dataset
+
+
+def _prepare(state):
+    """Recipe, data, schedule, resumption point and the compiled model of a run."""
+    from vit_keras.tools import data  # tf.data: TensorFlow loads when a run starts
+
+    config, processes, log = state.config, state.processes, state.log
+    state.recipe, state.reason = resolve_recipe(config, state.objective)
+    log(state.reason + ".")
     # Saving is collective on JAX: every process saves, but only process 0 into the run folder;
     # the others write into a private folder deleted at the end.
-    writes = (folder if processes.is_chief else
-              RunFolder(tempfile.mkdtemp(prefix=f"vit_keras-process{processes.index}-")))
+    state.writes = (state.folder if processes.is_chief else RunFolder(
+        tempfile.mkdtemp(prefix=f"vit_keras-process{processes.index}-")))
     if processes.multi:
         log(f"Process {processes.index} of {processes.count}"
-            + ("" if processes.is_chief else f": process 0 writes {folder.path}") + ".")
+            + ("" if processes.is_chief else f": process 0 writes {state.folder.path}") + ".")
     if config.flags_text is not None and processes.is_chief:
-        folder.write_flags(config.flags_text)
-
+        state.folder.write_flags(config.flags_text)
     _rng_seed(config.seed)
-    splits = data.load_splits(config.dataset, data_dir=config.data_dir,
-                              val_fraction=config.val_fraction,
-                              download=config.download, seed=config.seed, log=log)
+    state.splits = data.load_splits(config.dataset, data_dir=config.data_dir,
+                                    val_fraction=config.val_fraction,
+                                    download=config.download, seed=config.seed, log=log)
     if processes.is_chief:
-        folder.write_class_names(splits.class_names)
-
+        state.folder.write_class_names(state.splits.class_names)
+    state.training = state.objective.training_splits(state.splits)
     set_precision(config.mixed_precision)
     scope = distribution_lib.distribution_scope(config.distribution, config.model_parallel_size,
                                                 processes)
-    replicas = (distribution_lib.num_replicas(config.distribution)
-                if config.distribution != "none" else 1)
-    if recipe.batch_size % replicas:
-        raise ValueError(f"Batch size {recipe.batch_size} is not divisible by the {replicas} "
-                         f"devices of --distribution {config.distribution}; use a multiple of "
-                         f"{replicas}.")
-    accum = max(1, int(config.accum_steps or 1))
-    steps_per_epoch = config.steps_per_epoch or max(1, splits.num_examples["train"] //
-                                                    recipe.batch_size)
-    if recipe.epochs:
-        epochs = recipe.epochs
-    else:
-        epochs = max(1, math.ceil(recipe.total_steps * accum / steps_per_epoch))
-    total_updates = max(1, epochs * steps_per_epoch // accum)
+    _schedule(state)
+    _find_resume_epoch(state)
+    with scope:
+        _build_and_compile(state)
+    if not state.trained:
+        memory.check_activation_memory(state.model, state.recipe.batch_size // state.replicas,
+                                       state.recipe.image_size)
+    state.augmentation = augmentation_for(config)
+    # An image folder's unreadable files are named in skipped_files.txt as they are met; a resumed
+    # run reads it back, so that its stream skips them as the interrupted one did.
+    state.splits.record_unreadable(state.folder.skipped_files, resume=bool(state.resume_epoch),
+                                   write=processes.is_chief)
 
+
+def _schedule(state):
+    """Replicas, accumulation, steps per epoch, epochs and optimizer updates of a run (call
+    once its distribution is set up)."""
+    config, recipe = state.config, state.recipe
+    if config.distribution != "none":
+        state.replicas = distribution_lib.num_replicas(config.distribution)
+    if recipe.batch_size % state.replicas:
+        raise ValueError(f"Batch size {recipe.batch_size} is not divisible by the "
+                         f"{state.replicas} devices of --distribution {config.distribution}; use "
+                         f"a multiple of {state.replicas}.")
+    state.accum = max(1, int(config.accum_steps or 1))
+    state.steps_per_epoch = config.steps_per_epoch or max(
+        1, state.training.num_examples["train"] // recipe.batch_size)
+    state.epochs = recipe.epochs or max(
+        1, math.ceil(recipe.total_steps * state.accum / state.steps_per_epoch))
+    state.total_updates = max(1, state.epochs * state.steps_per_epoch // state.accum)
+
+
+def _find_resume_epoch(state):
+    """The run's backup and the epoch it resumes after (0: a fresh run), agreed by all
+    processes."""
+    folder = state.folder
     # The backup outlives `fit`: it is deleted once metrics.json is written, so that a run
     # killed during its final evaluation resumes there instead of training again.
-    backup = callbacks_lib.AtomicBackupAndRestore(folder.backup, seed=config.seed,
-                                                  save_dir=writes.backup, delete_checkpoint=False)
-    resume_epoch = backup.resume_epoch
-    found = distribution_lib.process_values(resume_epoch, processes)
+    state.backup = callbacks_lib.AtomicBackupAndRestore(
+        folder.backup, seed=state.config.seed, save_dir=state.writes.backup,
+        delete_checkpoint=False)
+    state.resume_epoch = state.backup.resume_epoch
+    found = distribution_lib.process_values(state.resume_epoch, state.processes)
     if len(set(found)) > 1:
         epochs_found = ", ".join(f"process {i}: {epoch}" for i, epoch in enumerate(found))
         raise distribution_lib.MultiProcessError(
             f"The processes disagree on the epoch to resume from ({epochs_found}): process 0 "
-            f"writes the backup {folder.backup}, and every process must read it, so --output_dir must "
-            f"be on a filesystem all of them see. Delete {folder.backup} to start afresh.")
-    trained = resume_epoch >= epochs
+            f"writes the backup {folder.backup}, and every process must read it, so "
+            f"--output_dir must be on a filesystem all of them see. Delete {folder.backup} to "
+            f"start afresh.")
 
+
+def _build_and_compile(state):
+    """The objective's model from the run's ViT, compiled with the recipe's optimizer (call in
+    the distribution's scope)."""
+    config, recipe = state.config, state.recipe
     jit_compile = config.jit_compile
     if (jit_compile is None and config.distribution == "data_parallel"
             and keras.backend.backend() == "tensorflow"):
         # XLA cannot use MirroredStrategy's per-device variables ("Trying to access resource ...
         # located in device CPU:1 from device CPU:0", tensorflow.org/xla/known_issues).
         jit_compile = False
-        log("MirroredStrategy: XLA compilation off (TensorFlow's XLA cannot place mirrored "
-            "variables).")
-    with scope:
-        model = build_run_model(config, recipe, splits.num_classes, log=log)
-        optimizer = recipes_lib.make_optimizer(recipe, total_updates, accum)
-        recipes_lib.compile_model(model, optimizer, recipe.label_smoothing, jit_compile)
+        state.log("MirroredStrategy: XLA compilation off (TensorFlow's XLA cannot place "
+                  "mirrored variables).")
+    vit = build_run_model(config, recipe, state.splits.num_classes, log=state.log)
+    model = state.objective.build_model(vit, config.seed)
+    optimizer = recipes_lib.make_optimizer(recipe, state.total_updates, state.accum)
+    state.objective.compile(model, optimizer, recipe, jit_compile)
     if config.jit_compile is None:  # the loading backend chooses (also when forced off above)
         recipes_lib.portable_compile_config(model)
     if recipe.image_size is None:  # the weights' own (resolve_recipe)
-        recipe = dataclasses.replace(recipe, image_size=model_image_size(model))
-    if not trained:
-        check_activation_memory(model, recipe.batch_size // replicas, recipe.image_size)
+        state.recipe = dataclasses.replace(recipe, image_size=model_image_size(model))
+    state.model = model
 
-    augmentation = augmentation_for(config)
-    # An image folder's unreadable files are named in skipped_files.txt as they are met; a resumed
-    # run reads it back, so that its stream skips them as the interrupted one did.
-    splits.record_unreadable(folder.skipped_files, resume=bool(resume_epoch),
-                             write=processes.is_chief)
+
+def _train(state):
+    """Trains the run's model from its resumption point; returns the seconds `fit` took (0 for
+    a run resumed after its training)."""
+    from vit_keras.tools import data  # tf.data: TensorFlow loads when a run starts
+
+    recipe, folder, model = state.recipe, state.folder, state.model
+    state.throughput = callbacks_lib.Throughput(recipe.batch_size, state.steps_per_epoch)
+    state.log(
+        f"Run {state.name}: {state.objective.describe(model)}, {model.count_params():,} "
+        f"parameters, image size {recipe.image_size}, {state.training.num_examples['train']} "
+        f"training images, batch {recipe.batch_size}"
+        + (f" x {state.accum} accumulated" if state.accum > 1 else "")
+        + f", {state.epochs} epochs of {state.steps_per_epoch} steps, {recipe.optimizer} lr "
+        f"{recipe.learning_rate:g}, backend {keras.backend.backend()}.")
+    if state.trained:
+        state.log(f"Resuming {folder.path}: its training ended (epoch {state.resume_epoch} of "
+                  f"{state.epochs}) before {state.objective.evaluation}; evaluating the "
+                  f"backed-up model.")
+        state.backup.restore(model)
+        return 0.0
+    if state.resume_epoch:
+        state.log(f"Resuming {folder.path} from its backup after epoch {state.resume_epoch} of "
+                  f"{state.epochs}.")
     # Keras keeps one iterator over a repeated stream across epochs: epoch e reads batches
     # e * steps_per_epoch onwards, so a resumed run starts the stream where its backup stopped.
-    train_ds = data.make_pipeline(splits, "train", image_size=recipe.image_size,
+    train_ds = data.make_pipeline(state.training, "train", image_size=recipe.image_size,
                                   batch_size=recipe.batch_size, training=True,
-                                  augmentation=augmentation, seed=config.seed,
-                                  start_batch=resume_epoch * steps_per_epoch)
-    eval_batch = config.eval_batch_size - config.eval_batch_size % replicas or replicas
-    eval_sets = {split: data.make_pipeline(splits, split, image_size=recipe.image_size,
-                                           batch_size=eval_batch)
-                 for split in ("val", "test")}
-    if processes.multi:  # whole batches: each process gets an equal slice of every one
-        eval_sets = {split: distribution_lib.pad_to_whole_batches(
-            ds, splits.num_examples[split], eval_batch) for split, ds in eval_sets.items()}
+                                  augmentation=state.augmentation, seed=state.config.seed,
+                                  start_batch=state.resume_epoch * state.steps_per_epoch)
+    split = state.objective.validation_split
+    fit_seconds = _fit(state, train_ds, split and state.pipeline(split, whole_batches=True))
+    if os.environ.get(KILL_AFTER_TRAINING) == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return fit_seconds
 
-    throughput = callbacks_lib.Throughput(recipe.batch_size, steps_per_epoch)
-    log(f"Run {run_name}: {model.name}, {model.count_params():,} parameters, image size "
-        f"{recipe.image_size}, {splits.num_examples['train']} training images, batch "
-        f"{recipe.batch_size}" + (f" x {accum} accumulated" if accum > 1 else "") +
-        f", {epochs} epochs of {steps_per_epoch} steps, {recipe.optimizer} lr "
-        f"{recipe.learning_rate:g}, backend {keras.backend.backend()}.")
-    if trained:
-        log(f"Resuming {folder.path}: its training ended (epoch {resume_epoch} of {epochs}) "
-            f"before the final evaluation; evaluating the backed-up model.")
-        backup.restore(model)
-        fit_seconds = 0.0
+
+def _callbacks(state, nan_guard):
+    """`fit`'s callbacks: NaN guard, throughput, history.csv and TensorBoard (process 0's),
+    the model after every epoch, and last the backup (an epoch's backup exists only once its
+    other files are written)."""
+    checkpoint = callbacks_lib.AtomicModelCheckpoint(state.writes.model)
+    checkpoint.guard = state.backup.guard = nan_guard
+    chief = state.processes.is_chief
+    logs = []
+    if not chief:
+        pass  # history.csv and TensorBoard logs are process 0's
+    elif importlib.util.find_spec("tensorboard") and importlib.util.find_spec("tensorflow"):
+        logs.append(keras.callbacks.TensorBoard(state.folder.logs, write_graph=False))
     else:
-        if resume_epoch:
-            log(f"Resuming {folder.path} from its backup after epoch {resume_epoch} of "
-                f"{epochs}.")
-        fit_seconds = _fit(model, config, folder, writes, processes, backup, throughput,
-                           train_ds, eval_sets["val"], epochs, steps_per_epoch, recipe, log)
-        if os.environ.get(KILL_AFTER_TRAINING) == "1":
-            os.kill(os.getpid(), signal.SIGKILL)
+        state.log("TensorBoard is not installed (pip install tensorboard): no TensorBoard logs.")
+    return [nan_guard, state.throughput, *logs,
+            *([keras.callbacks.CSVLogger(state.folder.history, append=True)] if chief else []),
+            checkpoint, state.backup]
 
-    with _no_length_warning(processes.multi):
-        results = {split: model.evaluate(ds, verbose=0, return_dict=True)
-                   for split, ds in eval_sets.items()}
-    if splits.skipped_files:
-        log(splits.unreadable.summary())
-    writes.save_model(model)
-    history = read_history(folder.history)
-    if processes.is_chief:
-        plot_history(history, folder.curves)
-    last = history[-1] if history else {}
+
+def _fit(state, train_ds, val_ds):
+    """`model.fit` with the run's callbacks; returns its seconds. Raises `NonFiniteLossError`
+    (after deleting the backup: the next run starts afresh) when the loss stops being finite."""
+    nan_guard = callbacks_lib.StopOnNaN()
+    fit_started = time.perf_counter()
+    with _no_length_warning(state.processes.multi):
+        state.model.fit(train_ds, epochs=state.epochs, steps_per_epoch=state.steps_per_epoch,
+                        validation_data=val_ds, callbacks=_callbacks(state, nan_guard),
+                        verbose=state.config.verbose, shuffle=False)  # tf.data shuffles
+    fit_seconds = time.perf_counter() - fit_started
+    if nan_guard.bad_step:
+        if state.processes.is_chief:
+            state.folder.remove_backup()
+        epoch, batch, loss = nan_guard.bad_step
+        raise callbacks_lib.NonFiniteLossError(
+            f"The training loss became {loss} at epoch {epoch + 1}, batch {batch + 1}; the run "
+            f"stopped and {state.folder.model} keeps the last finite epoch. Lower "
+            f"--learning_rate (now {state.recipe.learning_rate:g}), keep --grad_clip_norm on "
+            f"(now {state.recipe.grad_clip_norm:g}), lengthen --warmup_steps, or use "
+            f"--mixed_precision bfloat16 instead of float16.")
+    return fit_seconds
+
+
+def _report(state, fit_seconds):
+    """Evaluates the trained model (the objective's evaluation), saves it, plots the history
+    and writes metrics.json, last; returns the metrics."""
+    with _no_length_warning(state.processes.multi):
+        history = state.folder.read_history()
+        results = state.objective.evaluate(state.model, state.splits, state.pipeline, history)
+    if state.splits.skipped_files:
+        state.log(state.splits.unreadable.summary())
+    state.writes.save_model(state.model)
+    if state.processes.is_chief:
+        plots.plot_history(history, state.folder.curves)
     metrics = {
-        "test_accuracy": results["test"]["accuracy"],
-        "test_top5_accuracy": results["test"].get("top5_accuracy"),
-        "test_loss": results["test"]["loss"],
-        "val_accuracy": results["val"]["accuracy"],
-        "val_top5_accuracy": results["val"].get("top5_accuracy"),
-        "val_loss": results["val"]["loss"],
-        "train_loss": last.get("loss"),
-        "train_accuracy": last.get("accuracy"),
-        "images_per_second": throughput.images_per_second(),
-        "wall_time_s": time.perf_counter() - started,
+        **results,
+        "images_per_second": state.throughput.images_per_second(),
+        "wall_time_s": time.perf_counter() - state.started,
         "fit_time_s": fit_seconds,
-        "epochs": epochs,
-        "resumed_from_epoch": resume_epoch,
-        "num_examples": splits.num_examples,
-        "skipped_files": len(splits.skipped_files),
+        "epochs": state.epochs,
+        "resumed_from_epoch": state.resume_epoch,
+        "num_examples": state.training.num_examples,
+        "skipped_files": len(state.splits.skipped_files),
         "history": history,
-        "model_path": folder.model,
-        "process": {"index": processes.index, "count": processes.count},
-        "config": {
-            "backend": keras.backend.backend(),
-            "keras_version": keras.__version__,
-            "run_name": run_name,
-            "dataset": config.dataset,
-            "recipe": dataclasses.asdict(recipe),
-            "recipe_reason": reason,
-            "run": {k: v for k, v in dataclasses.asdict(config).items() if k != "flags_text"},
-            "model_name": model.name,
-            "num_parameters": model.count_params(),
-            "steps_per_epoch": steps_per_epoch,
-            "total_updates": total_updates,
-            "accum_steps": accum,
-            "augmentation": dataclasses.asdict(augmentation),
-            "jit_compile": model.jit_compile if hasattr(model, "jit_compile") else None,
-            "dtype_policy": keras.config.dtype_policy().name,
-            "distribution": config.distribution,
-            "replicas": replicas,
-        },
+        "model_path": state.folder.model,
+        "process": {"index": state.processes.index, "count": state.processes.count},
+        "config": _config_record(state),
     }
-    if processes.is_chief:
-        folder.write_metrics(metrics)  # last: from now on the folder holds a finished run
-        folder.remove_backup()
+    if state.processes.is_chief:
+        state.folder.write_metrics(metrics)  # last: from now on the folder holds a finished run
+        state.folder.remove_backup()
     else:
-        shutil.rmtree(writes.path, ignore_errors=True)
+        shutil.rmtree(state.writes.path, ignore_errors=True)
     set_precision("none")
-    if config.distribution != "none" and keras.backend.backend() == "jax":
+    if state.config.distribution != "none" and keras.backend.backend() == "jax":
         keras.distribution.set_distribution(None)
     return metrics
 
 
-def _fit(model, config, folder, writes, processes, backup, throughput, train_ds, val_ds, epochs,
-         steps_per_epoch, recipe, log):
-    """`model.fit` with the run's callbacks; returns its seconds. Raises `NonFiniteLossError`
-    (after deleting the backup: the next run starts afresh) when the loss stops being finite."""
-    nan_guard = callbacks_lib.StopOnNaN()
-    backup.guard = nan_guard
-    checkpoint = callbacks_lib.AtomicModelCheckpoint(writes.model)
-    checkpoint.guard = nan_guard
-    callbacks = [
-        nan_guard,
-        throughput,
-        *([keras.callbacks.CSVLogger(folder.history, append=True)] if processes.is_chief else []),
-        checkpoint,
-        backup,   # last: the backup of an epoch exists only once its other files are written
-    ]
-    import importlib.util
-
-    if not processes.is_chief:
-        pass  # TensorBoard logs are process 0's
-    elif importlib.util.find_spec("tensorboard") and importlib.util.find_spec("tensorflow"):
-        callbacks.insert(2, keras.callbacks.TensorBoard(folder.logs,
-                                                        write_graph=False))
-    else:
-        log("TensorBoard is not installed (pip install tensorboard): no TensorBoard logs.")
-
-    fit_started = time.perf_counter()
-    with _no_length_warning(processes.multi):
-        model.fit(train_ds, epochs=epochs, steps_per_epoch=steps_per_epoch,
-                  validation_data=val_ds, callbacks=callbacks, verbose=config.verbose,
-                  shuffle=False)  # tf.data shuffles
-    fit_seconds = time.perf_counter() - fit_started
-    if nan_guard.bad_step:
-        if processes.is_chief:
-            folder.remove_backup()
-        epoch, batch, loss = nan_guard.bad_step
-        raise callbacks_lib.NonFiniteLossError(
-            f"The training loss became {loss} at epoch {epoch + 1}, batch {batch + 1}; the run "
-            f"stopped and {folder.model} keeps the last finite epoch. Lower "
-            f"--learning_rate (now {recipe.learning_rate:g}), keep --grad_clip_norm on (now "
-            f"{recipe.grad_clip_norm:g}), lengthen --warmup_steps, or use --mixed_precision "
-            f"bfloat16 instead of float16.")
-    return fit_seconds
-
-
-def metrics_table(metrics):
-    """A markdown table of a run's headline numbers."""
-    def pct(value):
-        return "-" if value is None else f"{100 * value:.2f}%"
-
-    rows = [("test accuracy", pct(metrics["test_accuracy"])),
-            ("test top-5 accuracy", pct(metrics.get("test_top5_accuracy"))),
-            ("val accuracy", pct(metrics["val_accuracy"])),
-            ("test loss", f"{metrics['test_loss']:.4f}"),
-            ("train loss (last epoch)", "-" if metrics.get("train_loss") is None
-             else f"{metrics['train_loss']:.4f}"),
-            ("training images/s", "-" if not metrics.get("images_per_second")
-             else f"{metrics['images_per_second']:.1f}"),
-            ("epochs", str(metrics["epochs"]) + (f" (resumed after {metrics['resumed_from_epoch']})"
-                                                 if metrics.get("resumed_from_epoch") else "")),
-            ("wall time", f"{metrics['wall_time_s']:.1f} s"),
-            ("backend", metrics["config"]["backend"])]
-    width = max(len(name) for name, _ in rows)
-    lines = [f"| {'metric'.ljust(width)} | value |", f"|{'-' * (width + 2)}|-------|"]
-    lines += [f"| {name.ljust(width)} | {value} |" for name, value in rows]
-    return "\n".join(lines)
-
-
-# --- evaluation and prediction ------------------------------------------------------------------
-
-def softmax(logits):
-    logits = np.asarray(logits, dtype="float64")
-    exp = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    return exp / exp.sum(axis=-1, keepdims=True)
-
-
-def classification_report(logits, labels, class_names):
-    """Top-1, top-5 and per-class accuracy from logits `(n, classes)` and int labels `(n,)`."""
-    logits, labels = np.asarray(logits), np.asarray(labels)
-    ranked = np.argsort(-logits, axis=-1, kind="stable")
-    correct = ranked[:, 0] == labels
-    top5 = (ranked[:, :5] == labels[:, None]).any(axis=-1)
-    per_class = {}
-    for index, name in enumerate(class_names):
-        members = labels == index
-        per_class[name] = {"accuracy": float(correct[members].mean()) if members.any() else None,
-                           "count": int(members.sum())}
-    return {"accuracy": float(correct.mean()), "top5_accuracy": float(top5.mean()),
-            "count": int(len(labels)), "per_class": per_class}
-
-
-def evaluate_model(model, dataset):
-    """Runs `model` over a `make_pipeline` dataset; returns `(logits, int labels)` as NumPy."""
-    logits, labels = [], []
-    for images, one_hot in dataset.as_numpy_iterator():
-        logits.append(keras.ops.convert_to_numpy(model(images, training=False)))
-        labels.append(one_hot.argmax(-1))
-    return np.concatenate(logits).astype("float32"), np.concatenate(labels)
-
-
-def top_k_predictions(logits, class_names, k=5):
-    """`[[(class name, probability), ...] per image]`, best first."""
-    probabilities = softmax(logits)
-    k = min(k, probabilities.shape[-1])
-    ranked = np.argsort(-probabilities, axis=-1, kind="stable")[:, :k]
-    return [[(class_names[i] if i < len(class_names) else str(i), float(p[i])) for i in row]
-            for row, p in zip(ranked, probabilities)]
+def _config_record(state):
+    """metrics.json's `config`: what the run was, resolved."""
+    config, model = state.config, state.model
+    objective = state.objective.options()
+    return {
+        "backend": keras.backend.backend(),
+        "keras_version": keras.__version__,
+        "run_name": state.name,
+        "dataset": config.dataset,
+        "recipe": dataclasses.asdict(state.recipe),
+        "recipe_reason": state.reason,
+        "run": {k: v for k, v in dataclasses.asdict(config).items() if k != "flags_text"},
+        **({"objective": objective} if objective is not None else {}),
+        "model_name": model.name,
+        "num_parameters": model.count_params(),
+        "steps_per_epoch": state.steps_per_epoch,
+        "total_updates": state.total_updates,
+        "accum_steps": state.accum,
+        "augmentation": dataclasses.asdict(state.augmentation),
+        "jit_compile": model.jit_compile if hasattr(model, "jit_compile") else None,
+        "dtype_policy": keras.config.dtype_policy().name,
+        "distribution": config.distribution,
+        "replicas": state.replicas,
+    }

@@ -1,0 +1,27 @@
+"""vit_keras.tools.memory: the activation estimate and the check before the first step."""
+
+import pytest
+
+from vit_keras import build_model
+from vit_keras.tools import memory
+
+
+def test_activation_estimate_grows_with_batch_and_tokens(tiny_config):
+    small = build_model(tiny_config, image_size=8, num_classes=3)     # 2x2 patches + class token
+    large = build_model(tiny_config, image_size=16, num_classes=3)    # 4x4 patches + class token
+    one = memory.training_activation_bytes(small, 1)
+    assert one > 0 and memory.training_activation_bytes(small, 8) == 8 * one
+    # 17 tokens against 5: at least linear, and quadratic where attention is not fused.
+    assert memory.training_activation_bytes(large, 1) >= one * 17 / 5
+
+
+def test_a_step_that_cannot_fit_in_memory_is_refused_with_the_flags_to_change(tiny_config):
+    model = build_model(tiny_config, image_size=16, num_classes=3)
+    needed = memory.training_activation_bytes(model, 64)
+    assert memory.check_activation_memory(model, 64, 16, memory=(needed, "test")) == needed
+    with pytest.raises(memory.ActivationMemoryError) as error:
+        memory.check_activation_memory(model, 64, 16, memory=(needed - 1, "a test device"))
+    message = str(error.value)
+    assert "--image_size 16" in message and "--batch_size 64" in message
+    assert "of a test device" in message and "GiB" in message and "\n" not in message
+    assert memory.check_activation_memory(model, 64, 16, memory=(None, "unknown")) == needed

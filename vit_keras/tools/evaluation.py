@@ -1,0 +1,46 @@
+"""A trained classifier's predictions on NumPy: its logits over a dataset, top-1/top-5 and
+per-class accuracy, and the top-k classes of each image (apps/evaluate.py, apps/predict.py)."""
+
+import keras
+import numpy as np
+
+
+def softmax(logits):
+    """Probabilities `(n, classes)` float64 from logits `(n, classes)`."""
+    logits = np.asarray(logits, dtype="float64")
+    exp = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return exp / exp.sum(axis=-1, keepdims=True)
+
+
+def classification_report(logits, labels, class_names):
+    """Top-1, top-5 and per-class accuracy from logits `(n, classes)` and int labels `(n,)`."""
+    logits, labels = np.asarray(logits), np.asarray(labels)
+    ranked = np.argsort(-logits, axis=-1, kind="stable")
+    correct = ranked[:, 0] == labels
+    top5 = (ranked[:, :5] == labels[:, None]).any(axis=-1)
+    per_class = {}
+    for index, name in enumerate(class_names):
+        members = labels == index
+        per_class[name] = {"accuracy": float(correct[members].mean()) if members.any() else None,
+                           "count": int(members.sum())}
+    return {"accuracy": float(correct.mean()), "top5_accuracy": float(top5.mean()),
+            "count": int(len(labels)), "per_class": per_class}
+
+
+def evaluate_model(model, dataset):
+    """Runs `model` over a `make_pipeline` dataset; returns `(logits float32 (n, classes),
+    int labels (n,))` as NumPy."""
+    logits, labels = [], []
+    for images, one_hot in dataset.as_numpy_iterator():
+        logits.append(keras.ops.convert_to_numpy(model(images, training=False)))
+        labels.append(one_hot.argmax(-1))
+    return np.concatenate(logits).astype("float32"), np.concatenate(labels)
+
+
+def top_k_predictions(logits, class_names, k=5):
+    """`[[(class name, probability), ...] per image]`, best first, from logits `(n, classes)`."""
+    probabilities = softmax(logits)
+    k = min(k, probabilities.shape[-1])
+    ranked = np.argsort(-probabilities, axis=-1, kind="stable")[:, :k]
+    return [[(class_names[i] if i < len(class_names) else str(i), float(p[i])) for i in row]
+            for row, p in zip(ranked, probabilities)]

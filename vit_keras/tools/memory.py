@@ -1,0 +1,107 @@
+"""Whether a training step fits: a lower bound of its activations' bytes
+(`training_activation_bytes`), the memory of the device it runs on (`device_memory`), and the
+check a run makes before its first step (`check_activation_memory`)."""
+
+import os
+
+import keras
+
+from vit_keras import errors
+from vit_keras import geometry
+from vit_keras import layers as vit_layers
+
+
+class ActivationMemoryError(errors.UserError, ValueError):
+    """A training step's activations cannot fit in the memory of the device it runs on."""
+
+
+def training_activation_bytes(model, batch_size, image_size=None):
+    """A lower bound of the bytes of activations one training step of `model` keeps for its
+    backward pass, at `batch_size` images per device of `image_size` pixels a side (default: the
+    model's; a model of dynamic image size may be fed another).
+
+    Per image and Transformer block: the attention logits and probabilities,
+    `2 * heads * tokens**2` float32 values (unless the block's attention runs through a fused
+    kernel, which keeps none), and `8 * tokens * hidden + 2 * tokens * mlp_dim` values in the
+    compute dtype (the inputs of the two LayerNorms, of the q/k/v and output projections, and of
+    the MLP's two layers and its GELU). Embeddings, a hybrid's ResNet, the head, gradients and
+    the optimizer come on top.
+    """
+    blocks = [layer for layer in model.layers if isinstance(layer, vit_layers.TransformerBlock)]
+    if not blocks:
+        return 0
+    if image_size is None:
+        rows, cols = geometry.token_grid(model)
+    else:
+        rows = cols = int(image_size) // geometry.token_pixels(model)
+    has_class_token = any(isinstance(layer, vit_layers.ClassToken) for layer in model.layers)
+    tokens = rows * cols + int(has_class_token)
+    total = 0
+    for block in blocks:
+        hidden = block.attention.query.kernel.shape[0]
+        value_bytes = 2 if block.compute_dtype in ("float16", "bfloat16") else 4
+        linear = (8 * tokens * hidden + 2 * tokens * block.mlp_dim) * value_bytes
+        # `fused`: the layer's own answer to whether keras.ops.dot_product_attention reaches a
+        # fused kernel here (attention dropout takes the explicit path).
+        fused = getattr(block.attention, "fused", False) and not block.attention_dropout
+        attention = 0 if fused else 2 * block.num_heads * tokens * tokens * 4
+        total += linear + attention
+    return total * int(batch_size)
+
+
+def device_memory():
+    """`(bytes, name)` of the memory a training step runs in: the first accelerator's where the
+    backend reports it, else the host's RAM (within a cgroup's limit); `(None, name)` when
+    unknown (TensorFlow on a GPU)."""
+    backend = keras.backend.backend()
+    # Each framework is imported in its branch: only the running backend's is loaded.
+    if backend == "jax":
+        import jax
+
+        device = jax.devices()[0]
+        if device.platform != "cpu":
+            limit = (device.memory_stats() or {}).get("bytes_limit")
+            return limit, f"{device.device_kind} ({device.platform})"
+    elif backend == "torch":
+        import torch
+
+        if torch.cuda.is_available():
+            return (torch.cuda.get_device_properties(0).total_memory,
+                    torch.cuda.get_device_name(0))
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        if tf.config.list_physical_devices("GPU"):
+            return None, "GPU"
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        physical = min(physical, int(limit)) if limit.isdigit() else physical
+    except OSError:
+        pass
+    return physical, "host memory (RAM)"
+
+
+def _binary_size(count):
+    value, unit = count / 1024 ** 3, "GiB"
+    for larger in ("TiB", "PiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, larger
+    return f"{value:,.1f} {unit}"
+
+
+def check_activation_memory(model, batch_size, image_size, memory=None):
+    """Raises `ActivationMemoryError` (one line: the estimate, the memory, the flags to change)
+    when `training_activation_bytes` exceeds the device's memory (`device_memory()` unless
+    `memory`, a `(bytes, name)` pair, is given); returns the estimate otherwise."""
+    needed = training_activation_bytes(model, batch_size, image_size)
+    available, where = memory or device_memory()
+    if available and needed > available:
+        raise ActivationMemoryError(
+            f"A training step at --image_size {image_size} and --batch_size {batch_size} "
+            f"(per device) keeps at least {_binary_size(needed)} of activations for "
+            f"{model.name}, more than the {_binary_size(available)} of {where}: lower "
+            f"--image_size or --batch_size (with --accum_steps to keep the batch per update).")
+    return needed
