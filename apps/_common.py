@@ -36,28 +36,20 @@ def read_class_names(path, model_path):
     return RunFolder.of_model(model_path).read_class_names()
 
 
-def resolve_weights(weights, variant, image_size=None, variant_flag="--variant"):
-    """`--weights` → `(local checkpoint, Release or None)`, downloading a release once into the
-    cache (`vit_keras.pretrained.resolve_weights`).
+def check_weights(weights, variant, image_size=None):
+    """`--weights` checked by the library's one check (`vit_keras.pretrained.release_of`) before
+    anything slow loads: the `Release` it names for `--model`'s variant, or None for a file, a
+    folder, a hub id or no `--weights`. Reads and downloads nothing.
 
-    A release name without a variant, a release the variant does not have, or a file that does
-    not exist is a usage error (naming `variant_flag`, the app's flag for the variant);
-    `vit_keras.download.WeightsUnavailableError` (offline) propagates: `exit_on_user_error`
-    reports it.
+    Raises the library's user errors; a release name without a variant names the flag to pass,
+    `--model`, in the library's sentence.
     """
-    from vit_keras import pretrained, releases
+    from vit_keras import errors, pretrained
 
-    if not weights:
-        return None, None
-    if variant is None and pretrained.is_release_name(weights):
-        raise app.UsageError(
-            f"--weights {weights} is a release name: pass {variant_flag} with the variant it is "
-            f"for (e.g. {variant_flag} ViT-B/16). Releases: {', '.join(releases.RELEASE_NAMES)}; "
-            f"vit_keras.list_weights() lists the variants of each.")
     try:
-        return pretrained.resolve_weights(weights, variant, image_size)
-    except (ValueError, FileNotFoundError) as error:
-        raise app.UsageError(f"--weights {weights}: {error}") from None
+        return pretrained.release_of(weights, variant, image_size)
+    except errors.ReleaseNeedsVariantError as error:
+        raise errors.ReleaseNeedsVariantError(error.release, variant_flag="--model") from None
 
 
 class ReloadMismatchError(Exception):
@@ -145,19 +137,7 @@ def training_app(name, started, recipe="auto", recipe_help=None, objective=None)
 
         if recipe != "auto" and FLAGS.dataset == "digits" and not FLAGS["recipe"].present:
             FLAGS.recipe = "digits"  # before flags.txt records it: a rerun then replays the same
-        from vit_keras import pretrained, releases
-
-        if pretrained.is_release_name(FLAGS.weights):  # checked now, not after the data has loaded
-
-            if FLAGS.model is None:
-                raise app.UsageError(
-                    f"--weights {FLAGS.weights} is a release name: pass --model with the variant "
-                    f"it is for (e.g. --model ViT-B/16); vit_keras.list_weights() lists them.")
-            try:
-                releases.find_release(FLAGS.model, FLAGS.weights)
-            except ValueError as error:
-                raise app.UsageError(f"--model {FLAGS.model} --weights {FLAGS.weights}: "
-                                     f"{error}") from None
+        check_weights(FLAGS.weights, FLAGS.model)  # now, not after the data has loaded
         config = config_flags.from_flags(training.RunConfig, leave_out=objective.left_out_flags,
                                          flags_text=run_flags_text(module_name))
         run_objective = config_flags.from_flags(objective)

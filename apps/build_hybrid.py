@@ -1,12 +1,13 @@
 """Builds a hybrid (ResNet + ViT) model, optionally loads a checkpoint, and saves it as `.keras`.
 
-    python apps/build_hybrid.py --variant R50+ViT-B/16 --image_size 384 --num_classes 10 \
+    python apps/build_hybrid.py --model R50+ViT-B/16 --image_size 384 --num_classes 10 \
         --weights R50+ViT-B_16.npz --out saved_models/r50_vit_b16_384.keras
-    python apps/build_hybrid.py --variant R+ViT-Ti/16 --image_size 64 --out tiny.keras --backend torch
-    python apps/build_hybrid.py --variant R26+ViT-S/32 --weights augreg_in21k_ft_in1k \
+    python apps/build_hybrid.py --model R+ViT-Ti/16 --image_size 64 --out tiny.keras --backend torch
+    python apps/build_hybrid.py --model R26+ViT-S/32 --weights augreg_in21k_ft_in1k \
         --out saved_models/r26_s32_224.keras
 
-Prints the parameter count, the ResNet's feature-map size and the Transformer's sequence length.
+`--model` names the hybrid variant (`--variant`, its old name, is still accepted). Prints the
+parameter count, the ResNet's feature-map size and the Transformer's sequence length.
 `--weights` takes any checkpoint `vit_keras.load_pretrained` reads (the official `.npz`, timm state
 dicts) or a published release by name (imagenet21k, imagenet21k+imagenet2012, augreg_in21k,
 augreg_in21k_ft_in1k; `vit_keras.list_weights("R50+ViT-B/16")` lists a variant's): its file
@@ -31,8 +32,9 @@ from absl import logging  # noqa: E402
 
 import _common  # noqa: E402
 
-flags.DEFINE_string("variant", "R50+ViT-B/16", "Hybrid variant, e.g. R50+ViT-B/16, R+ViT-Ti/16 "
+flags.DEFINE_string("model", "R50+ViT-B/16", "Hybrid variant, e.g. R50+ViT-B/16, R+ViT-Ti/16 "
                     "(or the official spelling R50+ViT-B_16).")
+flags.DEFINE_alias("variant", "model")  # the flag's name before every app said --model
 flags.DEFINE_list("image_size", None, "Image size: one number or height,width. Default: the "
                   "release's with a release name in --weights, else 384.")
 flags.DEFINE_integer("num_classes", None, "Classes of the head. Default: the release's with a "
@@ -57,14 +59,14 @@ def main(argv):
         raise app.UsageError(f"--out must end with .keras; got {FLAGS.out!r}.")
     hybrids = [name for name, config in vit_keras.VARIANTS.items() if config.is_hybrid]
     try:
-        variant = vit_keras.get_config(FLAGS.variant).name
+        variant = vit_keras.get_config(FLAGS.model).name
     except ValueError:
-        variant = FLAGS.variant
+        variant = FLAGS.model
     if variant not in hybrids:
-        raise app.UsageError(f"--variant {FLAGS.variant!r} is not a hybrid; expected one of "
+        raise app.UsageError(f"--model {FLAGS.model!r} is not a hybrid; expected one of "
                              f"{', '.join(hybrids)}.")
     image_size = _common.parse_image_size(FLAGS.image_size) if FLAGS.image_size else None
-    _, release = _common.resolve_weights(FLAGS.weights, variant, image_size)
+    release = _common.check_weights(FLAGS.weights, variant, image_size)  # reads nothing yet
     if release is None:  # no weights, or a file: the defaults of the paper's fine-tuning
         image_size = 384 if image_size is None else image_size
         num_classes = 1000 if FLAGS.num_classes is None else FLAGS.num_classes

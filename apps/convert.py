@@ -3,18 +3,19 @@
     python apps/convert.py --weights ViT-B_16.npz --out saved_models/vit_b16_384.keras \
         --image_size 384 --num_classes 10
     python apps/convert.py --weights hf_vit_folder --out saved_models/hf_vit.keras --backend torch
-    python apps/convert.py --weights augreg_in21k_ft_in1k --variant ViT-S/16 --image_size 384 \
+    python apps/convert.py --weights augreg_in21k_ft_in1k --model ViT-S/16 --image_size 384 \
         --out saved_models/vit_s16_384.keras
 
 Formats: vit_jax and big_vision `.npz`, timm state dicts (`.pth`, `.bin`, `.safetensors`), Hugging
 Face `save_pretrained` folders (or their `model.safetensors`). `--weights` also takes a published
 release by name (imagenet21k, imagenet21k+imagenet2012, augreg_in21k, augreg_in21k_ft_in1k,
-augreg_in1k; `vit_keras.list_weights()` lists them), which needs `--variant`: the release's file
+augreg_in1k; `vit_keras.list_weights()` lists them), which needs `--model`: the release's file
 nearest `--image_size` is downloaded once into $VIT_KERAS_HOME (default $KERAS_HOME/vit_keras), or
 read from the mirror VIT_KERAS_WEIGHTS_MIRROR names; offline, the app exits with status 2 and says
 where to place the file.
 
-The checkpoint determines the architecture; `--variant` only checks it. A different `--image_size`
+The checkpoint determines the architecture; `--model` only checks it (`--variant` is its old name,
+still accepted). A different `--image_size`
 resamples the position embeddings, a different `--num_classes` gets a zero-initialised head. After
 saving, the file is reloaded with `keras.models.load_model` and its logits, and the features under
 the head, compared with the converted model's; the program exits with status 1 if they differ.
@@ -33,11 +34,12 @@ from absl import logging  # noqa: E402
 import _common  # noqa: E402
 
 flags.DEFINE_string("weights", None, "Checkpoint file, Hugging Face folder, hf-hub:REPO_ID, or a "
-                    "release name (e.g. augreg_in21k_ft_in1k; needs --variant), downloaded once.",
+                    "release name (e.g. augreg_in21k_ft_in1k; needs --model), downloaded once.",
                     required=True)
 flags.DEFINE_string("out", None, "Output .keras file, e.g. saved_models/NAME.keras.", required=True)
-flags.DEFINE_string("variant", None, "Expected variant (e.g. ViT-B/16 or ViT-B_16); an error if the "
+flags.DEFINE_string("model", None, "Expected variant (e.g. ViT-B/16 or ViT-B_16); an error if the "
                     "checkpoint holds another architecture. Required with a release name.")
+flags.DEFINE_alias("variant", "model")  # the flag's name before every app said --model
 flags.DEFINE_list("image_size", None, "Image size: one number or height,width. Default: the "
                   "checkpoint's (a release's file nearest to it is taken).")
 flags.DEFINE_integer("num_classes", None, "Classes of the head. Default: the checkpoint's.")
@@ -59,9 +61,9 @@ def main(argv):
     if not FLAGS.out.endswith(".keras"):
         raise app.UsageError(f"--out must end with .keras; got {FLAGS.out!r}.")
     image_size = _common.parse_image_size(FLAGS.image_size) if FLAGS.image_size else None
-    weights, _ = _common.resolve_weights(FLAGS.weights, FLAGS.variant, image_size)
+    _common.check_weights(FLAGS.weights, FLAGS.model, image_size)  # before the download
     model = vit_keras.build_model_from_checkpoint(
-        weights, variant=FLAGS.variant, image_size=image_size,
+        FLAGS.weights, variant=FLAGS.model, image_size=image_size,
         num_classes=FLAGS.num_classes, num_heads=FLAGS.num_heads,
         interpolation=FLAGS.interpolation, antialias=FLAGS.antialias)
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)

@@ -17,7 +17,6 @@ val_fraction are the defaults.
 """
 
 import os
-import sys
 
 import _backend
 
@@ -65,12 +64,8 @@ def main(argv):
     except ValueError:
         raise app.UsageError(f"--shots takes whole numbers (e.g. 1,5,10,25); got "
                              f"{','.join(FLAGS.shots)!r}.") from None
-    try:
-        dataset, splits = _common.load_run_splits(FLAGS.model, FLAGS.dataset, FLAGS.data_dir,
-                                                  FLAGS.split_seed, FLAGS.val_fraction)
-    except data.DatasetNotPreparedError as error:
-        print(f"ERROR: {error}", file=sys.stderr)
-        return 2
+    dataset, splits = _common.load_run_splits(FLAGS.model, FLAGS.dataset, FLAGS.data_dir,
+                                              FLAGS.split_seed, FLAGS.val_fraction)
     model = keras.saving.load_model(FLAGS.model, compile=False)
     image_size = _common.model_image_size(model)
     features = {split: fewshot.dataset_features(model, data.make_pipeline(
@@ -78,13 +73,11 @@ def main(argv):
         for split in (FLAGS.train_split, FLAGS.test_split)}
     if splits.skipped_files:
         print(splits.unreadable.summary())
-    try:
-        results = fewshot.evaluate(*features[FLAGS.train_split], *features[FLAGS.test_split],
-                                   shots=shots, seeds=FLAGS.seeds, l2_reg=FLAGS.l2_reg,
-                                   num_classes=splits.num_classes, probe=FLAGS.probe)
-    except ValueError as error:
-        print(f"ERROR: {error}", file=sys.stderr)
-        return 2
+    # More shots than a class has is a ValueError of vit_keras.fewshot: exit_on_user_error
+    # reports it.
+    results = fewshot.evaluate(*features[FLAGS.train_split], *features[FLAGS.test_split],
+                               shots=shots, seeds=FLAGS.seeds, l2_reg=FLAGS.l2_reg,
+                               num_classes=splits.num_classes, probe=FLAGS.probe)
     dimension = features[FLAGS.train_split][0].shape[1]
     print(f"{dataset}: {FLAGS.probe} probe on {dimension} frozen features of {FLAGS.model}, "
           f"shots from {FLAGS.train_split} ({len(features[FLAGS.train_split][1])} images), scored "

@@ -46,16 +46,15 @@ FLAGS = flags.FLAGS
 
 
 def _published_model(variant, weights, image_size):
-    """`--model VARIANT --weights W`: the model and the `Release` it is (or None for a file)."""
+    """`--model VARIANT --weights W`: the model and the `Release` it is (or None for a file).
+    The weights are checked first, then resolved (downloaded, read) once, by the one builder."""
     import vit_keras
 
     try:
         variant = vit_keras.get_config(variant).name
     except ValueError as error:
         raise app.UsageError(f"--model {variant}: {error}") from None
-    _, release = _common.resolve_weights(weights, variant, image_size, variant_flag="--model")
-    if vit_keras.pretrained.is_release_name(weights):
-        return vit_keras.build_model(variant, weights=weights, image_size=image_size), release
+    release = _common.check_weights(weights, variant, image_size)
     return vit_keras.build_model_from_checkpoint(weights, variant=variant,
                                                  image_size=image_size), release
 

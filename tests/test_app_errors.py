@@ -44,9 +44,12 @@ CASES = {
         "pretrain.py", ["--model=ViT-Ti/16", "--image_size=30", "--epochs=1",
                         "--output_dir={tmp}/runs"],
         ["30 is not divisible by patch size 16"]),
+    "fewshot_missing_folder": (
+        "fewshot.py", ["--model={tmp}/model.keras", "--dataset=folder:{tmp}/no_such_folder"],
+        ["no_such_folder", "does not exist"]),
     "build_hybrid_unknown_variant": (
-        "build_hybrid.py", ["--variant=R50+ViT-X/16", "--out={tmp}/hybrid.keras"],
-        ["'R50+ViT-X/16' is not a hybrid", "R50+ViT-B/16"]),
+        "build_hybrid.py", ["--model=R50+ViT-X/16", "--out={tmp}/hybrid.keras"],
+        ["--model 'R50+ViT-X/16' is not a hybrid", "R50+ViT-B/16"]),
     "convert_missing_checkpoint": (
         "convert.py", ["--weights={tmp}/weights.npz", "--out={tmp}/c.keras"],
         ["weights.npz", "No checkpoint at"]),
@@ -56,6 +59,18 @@ CASES = {
     "predict_unknown_variant": (
         "predict.py", ["--model=ViT-X/16", "--weights={tmp}/weights.npz", "{tmp}/image.png"],
         ["--model ViT-X/16", "Unknown variant 'ViT-X/16'"]),
+    # A release name is checked before anything loads: the missing folder would fail later.
+    "finetune_release_without_model": (
+        "finetune.py", ["--weights=augreg_in21k", "--dataset=folder:{tmp}/no_such_folder",
+                        "--output_dir={tmp}/runs"],
+        ["'augreg_in21k' is a release name", "(--model ViT-B/16, for example)"]),
+    "finetune_release_the_model_lacks": (
+        "finetune.py", ["--model=ViT-Ti/16", "--weights=imagenet21k",
+                        "--dataset=folder:{tmp}/no_such_folder", "--output_dir={tmp}/runs"],
+        ["ViT-Ti/16 has no release 'imagenet21k'; its releases are: augreg_in21k, "]),
+    "convert_release_without_model": (
+        "convert.py", ["--weights=augreg_in21k_ft_in1k", "--out={tmp}/release.keras"],
+        ["'augreg_in21k_ft_in1k' is a release name", "(--model ViT-B/16, for example)"]),
 }
 
 
@@ -83,4 +98,9 @@ def test_an_image_size_the_patch_size_does_not_divide_is_a_one_line_error(result
 
 @pytest.mark.parametrize("case", [case for case in CASES if "unknown_variant" in case])
 def test_an_unknown_variant_is_a_one_line_error_without_the_help_text(results, case):
+    _assert_one_line_error(results[case], *CASES[case][2])
+
+
+@pytest.mark.parametrize("case", [case for case in CASES if "_release_" in case])
+def test_a_release_without_its_variant_is_a_one_line_error_before_the_data_loads(results, case):
     _assert_one_line_error(results[case], *CASES[case][2])

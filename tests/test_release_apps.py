@@ -48,7 +48,7 @@ def run(monkeypatch, tmp_path):
 def test_convert_downloads_a_release_by_name(tmp_path, run, mirror):
     server, files = mirror
     out = str(tmp_path / "ti16.keras")
-    result = run("convert.py", server.url, "--weights", RELEASE, "--variant", "ViT-Ti_16",
+    result = run("convert.py", server.url, "--weights", RELEASE, "--model", "ViT-Ti_16",
                  "--image_size", "32", "--out", out)
     assert result.returncode == 0, result.stderr[-3000:]
     assert ("/" + VIT.path, None) in server.requests
@@ -69,16 +69,39 @@ def test_a_release_name_needs_the_variant(tmp_path, run, mirror):
     before = len(server.requests)
     out = tmp_path / "x.keras"
     result = run("convert.py", server.url, "--weights", RELEASE, "--out", str(out))
-    assert result.returncode != 0
-    assert f"--weights {RELEASE} is a release name: pass --variant" in result.stderr
+    assert result.returncode == 2
+    assert (f"ERROR: {RELEASE!r} is a release name: give the variant it is for (--model "
+            f"ViT-B/16, for example)") in result.stderr
     assert "Traceback" not in result.stderr
     assert len(server.requests) == before and not out.exists()
+
+
+@pytest.mark.parametrize("flag", ["--model", "--variant"])
+def test_convert_checks_the_variant_given_as_model_or_by_its_old_name(tmp_path, run, mirror,
+                                                                       flag):
+    """`--variant` is an alias of `--model`: either reaches the check of the file's architecture
+    (the ViT-Ti/16 release file is not a ViT-S/16)."""
+    server, files = mirror
+    out = tmp_path / "x.keras"
+    result = run("convert.py", server.url, "--weights", str(files[VIT]), flag, "ViT-S/16",
+                 "--out", str(out))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "does not hold a ViT-S/16" in result.stderr and not out.exists()
+
+
+@pytest.mark.parametrize("flag", ["--model", "--variant"])
+def test_build_hybrid_takes_the_variant_as_model_or_by_its_old_name(tmp_path, run, mirror, flag):
+    server, _ = mirror
+    result = run("build_hybrid.py", server.url, flag, "ViT-Ti/16", "--out",
+                 str(tmp_path / "x.keras"))
+    assert result.returncode == 2
+    assert "ERROR: --model 'ViT-Ti/16' is not a hybrid; expected one of " in result.stderr
 
 
 def test_build_hybrid_takes_the_release_size_and_classes(tmp_path, run, mirror):
     server, files = mirror
     out = str(tmp_path / "r_ti16.keras")
-    result = run("build_hybrid.py", server.url, "--variant", "R+ViT-Ti_16", "--weights",
+    result = run("build_hybrid.py", server.url, "--model", "R+ViT-Ti_16", "--weights",
                  "augreg_in21k", "--out", out)
     assert result.returncode == 0, result.stderr[-3000:]
     # 224 px: the stride-4 root gives 56x56 (x64), 8x8 patches make 7x7 tokens plus the class token.
@@ -128,9 +151,9 @@ def test_apps_fail_fast_and_clearly_offline(tmp_path, run):
     image = tmp_path / "img.png"
     Image.fromarray(random_images(1, 16, 16)[0].astype("uint8")).save(image)
     commands = {
-        "convert.py": ["--weights", RELEASE, "--variant", "ViT-Ti/16", "--out",
+        "convert.py": ["--weights", RELEASE, "--model", "ViT-Ti/16", "--out",
                        str(tmp_path / "x.keras")],
-        "build_hybrid.py": ["--variant", "R+ViT-Ti/16", "--weights", RELEASE, "--out",
+        "build_hybrid.py": ["--model", "R+ViT-Ti/16", "--weights", RELEASE, "--out",
                             str(tmp_path / "y.keras")],
         "finetune.py": ["--weights", RELEASE, "--model", "ViT-Ti/16", "--image_size", "32",
                         "--epochs", "1", "--output_dir", str(tmp_path / "runs")],
