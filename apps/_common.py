@@ -198,12 +198,16 @@ def exit_on_user_error(main):
     and what to do>`, and status 2, without a traceback or the `--help` text.
 
     A user's mistake is an `app.UsageError` (a flag's value), a `vit_keras.errors.UserError`
-    (data not prepared, weights that cannot be downloaded, a busy run folder, a diverged loss, ...),
-    or a `ValueError` or a missing,
-    existing or wrong kind of path (`FileNotFoundError`, `FileExistsError`, `NotADirectoryError`,
-    `IsADirectoryError`) raised by the code of vit_keras or of the apps: an unknown variant, an
-    image size the patch size does not divide, a missing image folder. The same errors raised
-    inside Keras, TensorFlow, JAX, torch or NumPy keep their traceback: they are bugs to report.
+    (a release without its variant, a checkpoint that cannot be loaded, data not prepared, weights
+    that cannot be downloaded, a busy run folder, a diverged loss, ...), or a `ValueError` or a
+    missing, existing or wrong kind of path (`FileNotFoundError`, `FileExistsError`,
+    `NotADirectoryError`, `IsADirectoryError`) raised by the code of vit_keras or of the apps: an
+    unknown variant, an image size the patch size does not divide, a missing image folder. The
+    same errors raised inside Keras, TensorFlow, JAX, torch or NumPy keep their traceback: they are
+    bugs to report. (The traceback test, `_raised_by_own_code`, stays for the plain `ValueError`s
+    of the library's argument checks, `get_config`, `build_vit`, the recipes' and the data
+    pipeline's: a program that passes a bad argument is not a user's mistake, so they are not
+    `UserError`s.)
     """
     import functools
 
