@@ -233,9 +233,8 @@ def build_run_model(config, recipe, num_classes, log=print):
                 path, image_size=recipe.image_size, num_classes=num_classes,
                 include_top=True, **options)
     if config.weights:
-        if config.model is None and pretrained.is_release_name(config.weights):
-            raise ValueError(f"--weights {config.weights} is a release name: pass --model with "
-                             f"the variant it is for (e.g. --model ViT-B/16).")
+        # A release name without --model: pretrained.release_of raises ReleaseNeedsVariantError
+        # (one check, one message; the apps make it before the data loads).
         return pretrained.build_model_from_checkpoint(
             config.weights, variant=config.model, image_size=recipe.image_size,
             num_classes=num_classes, include_top=True,
