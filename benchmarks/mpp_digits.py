@@ -1,4 +1,4 @@
-"""Does masked patch prediction help on the digits? Measures the issue-24 experiment offline:
+"""Does masked patch prediction help on the digits? Measures it offline:
 
 1. MPP pre-training (`apps/pretrain.py`, recipe mpp_digits) on all 1,797 digits images (train,
    val and test splits; labels unused), one run per seed;
@@ -158,6 +158,9 @@ def main():
     os.environ["KERAS_BACKEND"] = args.backend  # for the few-shot evaluation in this process
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     sys.path.insert(0, REPO)
+    # After KERAS_BACKEND is set: vit_keras imports Keras.
+    from vit_keras.tools.run_folder import RunFolder
+
     if args.masking_cost:
         variant, image_size, batch = args.masking_cost
         seconds = masking_cost(int(image_size), int(batch), variant)
@@ -183,7 +186,7 @@ def main():
             *([] if args.pretrain_epochs is None else ["--epochs", str(args.pretrain_epochs)]),
             "--verbose", "2", backend=args.backend)
         pretrain_seconds.append(time.perf_counter() - run_started)
-        pretrained = os.path.join(output, f"pretrain_{seed}", "model.keras")
+        pretrained = RunFolder(os.path.join(output, f"pretrain_{seed}")).model
         random_model = random_init_model(os.path.join(output, f"random_{seed}.keras"),
                                          args.image_size, seed)
         for name, path in (("pretrained", pretrained), ("random init", random_model)):
@@ -200,8 +203,8 @@ def main():
                 app("finetune.py", "--dataset", dataset, "--output_dir", output, "--run_name",
                     run_name, "--seed", str(seed), *size, *init, *finetune_flags, "--verbose", "2",
                     backend=args.backend)
-                with open(os.path.join(output, run_name, "metrics.json")) as f:
-                    rows[name][per_class].append(json.load(f)["test_accuracy"])
+                metrics = RunFolder(os.path.join(output, run_name)).read_metrics()
+                rows[name][per_class].append(metrics["test_accuracy"])
             print(f"seed {seed}, {per_class} labels/class: pre-trained "
                   f"{rows['pretrained'][per_class][-1]:.3f}, scratch "
                   f"{rows['scratch'][per_class][-1]:.3f}", file=sys.stderr, flush=True)

@@ -132,3 +132,21 @@ def test_build_model_takes_build_vits_arguments_and_weights():
     facade = dict(inspect.signature(vit_keras.build_model).parameters)
     assert facade.pop("weights").default is None
     assert facade == dict(inspect.signature(model.build_vit).parameters)
+
+
+def _fit_calls(path):
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute) and node.func.attr == "fit"]
+
+
+def test_the_training_apps_share_one_training_loop():
+    """Every objective (classification, masked patch prediction) trains through
+    `vit_keras.tools.training.run`: no other module of the application half, and no app, calls
+    `fit` (a few-shot probe in the core, `vit_keras.fewshot`, is not a training run)."""
+    apps = os.path.join(REPO_ROOT, "apps")
+    paths = [path for name, path in MODULES.items() if name.startswith("vit_keras.tools")]
+    paths += [os.path.join(apps, file) for file in os.listdir(apps) if file.endswith(".py")]
+    callers = {os.path.relpath(path, REPO_ROOT) for path in paths if _fit_calls(path)}
+    assert callers == {os.path.join("vit_keras", "tools", "training.py")}

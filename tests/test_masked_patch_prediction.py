@@ -234,14 +234,14 @@ BACKEND = keras.backend.backend()
 TINY = ["--image_size", "8", "--batch_size", "16", "--steps_per_epoch", "3", "--verbose", "2"]
 
 
-def _app(name, *args, check=True):
+def _app(name, *args, check=True, env=None):
     import os
     import subprocess
     import sys
 
     from conftest import REPO_ROOT
 
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_BACKEND": ""}
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_BACKEND": "", **(env or {})}
     result = subprocess.run([sys.executable, os.path.join("apps", name), *args, "--backend",
                              BACKEND], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                             timeout=600)
@@ -267,7 +267,8 @@ def test_pretrain_app_trains_the_mpp_model_and_reports_few_shot_accuracy(pretrai
     assert metrics["config"]["recipe"]["name"] == "mpp_digits"
     assert metrics["config"]["objective"] == {
         "target": "mean_colour", "corruption_rate": 0.5, "mask_fraction": 0.8,
-        "random_fraction": 0.1, "pretrain_splits": ["train", "val"]}
+        "random_fraction": 0.1, "pretrain_splits": ["train", "val"], "fewshot_shots": [1, 3],
+        "fewshot_seeds": 2}
     assert metrics["num_examples"]["train"] == 1257 + 180  # the digits' train and val splits
     assert [row["epoch"] for row in metrics["history"]] == [0, 1]
     assert all(np.isfinite(row["loss"]) for row in metrics["history"])
@@ -276,6 +277,37 @@ def test_pretrain_app_trains_the_mpp_model_and_reports_few_shot_accuracy(pretrai
     assert "| 3 | " in pretrain_run["stdout"] and "Saved model: " in pretrain_run["stdout"]
     model = keras.saving.load_model(pretrain_run["dir"] / "model.keras", compile=False)
     assert mpp.is_pretraining_model(model) and model.output_shape == (None, 4, 512)
+
+
+def test_pretrain_run_folder_has_the_training_runs_layout(pretrain_run):
+    import os
+
+    files = set(os.listdir(pretrain_run["dir"]))
+    assert {"model.keras", "metrics.json", "flags.txt", "class_names.json", "history.csv",
+            "training_curves.png", "logs"} <= files
+    assert "backup" not in files and not [name for name in files if ".tmp" in name]
+    flags_text = (pretrain_run["dir"] / "flags.txt").read_text()
+    assert "--pretrain_splits=train,val\n" in flags_text and "--fewshot_shots=1,3\n" in flags_text
+
+
+def test_pretrain_run_killed_after_training_resumes_at_the_few_shot_evaluation(tmp_path):
+    import json
+    import os
+    import signal
+
+    args = (*TINY, "--epochs", "1", "--fewshot_shots", "1", "--fewshot_seeds", "1",
+            "--output_dir", str(tmp_path), "--run_name", "killed")
+    first = _app("pretrain.py", *args, check=False,
+                 env={"VIT_KERAS_TEST_KILL_AFTER_TRAINING": "1"})
+    assert first.returncode == -signal.SIGKILL, first.stdout[-3000:] + first.stderr[-3000:]
+    assert not os.path.exists(tmp_path / "killed" / "metrics.json")
+    second = _app("pretrain.py", *args)
+    assert "its training ended (epoch 1 of 1) before the few-shot evaluation" in second.stdout
+    assert "Epoch 1/1" not in second.stdout  # nothing trained again
+    metrics = json.loads((tmp_path / "killed" / "metrics.json").read_text())
+    assert metrics["resumed_from_epoch"] == 1 and set(metrics["fewshot"]) == {"1"}
+    third = _app("pretrain.py", *args)
+    assert "is complete (its metrics.json is written): nothing to do" in third.stdout
 
 
 def test_finetune_app_fine_tunes_the_pretrained_encoder(pretrain_run, tmp_path):
@@ -291,18 +323,35 @@ def test_finetune_app_fine_tunes_the_pretrained_encoder(pretrain_run, tmp_path):
     assert model.output_shape == (None, 10) and not mpp.is_pretraining_model(model)
 
 
-def test_pretrain_help_documents_every_flag():
+LABEL_FLAGS = ("label_smoothing", "mixup", "cutmix", "representation_size")
+
+
+@pytest.mark.backend_independent
+def test_pretrain_help_documents_the_flags_that_apply_with_pretrainings_defaults():
     import re
 
     from vit_keras.tools import config_flags, training
 
     text = _app("pretrain.py", "--help", check=False).stdout
-    names = ["backend", *(field.name for field in config_flags.flag_fields(training.RunConfig)),
+    names = ["backend", *(field.name for field in config_flags.flag_fields(training.RunConfig)
+                          if field.name not in LABEL_FLAGS),
              "target", "corruption_rate", "mask_fraction", "random_fraction", "pretrain_splits",
              "fewshot_shots", "fewshot_seeds"]
     for name in names:
         assert re.search(rf"^\s+--(\[no\])?{name}: (\S.*)$", text, re.M), name
+    for name in LABEL_FLAGS:
+        assert f"--{name}" not in text, name
     assert re.search(r"--recipe: <auto\|mpp\|mpp_digits>", text)
+    assert "2e-4 mpp, 1e-3" in text and "0.03" not in text  # no fine-tuning defaults
+    # The example commands keep their line breaks.
+    assert "\n    python apps/pretrain.py --backend jax                 # digits" in text
+
+
+@pytest.mark.backend_independent
+def test_pretrain_refuses_a_flag_of_labels():
+    result = _app("pretrain.py", "--label_smoothing=0.1", check=False)
+    assert result.returncode != 0
+    assert "Unknown command line flag 'label_smoothing'" in result.stderr
 
 
 # --- benchmarks/mpp_digits.py's pieces (the benchmark itself takes minutes) ---------------------
