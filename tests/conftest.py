@@ -25,23 +25,51 @@ collect_ignore = ([] if keras.backend.backend() == "tensorflow"
 
 
 # Tests marked `backend_independent` (NumPy-only code, parameter counts of unallocated models)
-# give the same answer on every backend: only this pass runs them. torch's is the shortest pass.
+# give the same answer on every backend: in a run over all three, only this pass runs them.
+# torch's is the shortest pass.
 BACKEND_INDEPENDENT_PASS = "torch"
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--backends", default=None, metavar="NAMES",
+        help="the backends of the whole run, one pytest process each, comma- or space-separated "
+             "(`make test` passes all three): a test that gives one answer whatever the pass "
+             "(jax_subprocess, multiprocess, backend_independent) is collected in its own pass "
+             "only. Default: this process's backend alone, which collects every test it can run.")
+
+
+def _pass_of(item):
+    """The backend whose pass runs `item` in a run over several backends; None: every pass."""
+    if any(item.get_closest_marker(name) is not None
+           for name in ("jax_subprocess", "multiprocess")):
+        return "jax"  # they start their own JAX processes whatever this pass's backend
+    if item.get_closest_marker("backend_independent") is not None:
+        return BACKEND_INDEPENDENT_PASS
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own `-m` selection, which sees `slow` added here
 def pytest_collection_modifyitems(config, items):
     """Tests marked `jax_subprocess` or `multiprocess` start their own processes whatever this
-    pass's backend, so they belong to the JAX pass alone; `backend_independent` tests belong to
-    `BACKEND_INDEPENDENT_PASS` alone. The other passes deselect them (as with the export modules)."""
+    pass's backend, so they belong to the JAX pass; `backend_independent` tests belong to
+    `BACKEND_INDEPENDENT_PASS`. When that pass is part of the run (`--backends`), the other passes
+    deselect them (as with the export modules); when it is not (say `make test-fast` on torch),
+    this pass runs them. A `multiprocess` test is `slow` too."""
+    for item in items:
+        if item.get_closest_marker("multiprocess") is not None:
+            item.add_marker(pytest.mark.slow)
     backend = keras.backend.backend()
+    option = config.getoption("--backends")
+    run = set(option.replace(",", " ").split()) if option else {backend}
+    unknown = run - set(BACKENDS)
+    if unknown or backend not in run:
+        raise pytest.UsageError(f"--backends {option!r} must name backends among {BACKENDS}, "
+                                f"this pass's {backend!r} included")
 
     def kept(item):
-        if any(item.get_closest_marker(name) is not None
-               for name in ("jax_subprocess", "multiprocess")):
-            return backend == "jax"
-        if item.get_closest_marker("backend_independent") is not None:
-            return backend == BACKEND_INDEPENDENT_PASS
-        return True
+        owner = _pass_of(item)
+        return owner is None or owner == backend or owner not in run
 
     deselected = [item for item in items if not kept(item)]
     if deselected:

@@ -40,6 +40,7 @@ def test_select_backend_reads_flag_files_where_they_stand(monkeypatch, tmp_path)
     assert os.environ["KERAS_BACKEND"] == "jax"
 
 
+@pytest.mark.slow
 def test_an_unknown_backend_ends_an_app_with_one_line(tmp_path):
     result = subprocess.run([sys.executable, os.path.join("apps", "finetune.py"), "--backend",
                              "jaxx"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)

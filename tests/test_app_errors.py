@@ -86,21 +86,25 @@ def results(tmp_path_factory):
         return dict(zip(CASES, pool.map(run, CASES)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [case for case in CASES if "_missing_" in case])
 def test_a_missing_folder_or_file_is_a_one_line_error(results, case):
     _assert_one_line_error(results[case], *CASES[case][2])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [case for case in CASES if "not_divisible" in case])
 def test_an_image_size_the_patch_size_does_not_divide_is_a_one_line_error(results, case):
     _assert_one_line_error(results[case], *CASES[case][2])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [case for case in CASES if "unknown_variant" in case])
 def test_an_unknown_variant_is_a_one_line_error_without_the_help_text(results, case):
     _assert_one_line_error(results[case], *CASES[case][2])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [case for case in CASES if "_release_" in case])
 def test_a_release_without_its_variant_is_a_one_line_error_before_the_data_loads(results, case):
     _assert_one_line_error(results[case], *CASES[case][2])

@@ -73,6 +73,7 @@ def uninterrupted_run(tmp_path_factory):
             "metrics": json.loads((output / "resume" / "metrics.json").read_text())}
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_from_its_last_backed_up_epoch(resumed_run):
     killed_after, second = resumed_run["killed_after"], resumed_run["second"]
     assert 1 <= killed_after < 12
@@ -85,6 +86,7 @@ def test_killed_run_resumes_from_its_last_backed_up_epoch(resumed_run):
     assert not (resumed_run["dir"] / "backup").exists()
 
 
+@pytest.mark.slow
 def test_killed_and_resumed_run_reproduces_the_uninterrupted_run_exactly(resumed_run,
                                                                          uninterrupted_run):
     """Bit for bit on all three backends: the input stream is a function of (seed, example
@@ -101,6 +103,7 @@ def test_killed_and_resumed_run_reproduces_the_uninterrupted_run_exactly(resumed
         assert resumed_run["metrics"][key] == uninterrupted_run["metrics"][key], key
 
 
+@pytest.mark.slow
 def test_run_folder_holds_model_metrics_flags_logs_and_curves(resumed_run):
     run_dir, metrics = resumed_run["dir"], resumed_run["metrics"]
     for key in ("test_accuracy", "val_accuracy", "test_loss", "val_loss", "train_loss",
@@ -124,6 +127,7 @@ def test_run_folder_holds_model_metrics_flags_logs_and_curves(resumed_run):
     assert metrics["test_accuracy"] > 0.2
 
 
+@pytest.mark.slow
 def test_reloaded_model_reproduces_the_reported_test_accuracy(resumed_run, tmp_path):
     out = tmp_path / "eval.json"
     _app("evaluate.py", "--backend", BACKEND, "--model", str(resumed_run["dir"] / "model.keras"),
@@ -135,6 +139,7 @@ def test_reloaded_model_reproduces_the_reported_test_accuracy(resumed_run, tmp_p
     assert report["top5_accuracy"] >= report["accuracy"]
 
 
+@pytest.mark.slow
 def test_predict_lists_top_k_class_names(resumed_run, tmp_path):
     from PIL import Image
     from vit_keras.tools import data
@@ -154,6 +159,7 @@ def test_predict_lists_top_k_class_names(resumed_run, tmp_path):
     assert bad.returncode == 2 and "broken.jpg" in bad.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("app", ["finetune.py", "train.py", "evaluate.py", "predict.py"])
 def test_help_documents_every_flag(app):
     text = _app(app, "--help", check=False).stdout  # absl exits 1 after --help
@@ -173,6 +179,7 @@ def test_help_documents_every_flag(app):
         assert match, f"{app} --help does not document --{name}"
 
 
+@pytest.mark.slow
 def test_train_app_uses_the_pretraining_recipe(tmp_path):
     result = _app("train.py", "--backend", BACKEND, *TINY, "--epochs", "1", "--dataset", "digits",
                   "--recipe", "pretrain", "--warmup_steps", "1", "--output_dir", str(tmp_path))
@@ -182,6 +189,7 @@ def test_train_app_uses_the_pretraining_recipe(tmp_path):
     assert (recipe["optimizer"], recipe["weight_decay"], recipe["decay"]) == ("adamw", 0.1, "linear")
 
 
+@pytest.mark.slow
 def test_data_parallel_run_on_a_4_device_cpu_mesh(tmp_path):
     flags = [*TINY, "--epochs", "1", "--batch_size", "16", "--distribution", "data_parallel",
              "--output_dir", str(tmp_path), "--run_name", "dp"]
@@ -213,6 +221,7 @@ def test_data_parallel_run_on_a_4_device_cpu_mesh(tmp_path):
     assert 0.0 <= metrics["test_accuracy"] <= 1.0 and metrics["num_examples"]["test"] == 360
 
 
+@pytest.mark.slow
 def test_model_parallel_shards_kernels_on_jax_and_is_refused_elsewhere(tmp_path):
     flags = [*TINY, "--epochs", "1", "--distribution", "model_parallel", "--output_dir",
              str(tmp_path), "--run_name", "mp"]

@@ -5,6 +5,7 @@ import os
 
 import keras
 import numpy as np
+import pytest
 import scipy.ndimage
 
 import vit_keras
@@ -13,6 +14,7 @@ from test_hybrid_checkpoints import official_hybrid_params
 from test_checkpoints import write_npz
 
 
+@pytest.mark.slow
 def test_build_hybrid_prints_sizes_and_saves_a_reloadable_model(tmp_path):
     out = str(tmp_path / "saved" / "r_ti16_64.keras")
     result = run_app("build_hybrid.py", "--variant", "R+ViT-Ti/16", "--image_size", "64",
@@ -29,6 +31,7 @@ def test_build_hybrid_prints_sizes_and_saves_a_reloadable_model(tmp_path):
     assert loaded.get_layer("resnet").group_norm_epsilon == 1e-6  # vit_jax numerics by default
 
 
+@pytest.mark.slow
 def test_build_hybrid_loads_weights_resampled_to_the_image_size(tmp_path):
     # A 64 px checkpoint (2x2 grid) built at 96 px: a 24x24 feature map, 3x3 tokens.
     config = dataclasses.asdict(vit_keras.VARIANTS["R+ViT-Ti/16"])
@@ -57,6 +60,7 @@ def test_build_hybrid_loads_weights_resampled_to_the_image_size(tmp_path):
                                rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_build_hybrid_refuses_a_plain_vit(tmp_path):
     out = str(tmp_path / "vit.keras")
     result = run_app("build_hybrid.py", "--variant", "ViT-B/16", "--out", out)

@@ -21,6 +21,7 @@ def checkpoint(tmp_path):
     return vit_keras.save_npz(model, str(tmp_path / "tiny.npz"))
 
 
+@pytest.mark.slow
 def test_convert_writes_a_loadable_model_at_a_new_size(tmp_path, checkpoint):
     out = str(tmp_path / "saved" / "tiny_24.keras")
     result = run_app("convert.py", "--weights", checkpoint, "--out", out, "--image_size", "24,20",
@@ -41,6 +42,7 @@ def test_convert_writes_a_loadable_model_at_a_new_size(tmp_path, checkpoint):
                                keras.ops.convert_to_numpy(expected(x)), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_convert_refuses_a_wrong_variant(tmp_path, checkpoint):
     result = run_app("convert.py", "--weights", checkpoint, "--out", str(tmp_path / "x.keras"),
                      "--variant", "ViT-B/16")

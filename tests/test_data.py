@@ -306,6 +306,7 @@ def test_a_fresh_run_replaces_an_old_record(tmp_path):
     assert sorted(files) == ["empty.png", "notes.png", "zero.jpg"]
 
 
+@pytest.mark.slow
 def test_finetune_app_trains_on_a_folder_with_unreadable_files_and_names_them(tmp_path):
     """The app starts without decoding the folder, trains, and names the skipped files in its
     output and in the run folder (skipped_files.txt, and their count in metrics.json)."""

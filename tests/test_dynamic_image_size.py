@@ -151,6 +151,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("load_backend", BACKENDS)
 def test_saved_here_loads_on_every_backend_and_runs_at_several_sizes(tmp_path, load_backend):
     model = randomize_weights(dynamic_model(), scale=0.2)

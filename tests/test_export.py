@@ -1,7 +1,8 @@
 """vit_keras.tools.export: SavedModel signatures, LiteRT and ONNX parity with Keras, self-verification.
 
 Exports run under the TensorFlow backend (a `.keras` file loads there whatever backend trained it);
-models trained on JAX and torch are exported in tests/test_export_app.py.
+models trained on JAX and torch are exported in tests/test_export_app.py. A test that converts a
+model (SavedModel, LiteRT, ONNX) is `slow`; the checks made before any conversion are not.
 """
 
 import os
@@ -56,6 +57,7 @@ def litert_export(model, litert_dir):
     return vit_export.export(model, "tflite", litert_dir, name="tiny")
 
 
+@pytest.mark.slow
 def test_saved_model_uses_the_versioned_serving_layout(saved_model):
     path, _ = saved_model
     assert path.endswith(os.path.join("tiny", "1"))
@@ -63,6 +65,7 @@ def test_saved_model_uses_the_versioned_serving_layout(saved_model):
     assert not os.path.exists(path + ".unverified")
 
 
+@pytest.mark.slow
 def test_saved_model_verifies_both_signatures_within_tolerance(saved_model):
     _, verifications = saved_model
     assert [v.entry_point for v in verifications] == ["serving_default", "serving_bytes (PNG)"]
@@ -72,6 +75,7 @@ def test_saved_model_verifies_both_signatures_within_tolerance(saved_model):
         assert verification.top1_agreement == 1.0
 
 
+@pytest.mark.slow
 def test_saved_model_signatures_have_named_outputs_dtypes_and_dynamic_batch(saved_model, model):
     loaded = tf.saved_model.load(saved_model[0])
     assert set(loaded.signatures) == {"serving_default", "serving_bytes"}
@@ -98,6 +102,7 @@ def test_saved_model_signatures_have_named_outputs_dtypes_and_dynamic_batch(save
             CLASS_NAMES[i] for i in top1]
 
 
+@pytest.mark.slow
 def test_saved_model_cli_shows_both_signatures(saved_model):
     cli = os.path.join(os.path.dirname(sys.executable), "saved_model_cli")
     result = subprocess.run(
@@ -112,6 +117,7 @@ def test_saved_model_cli_shows_both_signatures(saved_model):
         assert expected in shown, f"{expected!r} missing from saved_model_cli output:\n{shown}"
 
 
+@pytest.mark.slow
 def test_serving_bytes_decodes_and_resizes_real_photos(saved_model, model):
     skimage_data = pytest.importorskip("skimage.data")
     photos = [skimage_data.chelsea(), skimage_data.astronaut()]  # 300x451 and 512x512 RGB
@@ -128,6 +134,7 @@ def test_serving_bytes_decodes_and_resizes_real_photos(saved_model, model):
     assert outputs["top_k_names"].shape == (2, 3)
 
 
+@pytest.mark.slow
 def test_litert_float32_matches_keras_with_builtin_ops_only(litert_export):
     path, (verification,) = litert_export
     assert verification.passed and verification.max_rel_diff <= 1e-4, verification.summary()
@@ -137,6 +144,7 @@ def test_litert_float32_matches_keras_with_builtin_ops_only(litert_export):
     assert "GELU" in ops
 
 
+@pytest.mark.slow
 def test_litert_runs_with_a_dynamic_batch(model, litert_export):
     runner = vit_export.litert_interpreter(litert_export[0]).get_signature_runner(
         "serving_default")
@@ -151,6 +159,7 @@ def test_litert_runs_with_a_dynamic_batch(model, litert_export):
                                    atol=1e-4 * np.abs(expected).max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quantize", ["dynamic_int8", "float16"])
 def test_litert_quantized_export_reports_top1_agreement(model, litert_dir, quantize):
     path, (verification,) = vit_export.export(
@@ -170,6 +179,7 @@ def onnx_export(model, tmp_path_factory):
     return vit_export.export(model, "onnx", str(tmp_path_factory.mktemp("onnx")), name="tiny")
 
 
+@pytest.mark.slow
 def test_onnx_matches_keras_with_a_dynamic_batch(model, onnx_export):
     import onnxruntime
 
@@ -189,6 +199,7 @@ def test_onnx_matches_keras_with_a_dynamic_batch(model, onnx_export):
         np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
 
 
+@pytest.mark.slow
 def test_onnx_export_computes_exact_gelu_with_erf(onnx_export):
     import onnx
 
@@ -197,6 +208,7 @@ def test_onnx_export_computes_exact_gelu_with_erf(onnx_export):
     assert "Erf" in op_types and "Erfc" not in op_types
 
 
+@pytest.mark.slow
 def test_saved_model_versions_increment_and_an_existing_one_is_replaced_only_on_request(
         model, tmp_path):
     for existing in ("1", "7", "backup"):  # TF Serving only loads numeric version folders
@@ -213,6 +225,7 @@ def test_saved_model_versions_increment_and_an_existing_one_is_replaced_only_on_
     assert sorted(os.listdir(tmp_path / "m")) == ["1", "7", "8", "backup"]  # nothing left over
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("export_format", ["tflite", "onnx"])
 def test_an_existing_tflite_or_onnx_file_is_replaced_only_on_request(model, tmp_path,
                                                                      export_format):
@@ -245,6 +258,7 @@ def test_an_export_folder_that_is_a_file_is_refused(model, tmp_path):
         vit_export.export(model, "onnx", str(tmp_path / "exports"), name="tiny")
 
 
+@pytest.mark.slow
 def test_failed_verification_raises_and_leaves_the_artifact_unpublished(model, tmp_path,
                                                                         monkeypatch):
     monkeypatch.setattr(vit_export, "RELATIVE_TOLERANCE", -1.0)  # no difference can pass
@@ -273,6 +287,7 @@ def test_class_names_load_from_json_beside_the_model_or_a_text_file(tmp_path):
     assert vit_export.find_class_names(str(tmp_path / "elsewhere" / "model.keras")) is None
 
 
+@pytest.mark.slow
 def test_mixed_precision_model_exports_in_float32_with_builtin_ops(tmp_path):
     keras.config.set_dtype_policy("mixed_float16")
     mixed = vit_keras.build_model(EXPORT_CONFIG, image_size=IMAGE_SIZE, num_classes=NUM_CLASSES)
@@ -283,6 +298,7 @@ def test_mixed_precision_model_exports_in_float32_with_builtin_ops(tmp_path):
     assert not _has_flex_ops(vit_export.litert_ops(path))
 
 
+@pytest.mark.slow
 def test_hybrid_model_exports_to_every_format(tmp_path):
     # A ResNet stem (root + one stage, stride 4) before the patch embedding: 8x8 feature map.
     hybrid = vit_keras.build_model(
@@ -313,6 +329,7 @@ def dynamic_saved_model(dynamic_model, tmp_path_factory):
                              name="dynamic", class_names=CLASS_NAMES, top_k=3)
 
 
+@pytest.mark.slow
 def test_dynamic_size_saved_model_takes_any_size_and_is_verified_at_three(dynamic_saved_model,
                                                                           dynamic_model):
     path, verifications = dynamic_saved_model
@@ -332,6 +349,7 @@ def test_dynamic_size_saved_model_takes_any_size_and_is_verified_at_three(dynami
                                rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_dynamic_size_serving_bytes_rounds_the_first_photos_size_to_whole_patches(
         dynamic_saved_model, dynamic_model):
     skimage_data = pytest.importorskip("skimage.data")
@@ -344,6 +362,7 @@ def test_dynamic_size_serving_bytes_rounds_the_first_photos_size_to_whole_patche
     np.testing.assert_allclose(outputs["logits"].numpy()[:1], expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("export_format", ["tflite", "onnx"])
 def test_dynamic_size_litert_and_onnx_serve_three_sizes(dynamic_model, tmp_path, export_format):
     path, verifications = vit_export.export(dynamic_model, export_format, str(tmp_path),

@@ -16,6 +16,8 @@ from conftest import REPO_ROOT, run_on_backend
 
 import vit_keras
 
+pytestmark = pytest.mark.slow  # trains in subprocesses, then runs apps/export.py in others
+
 CLASS_NAMES = ["cat", "dog", "bird"]
 EXPORT_CONFIG = {"name": "tiny", "patch_size": 8, "hidden_size": 32, "mlp_dim": 64, "num_heads": 4,
                  "num_layers": 2}

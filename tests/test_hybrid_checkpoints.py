@@ -259,6 +259,7 @@ def test_timm_hybrid_state_dict_resampled_like_timm(tmp_path):
 
 # --- a hybrid .keras file on another backend --------------------------------------------------
 
+@pytest.mark.slow
 def test_hybrid_keras_file_gives_the_same_logits_on_another_backend(small_checkpoint, tmp_path):
     _, path = small_checkpoint
     model = vit_keras.load_pretrained(keras_hybrid(SMALL, 64), path)

@@ -260,6 +260,7 @@ def pretrain_run(tmp_path_factory):
     return {"dir": output / "pretrain_digits_ViT-digits", "stdout": result.stdout}
 
 
+@pytest.mark.slow
 def test_pretrain_app_trains_the_mpp_model_and_reports_few_shot_accuracy(pretrain_run):
     import json
 
@@ -279,6 +280,7 @@ def test_pretrain_app_trains_the_mpp_model_and_reports_few_shot_accuracy(pretrai
     assert mpp.is_pretraining_model(model) and model.output_shape == (None, 4, 512)
 
 
+@pytest.mark.slow
 def test_pretrain_run_folder_has_the_training_runs_layout(pretrain_run):
     import os
 
@@ -290,6 +292,7 @@ def test_pretrain_run_folder_has_the_training_runs_layout(pretrain_run):
     assert "--pretrain_splits=train,val\n" in flags_text and "--fewshot_shots=1,3\n" in flags_text
 
 
+@pytest.mark.slow
 def test_pretrain_run_killed_after_training_resumes_at_the_few_shot_evaluation(tmp_path):
     import json
     import os
@@ -310,6 +313,7 @@ def test_pretrain_run_killed_after_training_resumes_at_the_few_shot_evaluation(t
     assert "is complete (its metrics.json is written): nothing to do" in third.stdout
 
 
+@pytest.mark.slow
 def test_finetune_app_fine_tunes_the_pretrained_encoder(pretrain_run, tmp_path):
     import json
 
@@ -326,6 +330,7 @@ def test_finetune_app_fine_tunes_the_pretrained_encoder(pretrain_run, tmp_path):
 LABEL_FLAGS = ("label_smoothing", "mixup", "cutmix", "representation_size")
 
 
+@pytest.mark.slow
 @pytest.mark.backend_independent
 def test_pretrain_help_documents_the_flags_that_apply_with_pretrainings_defaults():
     import re
@@ -347,6 +352,7 @@ def test_pretrain_help_documents_the_flags_that_apply_with_pretrainings_defaults
     assert "\n    python apps/pretrain.py --backend jax                 # digits" in text
 
 
+@pytest.mark.slow
 @pytest.mark.backend_independent
 def test_pretrain_refuses_a_flag_of_labels():
     result = _app("pretrain.py", "--label_smoothing=0.1", check=False)

@@ -45,6 +45,7 @@ def run(monkeypatch, tmp_path):
     return run_against
 
 
+@pytest.mark.slow
 def test_convert_downloads_a_release_by_name(tmp_path, run, mirror):
     server, files = mirror
     out = str(tmp_path / "ti16.keras")
@@ -64,6 +65,7 @@ def test_convert_downloads_a_release_by_name(tmp_path, run, mirror):
                                atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_release_name_needs_the_variant(tmp_path, run, mirror):
     server, _ = mirror
     before = len(server.requests)
@@ -76,6 +78,7 @@ def test_a_release_name_needs_the_variant(tmp_path, run, mirror):
     assert len(server.requests) == before and not out.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag", ["--model", "--variant"])
 def test_convert_checks_the_variant_given_as_model_or_by_its_old_name(tmp_path, run, mirror,
                                                                        flag):
@@ -89,6 +92,7 @@ def test_convert_checks_the_variant_given_as_model_or_by_its_old_name(tmp_path, 
     assert "does not hold a ViT-S/16" in result.stderr and not out.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag", ["--model", "--variant"])
 def test_build_hybrid_takes_the_variant_as_model_or_by_its_old_name(tmp_path, run, mirror, flag):
     server, _ = mirror
@@ -98,6 +102,7 @@ def test_build_hybrid_takes_the_variant_as_model_or_by_its_old_name(tmp_path, ru
     assert "ERROR: --model 'ViT-Ti/16' is not a hybrid; expected one of " in result.stderr
 
 
+@pytest.mark.slow
 def test_build_hybrid_takes_the_release_size_and_classes(tmp_path, run, mirror):
     server, files = mirror
     out = str(tmp_path / "r_ti16.keras")
@@ -114,6 +119,7 @@ def test_build_hybrid_takes_the_release_size_and_classes(tmp_path, run, mirror):
                                   np.load(files[HYBRID])["head/kernel"])
 
 
+@pytest.mark.slow
 def test_finetune_from_a_release_name(tmp_path, run, mirror):
     server, _ = mirror
     result = run("finetune.py", server.url, "--weights", RELEASE, "--model", "ViT-Ti/16",
@@ -129,6 +135,7 @@ def test_finetune_from_a_release_name(tmp_path, run, mirror):
     assert model.input_shape == (None, 32, 32, 3) and model.output_shape == (None, 10)
 
 
+@pytest.mark.slow
 def test_predict_names_imagenet_classes(tmp_path, run, mirror):
     server, _ = mirror
     image = tmp_path / "img.png"
@@ -143,6 +150,7 @@ def test_predict_names_imagenet_classes(tmp_path, run, mirror):
     assert {m.group(1) for m in names} <= set(vit_keras.class_names("imagenet2012"))
 
 
+@pytest.mark.slow
 def test_apps_fail_fast_and_clearly_offline(tmp_path, run):
     """A mirror that does not answer and an empty cache: every app that takes --weights stops
     with status 2 and the message, no traceback."""

@@ -35,6 +35,7 @@ def saved_here(tmp_path_factory):
     return path, str(folder / "images.npy"), model.predict(images, verbose=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("load_backend", BACKENDS)
 def test_model_saved_here_loads_in_a_fresh_process_on_every_backend(saved_here, load_backend,
                                                                      tmp_path):

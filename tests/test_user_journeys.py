@@ -4,7 +4,9 @@ no extra flags; a finished run is never redone; a killed run resumes where it st
 never share a folder. The apps run on this pass's backend; their models load on all three.
 
 The runs are tiny (one epoch of two steps on the digits) and shared by the tests through
-module-scoped fixtures."""
+module-scoped fixtures. What only the run folder decides (a busy, read-only or finished folder)
+runs in one pass of `make test` (`backend_independent`); every app is launched in a subprocess, so
+the whole module is `slow`."""
 
 import hashlib
 import os
@@ -22,6 +24,8 @@ import pytest
 import vit_keras
 from conftest import BACKENDS, REPO_ROOT, TINY_CONFIG, randomize_weights, run_on_backend
 from vit_keras.tools.run_folder import RunFolder
+
+pytestmark = pytest.mark.slow
 
 BACKEND = keras.backend.backend()
 OTHER_BACKEND = "torch" if BACKEND != "torch" else "jax"
@@ -230,6 +234,8 @@ def test_a_configuration_too_large_for_memory_is_refused_before_the_first_step(p
 
 # --- a finished run stays finished -----------------------------------------------------------
 
+# The run folder decides before any backend work (vit_keras.tools.run_folder): one pass suffices.
+@pytest.mark.backend_independent
 def test_rerunning_a_finished_run_says_it_is_complete_and_changes_nothing(finetune_run):
     before = _snapshot(finetune_run["folder"])
     assert {"model.keras", "metrics.json"} <= set(before)
@@ -309,6 +315,8 @@ def test_temporary_files_of_an_interrupted_save_are_removed_on_resume(
 
 # --- one run per folder ----------------------------------------------------------------------
 
+# The lock and the folder checks are vit_keras.tools.run_folder's, the same on every backend.
+@pytest.mark.backend_independent
 def test_a_second_process_into_a_busy_run_folder_stops_at_once_naming_the_first(tmp_path):
     command = _command("finetune.py", "--backend", BACKEND, *SHORT, "--output_dir",
                        str(tmp_path), "--run_name", "busy")
@@ -344,6 +352,7 @@ os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
 """
 
 
+@pytest.mark.backend_independent
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux-only")
 def test_a_read_only_run_folder_is_a_one_line_error(tmp_path):
     folder = tmp_path / "read_only"

@@ -52,6 +52,7 @@ def write_images(directory):
     return paths
 
 
+@pytest.mark.slow
 def test_app_writes_every_figure_for_a_model_saved_on_another_backend(tmp_path, tiny_config):
     model = randomize_weights(
         vit_keras.build_model(tiny_config, image_size=(16, 24), num_classes=3))
@@ -72,6 +73,7 @@ def test_app_writes_every_figure_for_a_model_saved_on_another_backend(tmp_path, 
     assert len(summary["filter_explained_variance"]) == 12
 
 
+@pytest.mark.slow
 def test_app_uses_the_feature_map_grid_of_a_hybrid_and_skips_its_filters(tmp_path):
     images = keras.Input((32, 32, 3))
     x = keras.layers.Rescaling(1 / 127.5, offset=-1.0, name="rescale")(images)
@@ -91,6 +93,7 @@ def test_app_uses_the_feature_map_grid_of_a_hybrid_and_skips_its_filters(tmp_pat
     assert summary["grid"] == [8, 8] and summary["token_size_pixels"] == [4.0, 4.0]
 
 
+@pytest.mark.slow
 def test_app_names_a_corrupt_image_file(tmp_path):
     corrupt = tmp_path / "broken.jpg"
     corrupt.write_bytes(b"\xff\xd8\xff\xe0 this is not really a JPEG")

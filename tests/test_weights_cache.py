@@ -295,6 +295,7 @@ def test_an_error_page_instead_of_the_imagenet21k_class_names_is_not_cached(mirr
 
 # --- The apps report it as a user error ---------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("junk_in", ["download", "cache"])
 def test_an_app_given_junk_stops_with_one_error_line(mirror, tmp_path, junk_in):
     server, _ = mirror
