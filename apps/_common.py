@@ -46,6 +46,8 @@ def check_weights(weights, variant, image_size=None):
     """
     from vit_keras import errors, pretrained
 
+    if not weights:  # `--weights=` as no --weights
+        return None
     try:
         return pretrained.release_of(weights, variant, image_size)
     except errors.ReleaseNeedsVariantError as error:
