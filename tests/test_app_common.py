@@ -147,6 +147,25 @@ def test_parse_image_size():
 
 
 @pytest.mark.backend_independent
+def test_check_weights_is_the_librarys_check_naming_the_model_flag(monkeypatch):
+    from vit_keras import download, errors, releases
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("check_weights must not download")
+
+    monkeypatch.setattr(download, "fetch", refuse)
+    with pytest.raises(errors.ReleaseNeedsVariantError,
+                       match=r"^'augreg_in21k' is a release name: give the variant it is for "
+                             r"\(--model ViT-B/16, for example\)"):
+        _common.check_weights("augreg_in21k", None)
+    with pytest.raises(errors.ReleaseNotFoundError, match="ViT-Ti/16 has no release 'imagenet21k'"):
+        _common.check_weights("imagenet21k", "ViT-Ti/16")
+    assert _common.check_weights("augreg_in21k", "ViT-Ti/16", 384) == releases.find_release(
+        "ViT-Ti/16", "augreg_in21k", 384)
+    assert _common.check_weights(None, None) is None and _common.check_weights("", None) is None
+
+
+@pytest.mark.backend_independent
 def test_read_class_names_from_the_flag_then_the_run_folder(tmp_path):
     model = tmp_path / "run" / "model.keras"
     assert _common.read_class_names(None, str(model)) is None  # numbered classes
