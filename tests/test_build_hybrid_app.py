@@ -61,6 +61,7 @@ def test_build_hybrid_loads_weights_resampled_to_the_image_size(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.backend_independent  # refused from the variant table, before any model is built
 def test_build_hybrid_refuses_a_plain_vit(tmp_path):
     out = str(tmp_path / "vit.keras")
     result = run_app("build_hybrid.py", "--variant", "ViT-B/16", "--out", out)

@@ -43,6 +43,7 @@ def test_convert_writes_a_loadable_model_at_a_new_size(tmp_path, checkpoint):
 
 
 @pytest.mark.slow
+@pytest.mark.backend_independent  # the checkpoint's shapes against the variant's: NumPy only
 def test_convert_refuses_a_wrong_variant(tmp_path, checkpoint):
     result = run_app("convert.py", "--weights", checkpoint, "--out", str(tmp_path / "x.keras"),
                      "--variant", "ViT-B/16")

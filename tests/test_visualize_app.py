@@ -94,6 +94,7 @@ def test_app_uses_the_feature_map_grid_of_a_hybrid_and_skips_its_filters(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.backend_independent  # the image decoder is the same on every backend
 def test_app_names_a_corrupt_image_file(tmp_path):
     corrupt = tmp_path / "broken.jpg"
     corrupt.write_bytes(b"\xff\xd8\xff\xe0 this is not really a JPEG")
