@@ -1,8 +1,11 @@
 """The application half of vit_keras: what the command-line apps in `apps/` are built from.
 
 `data` (tf.data pipelines), `recipes` (optimizers and schedules), `callbacks`, `distribution`,
-`training` (one run, end to end), `run_folder` (a run's files), `export` (SavedModel, LiteRT, ONNX)
-and `plots` (the inspection figures). These import TensorFlow or matplotlib where they need them;
+`training` (one run, end to end, the one training loop), `objectives` (what a run optimises:
+classification or masked patch prediction), `memory` (whether a training step fits), `evaluation`
+(a classifier's reports and top-k predictions), `config_flags` (the apps' flags from dataclasses),
+`run_folder` (a run's files), `export` (SavedModel, LiteRT, ONNX) and `plots` (the inspection
+figures, a run's training curves). These import TensorFlow or matplotlib where they need them;
 the library core (`vit_keras.*`, `vit_keras.checkpoints`) never imports this package. Import the
 modules themselves, e.g. `from vit_keras.tools import data`.
 """

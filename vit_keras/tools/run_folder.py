@@ -5,7 +5,7 @@
     flags.txt            the app's flags (usable as its --flagfile)
     class_names.json     a JSON list of strings, one per output class
     history.csv          one row per epoch (Keras' CSVLogger)
-    training_curves.png  loss and accuracy per epoch
+    training_curves.png  loss (and accuracy, for classification) per epoch
     logs/                TensorBoard event files
     backup/              the state to resume from, while the run is unfinished
     skipped_files.txt    an image folder's files that could not be read, one per line
