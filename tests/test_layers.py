@@ -9,6 +9,7 @@ import pytest
 
 import vit_keras
 from vit_keras import layers
+from vit_keras import xla_cpu
 from vit_keras.model import transformer_blocks
 
 from conftest import random_images, randomize_weights, tiny_data, tiny_model
@@ -115,18 +116,46 @@ def test_attention_weights_have_the_checkpoint_layout():
     }
 
 
-def test_fused_and_explicit_attention_paths_match_a_numpy_reference():
+@pytest.mark.parametrize("fused", [False, True], ids=["explicit", "fused"])
+def test_fused_and_explicit_attention_kernels_match_a_numpy_reference(fused, monkeypatch):
+    """A plain call takes the kernel chosen when the layer was built; a call for attention scores
+    the explicit one, whatever was chosen."""
+    _force_attention_kernel(monkeypatch, fused)
     layer = layers.MultiHeadDotProductAttention(4)
     layer.build((None, 7, 32))
+    assert layer.fused is fused
     randomize_weights(layer, scale=0.3)
     x = np.random.default_rng(2).normal(size=(2, 7, 32)).astype("float32")
     expected, expected_probs = _numpy_attention(x, layer)
-    fused = keras.ops.convert_to_numpy(layer(x))
-    explicit, probs = layer(x, return_attention_scores=True)
-    np.testing.assert_allclose(fused, expected, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(keras.ops.convert_to_numpy(explicit), expected, rtol=1e-4, atol=1e-5)
+    plain = keras.ops.convert_to_numpy(layer(x))
+    with_scores, probs = layer(x, return_attention_scores=True)
+    np.testing.assert_allclose(plain, expected, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(with_scores), expected, rtol=1e-4,
+                               atol=1e-5)
     np.testing.assert_allclose(keras.ops.convert_to_numpy(probs), expected_probs, rtol=1e-4,
                                atol=1e-6)
+
+
+def test_attention_kernel_is_chosen_when_built_for_the_backend_device_and_dtype():
+    """Fused where `keras.ops.dot_product_attention` reaches a fused kernel (torch; JAX unless the
+    XLA:CPU workarounds are active when the layer is built), explicit on TensorFlow and for
+    float16. (That a built model keeps its kernel when the switch changes is checked on JAX in
+    test_xla_cpu.py.)"""
+    def built(**kwargs):
+        layer = layers.MultiHeadDotProductAttention(4, **kwargs)
+        assert layer.fused is False  # nothing chosen before build
+        layer.build((None, 7, 32))
+        return layer
+
+    backend = keras.backend.backend()
+    default = built()
+    assert default.fused is (backend == "torch" or (
+        backend == "jax" and not xla_cpu.workarounds_active()))
+    with xla_cpu.set_workarounds(False):
+        plain = built()
+        half = built(dtype="mixed_float16")
+    assert plain.fused is (backend in ("torch", "jax"))
+    assert half.fused is False
 
 
 def test_attention_rejects_hidden_size_not_divisible_by_heads():
@@ -137,10 +166,18 @@ def test_attention_rejects_hidden_size_not_divisible_by_heads():
 _PROJECTIONS = ("query", "key", "value", "out")
 
 
-def _force_attention_path(monkeypatch, fused):
-    """Every backend checks both attention paths: the fused one (`keras.ops.dot_product_attention`,
-    an unfused softmax where no kernel exists) and the explicit one its backend may not take."""
-    monkeypatch.setattr(layers.MultiHeadDotProductAttention, "_fused", property(lambda _: fused))
+def _force_attention_kernel(monkeypatch, fused):
+    """Every backend checks both attention kernels: the fused one (`keras.ops.dot_product_attention`,
+    an unfused softmax where no kernel exists) and the explicit one its backend may not take.
+    Layers built afterwards take it."""
+    choose = xla_cpu.choose_attention
+
+    def forced(compute_dtype, probabilities=False):
+        if fused and not probabilities:
+            return xla_cpu.FusedAttention()
+        return choose(compute_dtype, probabilities=True)
+
+    monkeypatch.setattr(xla_cpu, "choose_attention", forced)
 
 
 def _attention_layers(model):
@@ -154,8 +191,9 @@ def test_int8_quantized_vit_stays_close_to_the_float_model(tiny_config, fused, m
     two blocks and the head to about 1% of the largest logit. The 5% bound leaves room for that
     and still fails by far when a projection multiplies by the int8 values without their scale
     (the largest logit is then off by more than itself)."""
-    _force_attention_path(monkeypatch, fused)
+    _force_attention_kernel(monkeypatch, fused)
     model = randomize_weights(tiny_model(tiny_config))
+    assert [a.fused for a in _attention_layers(model)] == [fused] * tiny_config["num_layers"]
     images = random_images(4, 8, 8)
     expected = keras.ops.convert_to_numpy(model(images))
     with warnings.catch_warnings():
@@ -183,8 +221,9 @@ def test_lora_on_attention_projections_adds_its_delta_and_trains_only_itself(
     """With nonzero LoRA weights the logits are those of the model whose kernels have
     `lora_alpha / rank * lora_kernel_a @ lora_kernel_b` added; training moves the LoRA weights
     and leaves the frozen kernels alone."""
-    _force_attention_path(monkeypatch, fused)
+    _force_attention_kernel(monkeypatch, fused)
     model = randomize_weights(tiny_model(tiny_config))
+    assert [a.fused for a in _attention_layers(model)] == [fused] * tiny_config["num_layers"]
     merged = randomize_weights(tiny_model(tiny_config))  # the same weights
     images = random_images(4, 8, 8)
     without_lora = keras.ops.convert_to_numpy(model(images))

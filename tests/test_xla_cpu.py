@@ -163,37 +163,48 @@ from vit_keras import build_model, xla_cpu
 attention_calls = []
 dot_product_attention = keras.ops.dot_product_attention
 
-def counting(*args, **kwargs):  # the layers look it up in keras.ops at each call
+def counting(*args, **kwargs):  # the kernels look it up in keras.ops at each call
     attention_calls.append(1)
     return dot_product_attention(*args, **kwargs)
 
 keras.ops.dot_product_attention = counting
-keras.utils.set_random_seed(0)
-model = build_model(ARGS["config"], image_size=8, num_classes=3)
 rng = np.random.default_rng(0)
-for weight in model.weights:  # the head starts at zero
-    weight.assign(rng.normal(0, 0.1, weight.shape).astype("float32"))
 x = rng.uniform(0, 255, (4, 8, 8, 3)).astype("float32")
 y = np.arange(4) % 3
-trainable = [v.value for v in model.trainable_variables]
 
-def loss(trainable):
-    logits, _ = model.stateless_call(trainable, [], x, training=True)
-    return jnp.mean(keras.ops.sparse_categorical_crossentropy(y, logits, from_logits=True)), logits
+def built():  # the same weights whenever it is built
+    keras.utils.set_random_seed(0)
+    model = build_model(ARGS["config"], image_size=8, num_classes=3)
+    rng = np.random.default_rng(0)
+    for weight in model.weights:  # the head starts at zero
+        weight.assign(rng.normal(0, 0.1, weight.shape).astype("float32"))
+    return model
 
-def traced():  # a fresh function: traced under the switch's setting now
+def traced(model):  # a fresh function: traced now, under the switch's setting now
     attention_calls.clear()
+    trainable = [v.value for v in model.trainable_variables]
+
+    def loss(trainable):
+        logits, _ = model.stateless_call(trainable, [], x, training=True)
+        return jnp.mean(keras.ops.sparse_categorical_crossentropy(y, logits, from_logits=True)), logits
+
     step = jax.jit(jax.grad(lambda t: loss(t), has_aux=True))
     hlo = step.lower(trainable).compile().as_text()
     gradients, logits = step(trainable)
-    return {"active": xla_cpu.workarounds_active(), "conditionals": hlo.count("conditional("),
-            "attention_calls": len(attention_calls)}, np.asarray(logits), gradients
+    return {"conditionals": hlo.count("conditional("), "attention_calls": len(attention_calls),
+            "fused": [block.attention.fused for block in model.layers if hasattr(block, "attention")]
+            }, np.asarray(logits), gradients
 
-default, default_logits, default_gradients = traced()
-with xla_cpu.set_workarounds(not default["active"]):
-    flipped, flipped_logits, flipped_gradients = traced()
+default_active = xla_cpu.workarounds_active()
+model = built()
+default, default_logits, default_gradients = traced(model)
+with xla_cpu.set_workarounds(not default_active):
+    flipped_active = xla_cpu.workarounds_active()
+    kept = traced(model)[0]  # built before the switch changed
+    flipped, flipped_logits, flipped_gradients = traced(built())
 print(json.dumps({
-    "default": default, "flipped": flipped, "restored": xla_cpu.workarounds_active(),
+    "default": {"active": default_active, **default}, "kept": kept,
+    "flipped": {"active": flipped_active, **flipped}, "restored": xla_cpu.workarounds_active(),
     "logits_difference": float(np.max(np.abs(default_logits - flipped_logits))),
     "logits_scale": float(np.max(np.abs(default_logits))),
     "gradients": [(float(np.max(np.abs(a - b))), float(np.max(np.abs(a))))
@@ -204,21 +215,24 @@ print(json.dumps({
 
 @pytest.mark.jax_subprocess
 @pytest.mark.parametrize("setting", [None, "1", "0"])
-def test_switch_turns_the_workarounds_on_and_off_on_jax_cpu(tiny_config, setting, monkeypatch):
+def test_switch_turns_the_workarounds_on_and_off_for_models_built_after_it_on_jax_cpu(
+        tiny_config, setting, monkeypatch):
     """`VIT_KERAS_XLA_CPU_WORKAROUNDS` sets the default (on when unset) and `set_workarounds`
-    flips it for functions traced inside it. On: one barrier conditional per block in the
-    compiled training step and the explicit attention path; off: no conditional and every block
-    through `keras.ops.dot_product_attention`. Both compute the same logits and gradients."""
+    flips it for models built inside it; a model built before keeps its choices when traced
+    inside it. On: one barrier conditional per block in the compiled training step and the
+    explicit attention kernel; off: no conditional and every block through
+    `keras.ops.dot_product_attention`. Both compute the same logits and gradients."""
     if setting is None:
         monkeypatch.delenv(xla_cpu.SWITCH, raising=False)
     else:
         monkeypatch.setenv(xla_cpu.SWITCH, setting)
     result = run_on_backend("jax", _SWITCH_CODE, config=tiny_config)
     blocks = tiny_config["num_layers"]
-    on = {"active": True, "conditionals": blocks, "attention_calls": 0}
-    off = {"active": False, "conditionals": 0, "attention_calls": blocks}
+    on = {"active": True, "conditionals": blocks, "attention_calls": 0, "fused": [False] * blocks}
+    off = {"active": False, "conditionals": 0, "attention_calls": blocks, "fused": [True] * blocks}
     expected_default = off if setting == "0" else on
     assert result["default"] == expected_default, result
+    assert result["kept"] == {k: v for k, v in expected_default.items() if k != "active"}, result
     assert result["flipped"] == (on if expected_default is off else off), result
     assert result["restored"] is expected_default["active"]
     assert result["logits_difference"] <= 1e-5 * result["logits_scale"] + 1e-6, result

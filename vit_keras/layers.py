@@ -11,7 +11,7 @@ import keras
 from keras import ops
 
 from vit_keras import interpolation_ops
-from vit_keras.xla_cpu import einsum, materialize_gradient, workarounds_active
+from vit_keras import xla_cpu
 
 _PACKAGE = "vit_keras"
 
@@ -74,6 +74,7 @@ class PatchEmbedding(keras.layers.Layer):
             initializer=self.kernel_initializer)
         self.bias = self.add_weight(
             name="bias", shape=(self.hidden_size,), initializer=self.bias_initializer)
+        self._einsum = xla_cpu.choose_einsum()  # bfloat16 products on XLA:CPU
 
     def call(self, images):
         _, height, width, channels = images.shape
@@ -96,7 +97,7 @@ class PatchEmbedding(keras.layers.Layer):
         x = ops.transpose(x, (0, 1, 3, 2, 4, 5))  # (batch, rows, cols, p, p, channels): HWI order
         x = ops.reshape(x, (-1, rows * cols, p * p * channels))
         kernel = ops.reshape(self.kernel, (p * p * channels, self.hidden_size))
-        patches = einsum("bnk,kd->bnd", x, kernel) + self.bias
+        patches = self._einsum("bnk,kd->bnd", x, kernel) + self.bias
         return patches if self.flatten else ops.reshape(patches, (-1, rows, cols, self.hidden_size))
 
     def compute_output_shape(self, input_shape):
@@ -222,11 +223,12 @@ class MultiHeadDotProductAttention(keras.layers.Layer):
     Weights: `query|key|value/kernel` `(hidden, heads, head_dim)`, `.../bias` `(heads, head_dim)`,
     `out/kernel` `(heads, head_dim, hidden)`, `out/bias` `(hidden,)`.
 
-    Attention runs through `keras.ops.dot_product_attention` where that reaches a fused kernel
-    (see `_fused`). Elsewhere, and for attention dropout and `return_attention_scores`, it is an
-    explicit float32 softmax over q, k and v from one matrix multiply in a head-major layout.
-    Quantized (`model.quantize`) or LoRA-enabled (`enable_lora`) projections are called as layers
-    on either path, so their own arithmetic applies.
+    How q, k and v are laid out and attended is the kernel's, chosen when the layer is built
+    (`vit_keras.xla_cpu.choose_attention`): `keras.ops.dot_product_attention` where that reaches a
+    fused kernel (`fused`), else an explicit float32 softmax over q, k and v from one matrix
+    multiply in a head-major layout, which is also the kernel for attention dropout and
+    `return_attention_scores`. Quantized (`model.quantize`) or LoRA-enabled (`enable_lora`)
+    projections are called as layers by either kernel, so their own arithmetic applies.
     """
 
     def __init__(self, num_heads, attention_dropout=0.0, **kwargs):
@@ -235,6 +237,7 @@ class MultiHeadDotProductAttention(keras.layers.Layer):
         self.attention_dropout = float(attention_dropout)
         self._dropout = keras.layers.Dropout(
             self.attention_dropout, dtype=self.dtype_policy, name="attention_dropout")
+        self._attention_kernel = self._probabilities_kernel = None  # chosen in build
 
     def build(self, input_shape):
         hidden = input_shape[-1]
@@ -254,60 +257,25 @@ class MultiHeadDotProductAttention(keras.layers.Layer):
             "bthk,hkd->btd", output_shape=(None, hidden), bias_axes="d",
             kernel_initializer=init, dtype=self.dtype_policy, name="out")
         self.out.build((input_shape[0], input_shape[1], self.num_heads, head_dim))
+        self._attention_kernel = xla_cpu.choose_attention(self.compute_dtype)
+        self._probabilities_kernel = xla_cpu.choose_attention(
+            self.compute_dtype, probabilities=True)
+
+    @property
+    def fused(self):
+        """Whether a call without attention scores or attention dropout goes through
+        `keras.ops.dot_product_attention` (chosen when the layer was built; False before)."""
+        return self._attention_kernel is not None and self._attention_kernel.name == "fused"
 
     def call(self, x, training=None, return_attention_scores=False):
         dropout = training and self.attention_dropout > 0
-        if self._fused and not (return_attention_scores or dropout):
-            q, k, v = self.query(x), self.key(x), self.value(x)  # (batch, tokens, heads, head_dim)
-            return self.out(ops.dot_product_attention(q, k, v))
-        q, k, v = self._project_qkv(x)
-        # Scaling q before the product keeps float16 logits in range; softmax runs in float32.
-        logits = einsum("bhqd,bhkd->bhqk", q * (1.0 / math.sqrt(q.shape[-1])), k)
-        probs = ops.softmax(ops.cast(logits, "float32"), axis=-1)
-        attended = einsum(
-            "bhqk,bhkd->bhqd", self._dropout(ops.cast(probs, q.dtype), training=training), v)
-        if self._adapted:
-            y = self.out(ops.transpose(attended, (0, 2, 1, 3)))
-        else:
-            y = einsum("bhtk,hkd->btd", attended, self.out.kernel) + self.out.bias
-        return (y, probs) if return_attention_scores else y
-
-    def _project_qkv(self, x):
-        """`(batch, tokens, hidden)` -> q, k, v, each `(batch, heads, tokens, head_dim)`.
-
-        One matrix multiply with the three kernels side by side: on CPU a few large products use
-        the cores better than many small ones.
-        """
-        if self._adapted:
-            return [ops.transpose(projection(x), (0, 2, 1, 3))
-                    for projection in (self.query, self.key, self.value)]
-        kernel = ops.concatenate([self.query.kernel, self.key.kernel, self.value.kernel], axis=1)
-        bias = ops.concatenate([self.query.bias, self.key.bias, self.value.bias], axis=0)
-        qkv = einsum("btd,dhk->bhtk", x, kernel) + ops.expand_dims(bias, 1)
-        return ops.split(qkv, 3, axis=1)
-
-    @property
-    def _adapted(self):
-        """Whether a projection is quantized or LoRA-enabled: its `kernel` is then not the weight
-        its call multiplies by (int8 values without their scale), so the layer must be called."""
-        return any(projection.quantization_mode or projection.lora_enabled
-                   for projection in (self.query, self.key, self.value, self.out))
-
-    @property
-    def _fused(self):
-        """Whether `keras.ops.dot_product_attention` reaches a fused kernel here.
-
-        It does on torch (scaled_dot_product_attention) and on JAX accelerators (cuDNN flash
-        attention, Splash on TPU). On JAX's CPU and on TensorFlow it is an unfused softmax in a
-        token-major layout, which differentiates slower than the head-major one in `call`; JAX's
-        CPU takes it anyway with the XLA:CPU workarounds switched off (`vit_keras.xla_cpu`).
-        float16 takes the explicit path too: the fused kernels accumulate float16 products into
-        float32, which XLA on CPU cannot do (jax: "precision F16_F16_F32 is not supported").
-        """
-        if self.compute_dtype == "float16":
-            return False
-        backend = keras.backend.backend()
-        return backend == "torch" or (backend == "jax" and not workarounds_active())
+        kernel = self._attention_kernel
+        if return_attention_scores or dropout:  # probabilities to return or to drop
+            kernel = self._probabilities_kernel
+        q, k, v = kernel.project(self, x)
+        attended, probabilities = kernel.attend(q, k, v, dropout=self._dropout if dropout else None)
+        y = kernel.out(self, attended)
+        return (y, probabilities) if return_attention_scores else y
 
     def compute_output_spec(self, x, training=None, return_attention_scores=False):
         y = keras.KerasTensor(x.shape, dtype=self.compute_dtype)
@@ -346,25 +314,15 @@ class MlpBlock(keras.layers.Layer):
             hidden, kernel_initializer=_xavier_uniform(self.mlp_dim, hidden),
             bias_initializer=_mlp_bias_initializer(), dtype=self.dtype_policy, name="Dense_1")
         self.dense_1.build((*input_shape[:-1], self.mlp_dim))
+        # Chosen once for this backend and device (see vit_keras.xla_cpu): `dense(x)` or, on
+        # XLA:CPU, an einsum with its kernel for bfloat16 products; GELU in its fastest form.
+        self._project = xla_cpu.choose_projection()
+        self._gelu = xla_cpu.choose_gelu(self.approximate_gelu)
 
     def call(self, x, training=None):
-        x = self._project(self.dense_0, x)
-        if self.approximate_gelu or keras.backend.backend() == "torch":
-            x = ops.gelu(x, approximate=self.approximate_gelu)  # torch: one fused kernel
-        else:
-            # x·Φ(x) through erf: jax.nn.gelu and tf.nn.gelu both go through erfc, which XLA
-            # expands into exponentials and selects (8% more HLO in a ViT-Ti/16 training step).
-            x = 0.5 * x * (1.0 + ops.erf(x * (1.0 / math.sqrt(2.0))))
+        x = self._gelu(self._project(self.dense_0, x))
         x = self._dropout(x, training=training)
         return self._dropout(self._project(self.dense_1, x), training=training)
-
-    @staticmethod
-    def _project(dense, x):
-        """`dense(x)`; with the XLA:CPU workarounds active through `xla_cpu.einsum`, for its
-        bfloat16 products."""
-        if not workarounds_active() or dense.quantization_mode or dense.lora_enabled:
-            return dense(x)
-        return einsum("btd,dn->btn", x, dense.kernel) + dense.bias
 
     def get_config(self):
         return {**super().get_config(), "mlp_dim": self.mlp_dim, "dropout": self.dropout,
@@ -408,6 +366,9 @@ class TransformerBlock(keras.layers.Layer):
     def build(self, input_shape):
         for sublayer in (self.norm_0, self.attention, self.norm_2, self.mlp):
             sublayer.build(input_shape)
+        # An identity; on XLA:CPU one whose gradient XLA computes once per block instead of fusing
+        # it into every consumer (see vit_keras.xla_cpu).
+        self._block_boundary = xla_cpu.choose_block_boundary()
 
     def _drop_path(self, branch, training):
         if not (training and self.drop_path_rate > 0):
@@ -417,7 +378,7 @@ class TransformerBlock(keras.layers.Layer):
                                     seed=self._seed_generator)
 
     def call(self, x, training=None, return_attention_scores=False):
-        x = materialize_gradient(x)  # see vit_keras.xla_cpu: a block boundary for XLA's fusion
+        x = self._block_boundary(x)
         y = self.attention(self.norm_0(x), training=training,
                            return_attention_scores=return_attention_scores)
         if return_attention_scores:
