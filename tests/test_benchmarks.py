@@ -23,6 +23,7 @@ def _benchmark_module(name):
         sys.path.remove(os.path.dirname(BENCHMARK))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "mixed_bfloat16"])
 def test_throughput_benchmark_measures_vit_keras_on_a_tiny_model(tmp_path, dtype):
     backend = keras.backend.backend()
@@ -45,6 +46,7 @@ def test_throughput_benchmark_measures_vit_keras_on_a_tiny_model(tmp_path, dtype
     assert all(run["page_faults_per_step"] >= 0 for run in process["runs"])
 
 
+@pytest.mark.slow
 def test_throughput_benchmark_runs_jax_data_parallel_over_cpu_devices(tmp_path):
     """`-dp2` runs a JAX implementation over 2 XLA CPU devices; other backends have no such mode."""
     backend = keras.backend.backend()
@@ -64,6 +66,7 @@ def test_throughput_benchmark_runs_jax_data_parallel_over_cpu_devices(tmp_path):
     assert "| tiny | train | vit_keras-jax-dp2 |" in result.stdout
 
 
+@pytest.mark.slow
 def test_throughput_benchmark_feeds_models_of_dynamic_image_size_another_size(tmp_path):
     backend = keras.backend.backend()
     output = tmp_path / "throughput.json"
@@ -82,6 +85,7 @@ def test_throughput_benchmark_feeds_models_of_dynamic_image_size_another_size(tm
     assert f"| tiny | inference | vit_keras-{backend}-dynamic |" in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.backend_independent
 def test_throughput_benchmark_measures_two_commits_side_by_side(tmp_path):
     """`--commits HEAD .`: one process per commit and round, each importing its commit's vit_keras
@@ -171,6 +175,7 @@ def test_products_of_a_block_add_up_to_the_forward_flops_of_a_layer():
             == 8 * throughput.forward_flops(config, 224))
 
 
+@pytest.mark.slow
 def test_products_benchmark_measures_each_product_on_all_cores_and_on_one(tmp_path):
     library = keras.backend.backend()
     output = tmp_path / "products.json"

@@ -132,6 +132,7 @@ print(json.dumps({"faults_per_step": faults}))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.jax_subprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt is Linux-only")
 def test_keep_freed_host_memory_and_its_glibc_tunables_stop_page_faulting_scratch_buffers(
@@ -213,6 +214,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow
 @pytest.mark.jax_subprocess
 @pytest.mark.parametrize("setting", [None, "1", "0"])
 def test_switch_turns_the_workarounds_on_and_off_for_models_built_after_it_on_jax_cpu(
