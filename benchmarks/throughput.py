@@ -169,6 +169,10 @@ def run_worker(implementation, configs, args, checkouts=None):
     if result.returncode:
         return {"error": f"exit {result.returncode}: " + result.stderr.strip()[-1500:]}
     output = json.loads(result.stdout.strip().splitlines()[-1])
+    measured = {run.get("source") for run in output.get("runs", ())} - {None}
+    if measured and not all(os.path.samefile(path, source) for path in measured):
+        # A wrong comparison is worse than none: the process imported another vit_keras.
+        return {"error": f"imported vit_keras from {sorted(measured)}, not from {source}"}
     output.update(load_before=load, load_after=os.getloadavg()[0],
                   process_s=time.perf_counter() - started)
     return output

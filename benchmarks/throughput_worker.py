@@ -20,10 +20,16 @@ sys.modules.setdefault("triton", None)
 
 if os.environ.get("KERAS_BACKEND") == "jax" and "vit_keras" in sys.argv:
     # As the apps start on JAX: glibc keeps freed memory, set before NumPy starts any thread.
-    sys.path.insert(0, os.path.join(REPO, "apps"))
-    import _backend  # noqa: E402
+    # The settings are this checkout's, for every measured commit alike; the module is loaded by
+    # its path, as apps/_backend.py does, but without putting this checkout on sys.path, where
+    # it would shadow the measured commit's vit_keras (PYTHONPATH, see throughput.py --commits).
+    import importlib.util  # noqa: E402
 
-    _backend.keep_freed_host_memory()
+    _spec = importlib.util.spec_from_file_location(
+        "_vit_keras_host_memory", os.path.join(REPO, "vit_keras", "host_memory.py"))
+    _host_memory = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_host_memory)
+    _host_memory.keep_freed_host_memory()
 
 import numpy as np  # noqa: E402
 
