@@ -3,8 +3,7 @@
 import os
 import sys
 
-from absl import app
-from absl import flags
+from absl import app, flags
 import numpy as np
 
 import _backend

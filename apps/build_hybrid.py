@@ -26,11 +26,9 @@ import _backend
 
 _backend.start_app()  # before keras is imported
 
-from absl import app  # noqa: E402
-from absl import flags  # noqa: E402
-from absl import logging  # noqa: E402
+from absl import app, flags, logging
 
-import _common  # noqa: E402
+import _common
 
 flags.DEFINE_string("model", "R50+ViT-B/16", "Hybrid variant, e.g. R50+ViT-B/16, R+ViT-Ti/16 "
                     "(or the official spelling R50+ViT-B_16).")

@@ -27,11 +27,9 @@ import _backend
 
 _backend.start_app()  # before keras is imported
 
-from absl import app  # noqa: E402
-from absl import flags  # noqa: E402
-from absl import logging  # noqa: E402
+from absl import app, flags, logging
 
-import _common  # noqa: E402
+import _common
 
 flags.DEFINE_string("weights", None, "Checkpoint file, Hugging Face folder, hf-hub:REPO_ID, or a "
                     "release name (e.g. augreg_in21k_ft_in1k; needs --model), downloaded once.",

@@ -10,16 +10,14 @@ that were used for training, so the same held-out split is evaluated; flags over
 """
 
 import os
-import sys
 
 import _backend
 
 _backend.start_app()  # before keras is imported
 
-from absl import app  # noqa: E402
-from absl import flags  # noqa: E402
+from absl import app, flags
 
-import _common  # noqa: E402
+import _common
 
 flags.DEFINE_string("model", None, "The .keras file to evaluate.", required=True)
 flags.DEFINE_string("dataset", None, "digits, folder:PATH or a tfds name (default: the run's "
@@ -42,19 +40,14 @@ def main(argv):
     import vit_keras  # noqa: F401  (registers the layers for loading)
     from vit_keras.tools import data, evaluation, run_folder
 
-    try:
-        dataset, splits = _common.load_run_splits(FLAGS.model, FLAGS.dataset, FLAGS.data_dir,
-                                                  FLAGS.seed, FLAGS.val_fraction)
-    except data.DatasetNotPreparedError as error:
-        print(f"ERROR: {error}", file=sys.stderr)
-        return 2
+    dataset, splits = _common.load_run_splits(FLAGS.model, FLAGS.dataset, FLAGS.data_dir,
+                                              FLAGS.seed, FLAGS.val_fraction)
     model = keras.saving.load_model(FLAGS.model, compile=False)
     image_size = _common.model_image_size(model)
     if model.output_shape[-1] != splits.num_classes:
-        print(f"ERROR: {FLAGS.model} predicts {model.output_shape[-1]} classes but {dataset} has "
-              f"{splits.num_classes}; evaluate on the dataset the model was trained for.",
-              file=sys.stderr)
-        return 2
+        raise app.UsageError(f"{FLAGS.model} predicts {model.output_shape[-1]} classes but "
+                             f"{dataset} has {splits.num_classes}; evaluate on the dataset the "
+                             f"model was trained for.")
     pipeline = data.make_pipeline(splits, FLAGS.split, image_size=image_size,
                                   batch_size=FLAGS.batch_size)
     logits, labels = evaluation.evaluate_model(model, pipeline)

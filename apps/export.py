@@ -34,12 +34,11 @@ import _backend
 _backend.start_app(  # before keras is imported
     only="tensorflow", help_text="Export always runs on TensorFlow, whatever backend trained the model.")
 
-from absl import app  # noqa: E402
-from absl import flags  # noqa: E402
-from absl import logging  # noqa: E402
+from absl import app, flags, logging
 
-import _common  # noqa: E402
-from vit_keras.tools import export as vit_export  # noqa: E402
+from vit_keras.tools import export as vit_export
+
+import _common
 
 flags.DEFINE_string("model", None, "The .keras file to export.", required=True)
 flags.DEFINE_multi_enum("format", None, vit_export.FORMATS,

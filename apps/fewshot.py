@@ -22,10 +22,9 @@ import _backend
 
 _backend.start_app()  # before keras is imported
 
-from absl import app  # noqa: E402
-from absl import flags  # noqa: E402
+from absl import app, flags
 
-import _common  # noqa: E402
+import _common
 
 flags.DEFINE_string("model", None, "The .keras file whose features are evaluated.", required=True)
 flags.DEFINE_string("dataset", None, "digits, folder:PATH or a tfds name (default: the run's "

@@ -35,13 +35,13 @@ process into a folder in use stops at once, naming the first.
 import time
 
 _STARTED = time.perf_counter()
-import _backend  # noqa: E402
+import _backend
 
 _backend.start_app()  # before keras is imported
 
-from absl import app  # noqa: E402
+from absl import app
 
-import _common  # noqa: E402
+import _common
 
 # The flags are vit_keras.tools.training.RunConfig's fields.
 main = _common.training_app("finetune", _STARTED)

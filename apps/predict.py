@@ -24,10 +24,9 @@ import _backend
 
 _backend.start_app()  # before keras is imported
 
-from absl import app  # noqa: E402
-from absl import flags  # noqa: E402
+from absl import app, flags
 
-import _common  # noqa: E402
+import _common
 
 flags.DEFINE_string("model", None, "A .keras file, or a variant (e.g. ViT-B/16) with --weights.",
                     required=True)

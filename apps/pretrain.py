@@ -33,14 +33,15 @@ train one run as in apps/finetune.py (docs/distributed.md).
 import time
 
 _STARTED = time.perf_counter()
-import _backend  # noqa: E402
+import _backend
 
 _backend.start_app()  # before keras is imported
 
-from absl import app  # noqa: E402
+from absl import app
 
-import _common  # noqa: E402
-from vit_keras.tools import objectives  # noqa: E402
+from vit_keras.tools import objectives
+
+import _common
 
 # The flags are vit_keras.tools.training.RunConfig's fields that apply to masked patch
 # prediction, and vit_keras.tools.objectives.MaskedPatchPrediction's.

@@ -15,13 +15,13 @@ pretrain here, so --weights is an initialisation, not a switch to the fine-tunin
 import time
 
 _STARTED = time.perf_counter()
-import _backend  # noqa: E402
+import _backend
 
 _backend.start_app()  # before keras is imported
 
-from absl import app  # noqa: E402
+from absl import app
 
-import _common  # noqa: E402
+import _common
 
 # apps/finetune.py's flags; only --recipe defaults to the paper's pre-training recipe.
 main = _common.training_app(

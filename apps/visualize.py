@@ -19,13 +19,13 @@ import _backend
 
 _backend.start_app()  # before keras is imported
 
-import json  # noqa: E402
-import os  # noqa: E402
+import json
+import os
 
-import numpy as np  # noqa: E402
-from absl import app, flags, logging  # noqa: E402
+from absl import app, flags, logging
+import numpy as np
 
-import _common  # noqa: E402
+import _common
 
 flags.DEFINE_string("model", None, "A .keras file, or a variant name (random weights).")
 flags.DEFINE_list("images", [], "Image files (any format PIL reads).")

@@ -63,8 +63,8 @@ def time_listing(folder, rounds):
 def time_decoding(folder, count, rounds):
     """CPU seconds per image of a plain decode map and of the pipeline's decoder, and of the
     former PIL check, over the first `count` files."""
-    import tensorflow as tf
     from PIL import Image
+    import tensorflow as tf
 
     from vit_keras.tools import data
 

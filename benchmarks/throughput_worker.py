@@ -134,8 +134,8 @@ def keras_steps(implementation, config, args):
 
 
 def timm_steps(config, args, compiled):
-    import torch  # pylint: disable=import-outside-toplevel
     from timm.models.vision_transformer import VisionTransformer  # pylint: disable=import-outside-toplevel
+    import torch  # pylint: disable=import-outside-toplevel
 
     torch.manual_seed(0)
     dynamic = args.dynamic_built_size is not None

@@ -8,6 +8,7 @@ import pytest
 import vit_keras
 from vit_keras import analysis
 from vit_keras import layers as vit_layers
+
 from conftest import random_images, randomize_weights
 
 

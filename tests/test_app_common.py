@@ -12,9 +12,10 @@ import pytest
 from conftest import REPO_ROOT
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "apps"))
+from absl import app  # noqa: E402
+
 import _backend  # noqa: E402
 import _common  # noqa: E402
-from absl import app  # noqa: E402
 
 
 @pytest.mark.parametrize("argv", [["app", "--backend", "torch", "--out", "x"],

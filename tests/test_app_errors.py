@@ -2,11 +2,14 @@
 `--help` text. Tracebacks are for bugs."""
 
 import concurrent.futures
+import os
 import re
 
 import pytest
 
-from conftest import run_app
+import vit_keras
+
+from conftest import TINY_CONFIG, run_app
 
 
 def _assert_one_line_error(result, *expected):
@@ -44,6 +47,10 @@ CASES = {
         "pretrain.py", ["--model=ViT-Ti/16", "--image_size=30", "--epochs=1",
                         "--output_dir={tmp}/runs"],
         ["30 is not divisible by patch size 16"]),
+    "evaluate_model_of_other_classes": (
+        "evaluate.py", ["--model={tmp}/three_classes.keras"],
+        ["three_classes.keras predicts 3 classes but digits has 10",
+         "evaluate on the dataset the model was trained for"]),
     "fewshot_missing_folder": (
         "fewshot.py", ["--model={tmp}/model.keras", "--dataset=folder:{tmp}/no_such_folder"],
         ["no_such_folder", "does not exist"]),
@@ -77,6 +84,8 @@ CASES = {
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("app_errors"))
+    vit_keras.build_model(TINY_CONFIG, image_size=16, num_classes=3).save(
+        os.path.join(tmp, "three_classes.keras"))
 
     def run(case):
         app, args, _ = CASES[case]
@@ -107,4 +116,10 @@ def test_an_unknown_variant_is_a_one_line_error_without_the_help_text(results, c
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [case for case in CASES if "_release_" in case])
 def test_a_release_without_its_variant_is_a_one_line_error_before_the_data_loads(results, case):
+    _assert_one_line_error(results[case], *CASES[case][2])
+
+
+@pytest.mark.slow
+def test_a_model_of_other_classes_than_the_dataset_is_a_one_line_error(results):
+    case = "evaluate_model_of_other_classes"
     _assert_one_line_error(results[case], *CASES[case][2])

@@ -142,6 +142,7 @@ def test_reloaded_model_reproduces_the_reported_test_accuracy(resumed_run, tmp_p
 @pytest.mark.slow
 def test_predict_lists_top_k_class_names(resumed_run, tmp_path):
     from PIL import Image
+
     from vit_keras.tools import data
 
     images, labels = data.digits_arrays()["test"]

@@ -7,17 +7,18 @@ import keras
 import numpy as np
 import pytest
 import scipy.ndimage
+from test_checkpoints import write_npz
+from test_hybrid_checkpoints import official_hybrid_params
 
 import vit_keras
+
 from conftest import run_app
-from test_hybrid_checkpoints import official_hybrid_params
-from test_checkpoints import write_npz
 
 
 @pytest.mark.slow
 def test_build_hybrid_prints_sizes_and_saves_a_reloadable_model(tmp_path):
     out = str(tmp_path / "saved" / "r_ti16_64.keras")
-    result = run_app("build_hybrid.py", "--variant", "R+ViT-Ti/16", "--image_size", "64",
+    result = run_app("build_hybrid.py", "--model", "R+ViT-Ti/16", "--image_size", "64",
                      "--num_classes", "10", "--out", out)
     assert result.returncode == 0, result.stderr[-3000:]
     # vit_jax's 6,337,704 at 224 px with 1000 classes, less 45 position embeddings (a 2x2 grid
@@ -38,7 +39,7 @@ def test_build_hybrid_loads_weights_resampled_to_the_image_size(tmp_path):
     params = official_hybrid_params(config, grid=2)
     weights = write_npz(tmp_path / "R_Ti_16.npz", params)
     out = str(tmp_path / "r_ti16_96.keras")
-    result = run_app("build_hybrid.py", "--variant", "R+ViT-Ti/16", "--image_size", "96",
+    result = run_app("build_hybrid.py", "--model", "R+ViT-Ti/16", "--image_size", "96",
                      "--num_classes", "5", "--weights", weights, "--hybrid_numerics", "timm",
                      "--out", out)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -64,7 +65,7 @@ def test_build_hybrid_loads_weights_resampled_to_the_image_size(tmp_path):
 @pytest.mark.backend_independent  # refused from the variant table, before any model is built
 def test_build_hybrid_refuses_a_plain_vit(tmp_path):
     out = str(tmp_path / "vit.keras")
-    result = run_app("build_hybrid.py", "--variant", "ViT-B/16", "--out", out)
+    result = run_app("build_hybrid.py", "--model", "ViT-B/16", "--out", out)
     assert result.returncode != 0
     assert "is not a hybrid" in result.stderr and "R50+ViT-B/16" in result.stderr
     assert not os.path.exists(out)

@@ -8,9 +8,7 @@ import keras
 import numpy as np
 import pytest
 
-from vit_keras.tools import callbacks
-from vit_keras.tools import run_folder
-from vit_keras.tools import recipes
+from vit_keras.tools import callbacks, recipes, run_folder
 
 from conftest import tiny_data, tiny_model
 
@@ -105,6 +103,7 @@ class _Crash(keras.callbacks.Callback):
             raise KeyboardInterrupt  # stands in for a kill after the epoch before was backed up
 
 
+@pytest.mark.slow  # over 5 s alone: out of make test-fast
 def test_resumed_fit_continues_exactly_where_the_backup_left_off(tmp_path, tiny_config):
     """Weights, optimizer state (AdamW moments, step count) and dropout generators come back:
     epochs after the resume have the uninterrupted run's losses to the bit, on every backend."""

@@ -8,6 +8,7 @@ scales near 1, so logits spread well beyond the tolerance.
 Tolerance: fp32 with exact GELU on both sides, max|a - b| / max|b| <= 1e-4 (seen: ~3e-7).
 """
 
+from functools import partial
 import json
 import logging
 import os
@@ -15,20 +16,20 @@ import re
 import shutil
 import struct
 import zipfile
-from functools import partial
 
 import keras
 import numpy as np
 import pytest
 import safetensors.torch
 import scipy.ndimage
-import torch
 from timm.models.vision_transformer import VisionTransformer, _load_weights, checkpoint_filter_fn
+import torch
 from transformers import ViTConfig, ViTForImageClassification, ViTModel
 
 import vit_keras
-from conftest import run_on_backend
 from vit_keras import errors
+
+from conftest import run_on_backend
 
 P, D, H, M, L = 4, 32, 4, 64, 2  # patch, hidden, heads, MLP, layers
 TINY = {"patch_size": P, "hidden_size": D, "mlp_dim": M, "num_heads": H, "num_layers": L}
@@ -378,8 +379,9 @@ def test_hybrid_npz_matches_timm(tmp_path):
     # R+ViT with the ResNet root alone (vit_jax's R+ViT-Ti/16 shape, tiny): published hybrid files
     # store GroupNorm parameters as (1, 1, 1, C). timm standardises weights its own way, so the
     # model uses timm's numerics here.
-    from vit_keras.configs import ViTConfig  # pylint: disable=import-outside-toplevel
     from timm.models.vision_transformer_hybrid import HybridEmbed, _resnetv2
+
+    from vit_keras.configs import ViTConfig  # pylint: disable=import-outside-toplevel
 
     config = ViTConfig(name="R+tiny", resnet_layers=(), **{**TINY, "patch_size": 4})
     source = vit_keras.build_model(config, image_size=32, num_classes=CLASSES)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import vit_keras
+
 from conftest import REPO_ROOT, TINY_CONFIG, random_images, randomize_weights, run_app
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "apps"))
@@ -46,7 +47,7 @@ def test_convert_writes_a_loadable_model_at_a_new_size(tmp_path, checkpoint):
 @pytest.mark.backend_independent  # the checkpoint's shapes against the variant's: NumPy only
 def test_convert_refuses_a_wrong_variant(tmp_path, checkpoint):
     result = run_app("convert.py", "--weights", checkpoint, "--out", str(tmp_path / "x.keras"),
-                     "--variant", "ViT-B/16")
+                     "--model", "ViT-B/16")
     assert result.returncode != 0
     assert "does not hold a ViT-B/16" in result.stderr
     assert not os.path.exists(tmp_path / "x.keras")

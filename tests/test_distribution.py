@@ -88,8 +88,9 @@ def test_padded_evaluation_gives_the_means_over_the_real_examples(tiny_config):
     several processes evaluate them, equal those of the plain batches (4, 4, 2)."""
     import tensorflow as tf
 
-    from conftest import tiny_data, tiny_model
     from vit_keras.tools import recipes
+
+    from conftest import tiny_data, tiny_model
 
     model = recipes.compile_model(tiny_model(tiny_config), "sgd")
     images, labels = tiny_data(n=10)

@@ -5,17 +5,16 @@ attention scores. Their export is tested in test_export.py."""
 import keras
 import numpy as np
 import pytest
+from test_checkpoints import TINY, H, L, _randomize_torch, images, keras_logits, relative, torch_logits
+from timm.models.vision_transformer import VisionTransformer
 import torch
 import torch.nn.functional as F
-from timm.models.vision_transformer import VisionTransformer
 
 import vit_keras
-from vit_keras import interpolation_ops
+from vit_keras import interpolation_ops, posemb
 from vit_keras import layers as vit_layers
-from vit_keras import posemb
+
 from conftest import BACKENDS, random_images, randomize_weights, run_on_backend
-from test_checkpoints import H, L, TINY, _randomize_torch, images, keras_logits, relative, \
-    torch_logits
 
 D = TINY["hidden_size"]
 CLASSES = 5
@@ -97,6 +96,7 @@ def test_one_model_takes_several_sizes_in_one_process():
         assert logits.shape == (2, CLASSES) and np.all(np.isfinite(logits))
 
 
+@pytest.mark.slow  # over 5 s alone: out of make test-fast
 def test_a_hybrid_takes_other_sizes_and_gives_attention_scores(tiny_config):
     hybrid = dict(tiny_config, patch_size=1, resnet_layers=(1,), resnet_width=1)
     model = randomize_weights(dynamic_model(hybrid, image_size=32), scale=0.05)

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import randomize_weights
-
 import vit_keras
 from vit_keras.tools import export as vit_export
 from vit_keras.tools import run_folder
+
+from conftest import randomize_weights
 
 IMAGE_SIZE = 32
 NUM_CLASSES = 10

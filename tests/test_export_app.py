@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import REPO_ROOT, run_on_backend
-
 import vit_keras
+
+from conftest import REPO_ROOT, run_on_backend
 
 pytestmark = pytest.mark.slow  # trains in subprocesses, then runs apps/export.py in others
 

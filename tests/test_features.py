@@ -9,6 +9,7 @@ import pytest
 import vit_keras
 from vit_keras import features
 from vit_keras.model import transformer_blocks
+
 from conftest import random_images, randomize_weights, tiny_model
 
 # float32 on CPU; the extractor and the reference run the same layers, possibly compiled apart.

@@ -8,6 +8,7 @@ import pytest
 
 from vit_keras import build_model, fewshot
 from vit_keras import masked_patch_prediction as mpp
+
 from conftest import random_images, randomize_weights
 
 
@@ -140,8 +141,9 @@ def test_fewshot_app_reports_mean_and_spread_over_seeds(tiny_config, tmp_path):
     import subprocess
     import sys
 
-    from conftest import REPO_ROOT
     from vit_keras.tools import data
+
+    from conftest import REPO_ROOT
 
     model = randomize_weights(build_model(tiny_config, image_size=8, num_classes=10))
     model.save(tmp_path / "model.keras")

@@ -26,15 +26,16 @@ import numpy as np
 import pytest
 import safetensors.torch
 import scipy.ndimage
+from test_checkpoints import images, keras_logits, relative, torch_logits, write_npz
 import timm
-import torch
 from timm.models.vision_transformer import VisionTransformer, _load_weights, checkpoint_filter_fn
 from timm.models.vision_transformer_hybrid import HybridEmbed, _resnetv2
+import torch
 
 import vit_keras
 from vit_keras import checkpoints
+
 from conftest import run_on_backend
-from test_checkpoints import images, keras_logits, relative, torch_logits, write_npz
 
 RTOL = 1e-4
 RTOL_VIT_JAX = 1e-3
@@ -159,6 +160,7 @@ def r50_timm_numerics():
     return keras_hybrid(R50_B16, 64, hybrid_numerics="timm")
 
 
+@pytest.mark.slow  # over 5 s alone: out of make test-fast
 def test_r50_vit_b16_npz_matches_timm_with_timm_numerics(r50_checkpoint, r50_timm_numerics):
     path, _, expected = r50_checkpoint
     model = vit_keras.load_pretrained(r50_timm_numerics, path)
@@ -168,6 +170,7 @@ def test_r50_vit_b16_npz_matches_timm_with_timm_numerics(r50_checkpoint, r50_tim
     assert error < RTOL
 
 
+@pytest.mark.slow  # over 5 s alone: out of make test-fast
 def test_r50_vit_b16_npz_matches_timm_loosely_with_vit_jax_numerics(r50_checkpoint):
     path, _, expected = r50_checkpoint
     model = vit_keras.load_pretrained(keras_hybrid(R50_B16, 64), path)  # hybrid_numerics="vit_jax"

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 import vit_keras
-from vit_keras import layers
-from vit_keras import xla_cpu
+from vit_keras import layers, xla_cpu
 from vit_keras.model import transformer_blocks
 
 from conftest import random_images, randomize_weights, tiny_data, tiny_model
@@ -184,6 +183,7 @@ def _attention_layers(model):
     return [block.attention for block in transformer_blocks(model)]
 
 
+@pytest.mark.slow  # over 5 s alone: out of make test-fast
 @pytest.mark.parametrize("fused", [False, True], ids=["explicit", "fused"])
 def test_int8_quantized_vit_stays_close_to_the_float_model(tiny_config, fused, monkeypatch):
     """int8 rounds each kernel column, and each input row of a projection, to 127 steps of its

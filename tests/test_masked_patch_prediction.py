@@ -8,6 +8,7 @@ import pytest
 
 from vit_keras import build_model
 from vit_keras import masked_patch_prediction as mpp
+
 from conftest import random_images, randomize_weights
 
 
@@ -395,6 +396,7 @@ def test_benchmark_labelled_subset_holds_k_train_images_per_class_with_the_digit
     assert np.bincount(train_labels).tolist() == [3] * 10
 
 
+@pytest.mark.slow  # over 5 s alone: out of make test-fast
 def test_benchmark_masking_cost_times_both_steps():
     seconds = _benchmark().masking_cost(8, 4, "ViT-digits", rounds=2, steps=1)
     assert set(seconds) == {"with corruption", "without"}

@@ -35,7 +35,9 @@ def _unallocated(variant, **kwargs):
 
 
 @pytest.mark.backend_independent
-@pytest.mark.parametrize("variant", list(PARAMETER_COUNTS))
+@pytest.mark.parametrize("variant", [
+    pytest.param(name, marks=pytest.mark.slow) if name == "ViT-H/14" else name  # over 5 s alone
+    for name in PARAMETER_COUNTS])
 def test_parameter_count_equals_vit_jax(variant):
     assert _unallocated(variant).count_params() == PARAMETER_COUNTS[variant]
 
@@ -169,6 +171,7 @@ def test_dropout_and_stochastic_depth_masks_differ_between_compiled_training_ste
     assert first == pytest.approx(second, rel=1e-6)
 
 
+@pytest.mark.slow  # over 5 s alone: out of make test-fast
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_mixed_precision_trains_and_predicts_finite_values(tiny_config, policy):
     keras.config.set_dtype_policy(policy)

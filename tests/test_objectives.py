@@ -7,9 +7,7 @@ import pytest
 
 from vit_keras import build_model
 from vit_keras import masked_patch_prediction as mpp
-from vit_keras.tools import data
-from vit_keras.tools import objectives
-from vit_keras.tools import recipes
+from vit_keras.tools import data, objectives, recipes
 
 
 def test_masked_patch_prediction_trains_on_the_pooled_splits_it_names():

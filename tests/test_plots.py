@@ -1,7 +1,7 @@
 """vit_keras.tools.plots.plot_history: a run's training curves."""
 
-import pytest
 from PIL import Image
+import pytest
 
 from vit_keras.tools import plots
 

@@ -7,12 +7,11 @@ import sys
 import numpy as np
 import pytest
 import scipy.ndimage
+from timm.layers import resample_abs_pos_embed
 import torch
 import torch.nn.functional as F
 
-from timm.layers import resample_abs_pos_embed
-from vit_keras import posemb
-from vit_keras import resample_position_embeddings
+from vit_keras import posemb, resample_position_embeddings
 
 from conftest import REPO_ROOT
 

@@ -12,9 +12,9 @@ from PIL import Image
 import pytest
 
 import vit_keras
+from vit_keras import download, releases
+
 from conftest import random_images, run_app
-from vit_keras import download
-from vit_keras import releases
 from weights_mirror import MirrorServer, write_release
 
 RELEASE = "augreg_in21k_ft_in1k"

@@ -88,6 +88,7 @@ def test_root_max_pool_is_tf_same_padded(size):
                                atol=1e-6)
 
 
+@pytest.mark.slow  # over 5 s alone: out of make test-fast
 def test_r50_stages_output_stride_4_8_16():
     stem = resnet.ResNetStem((3, 4, 9))
     x = random_images(1, 64, 96) / 255.0

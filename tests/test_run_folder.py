@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from conftest import REPO_ROOT
 from vit_keras.tools.run_folder import RunFolder, RunFolderBusyError, RunFolderError
+
+from conftest import REPO_ROOT
 
 pytestmark = [pytest.mark.backend_independent,
               pytest.mark.skipif(sys.platform == "win32", reason="flock is POSIX")]

@@ -9,10 +9,7 @@ import numpy as np
 import pytest
 
 from vit_keras import build_model
-from vit_keras.tools import callbacks
-from vit_keras.tools import objectives
-from vit_keras.tools import recipes
-from vit_keras.tools import training
+from vit_keras.tools import callbacks, objectives, recipes, training
 
 
 def test_recipe_choice_follows_weights_and_dataset():
@@ -41,6 +38,7 @@ def test_masked_patch_prediction_chooses_among_its_own_recipes():
         training.resolve_recipe(RunConfig(recipe="finetune"), mpp)
 
 
+@pytest.mark.slow  # over 5 s alone: out of make test-fast
 def test_run_raises_a_clear_error_on_nan_loss(tmp_path):
     config = training.RunConfig(
         image_size=8, batch_size=16, epochs=2, steps_per_epoch=2, learning_rate=1e30,

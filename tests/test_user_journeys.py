@@ -22,8 +22,9 @@ import numpy as np
 import pytest
 
 import vit_keras
-from conftest import BACKENDS, REPO_ROOT, TINY_CONFIG, randomize_weights, run_on_backend
 from vit_keras.tools.run_folder import RunFolder
+
+from conftest import BACKENDS, REPO_ROOT, TINY_CONFIG, randomize_weights, run_on_backend
 
 pytestmark = pytest.mark.slow
 
@@ -146,7 +147,7 @@ def converted_model(output_dir):
 @pytest.fixture(scope="module")
 def hybrid_model(output_dir):
     out = str(output_dir / "hybrid.keras")
-    _run(_command("build_hybrid.py", "--backend", BACKEND, "--variant", "R+ViT-Ti/16",
+    _run(_command("build_hybrid.py", "--backend", BACKEND, "--model", "R+ViT-Ti/16",
                   "--image_size", "32", "--num_classes", "3", "--out", out))
     return out
 

@@ -8,13 +8,14 @@ import sys
 
 import keras
 import numpy as np
-import pytest
 from PIL import Image
+import pytest
 
 import vit_keras
 from vit_keras import analysis
-from vit_keras.tools import plots
 from vit_keras import layers as vit_layers
+from vit_keras.tools import plots
+
 from conftest import BACKENDS, REPO_ROOT, random_images, randomize_weights
 
 APP = os.path.join(REPO_ROOT, "apps", "visualize.py")

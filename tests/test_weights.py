@@ -13,13 +13,10 @@ import keras
 import numpy as np
 import pytest
 
-from conftest import random_images
 import vit_keras
-from vit_keras import download
-from vit_keras import errors
-from vit_keras import geometry
-from vit_keras import pretrained
-from vit_keras import releases
+from vit_keras import download, errors, geometry, pretrained, releases
+
+from conftest import random_images
 from weights_mirror import MirrorServer, write_class_names, write_release
 
 backend_independent = pytest.mark.backend_independent
@@ -241,6 +238,7 @@ def _assert_names_where_to_go(message, path, url):
     assert download.cache_path(path) in message and download.MIRROR_VARIABLE in message
 
 
+@pytest.mark.slow  # over 5 s alone: out of make test-fast
 @backend_independent
 def test_an_unreachable_source_fails_within_seconds_with_what_to_do(monkeypatch, cache):
     path = releases.find_release("ViT-B/16", "imagenet21k").path

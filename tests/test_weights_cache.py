@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 
 import vit_keras
-from vit_keras import download
-from vit_keras import pretrained
-from vit_keras import releases
+from vit_keras import download, pretrained, releases
+
 from conftest import run_app
 from weights_mirror import MirrorServer, write_class_names, write_release
 
@@ -308,7 +307,7 @@ def test_an_app_given_junk_stops_with_one_error_line(mirror, tmp_path, junk_in):
         with open(_cached(), "wb") as f:
             f.write(page)
         expected = f"ERROR: The cached file {_cached()} is not a valid"
-    result = run_app("convert.py", "--weights", RELEASE.name, "--variant", RELEASE.variant,
+    result = run_app("convert.py", "--weights", RELEASE.name, "--model", RELEASE.variant,
                      "--out", str(tmp_path / "x.keras"))
     assert result.returncode == 2, result.stderr[-3000:]
     assert expected in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]

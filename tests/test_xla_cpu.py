@@ -7,9 +7,10 @@ import keras
 import numpy as np
 import pytest
 
-from conftest import run_on_backend
 from vit_keras import xla_cpu
 from vit_keras.xla_cpu import einsum, materialize_gradient
+
+from conftest import run_on_backend
 
 _GRADIENT_CODE = """
 import jax, jax.numpy as jnp, numpy as np
@@ -96,6 +97,7 @@ print(json.dumps(result))
 """
 
 
+@pytest.mark.slow  # over 5 s alone: out of make test-fast
 @pytest.mark.jax_subprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt is Linux-only")
 def test_import_leaves_glibc_malloc_alone_until_keep_freed_host_memory_is_called(tiny_config):
@@ -349,6 +351,7 @@ print(json.dumps({"dots": dots["mixed_bfloat16"],
 """
 
 
+@pytest.mark.slow  # over 5 s alone: out of make test-fast
 @pytest.mark.jax_subprocess
 def test_mixed_bfloat16_vit_on_jax_differentiates_through_bfloat16_products(tiny_config):
     """On JAX on CPU the encoder's products (patches, q/k/v, attention, output, MLP; forward and

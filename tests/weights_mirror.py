@@ -14,6 +14,7 @@ import threading
 import time
 
 import vit_keras
+
 from conftest import randomize_weights
 
 TRICKLE_LIMIT_SECONDS = 60

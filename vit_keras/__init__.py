@@ -8,6 +8,9 @@ application half (data pipelines, recipes, training runs, export, figures) is `v
 which the core never imports.
 """
 
+# Imported for what they register with Keras' serialization: the MPP layers and the training
+# recipes' WarmupSchedule, so that `import vit_keras` is all a saved model needs.
+from vit_keras import fewshot, masked_patch_prediction, schedules  # noqa: F401
 from vit_keras.analysis import (
     attention_rollout,
     embedding_filter_components,
@@ -17,11 +20,10 @@ from vit_keras.analysis import (
     token_size_pixels,
 )
 from vit_keras.checkpoints import load_pretrained, save_npz
-from vit_keras import fewshot, masked_patch_prediction  # noqa: F401 (registers the MPP layers)
-from vit_keras import schedules  # noqa: F401 (registers the training recipes' WarmupSchedule)
-from vit_keras.features import build_feature_extractor, intermediate_features
-from vit_keras.labels import class_names
 from vit_keras.configs import VARIANTS, ViTConfig, get_config
+from vit_keras.features import build_feature_extractor, intermediate_features
+from vit_keras.host_memory import keep_freed_host_memory
+from vit_keras.labels import class_names
 from vit_keras.layers import (
     AddPositionEmbs,
     ClassToken,
@@ -38,7 +40,6 @@ from vit_keras.posemb import resample_position_embeddings
 from vit_keras.pretrained import build_model, build_model_from_checkpoint
 from vit_keras.releases import Release, list_weights
 from vit_keras.resnet import ResidualUnit, ResNetStage, ResNetStem, StdConv2D
-from vit_keras.host_memory import keep_freed_host_memory
 
 __version__ = "0.1.0"
 

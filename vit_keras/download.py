@@ -22,8 +22,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-from vit_keras import errors
-from vit_keras import releases
+from vit_keras import errors, releases
 
 MIRROR_VARIABLE = "VIT_KERAS_WEIGHTS_MIRROR"
 HOME_VARIABLE = "VIT_KERAS_HOME"

@@ -14,11 +14,10 @@ import numbers
 import re
 
 import keras
-import numpy as np
 from keras import ops
+import numpy as np
 
-from vit_keras import geometry
-from vit_keras import layers
+from vit_keras import geometry, layers
 from vit_keras import model as vit_model
 
 OUTPUTS = ("tokens", "grid", "pooled")

@@ -9,8 +9,7 @@ and of every published 1000-class head); each name is the synset's WordNet lemma
 import functools
 import os
 
-from vit_keras import download
-from vit_keras import releases
+from vit_keras import download, releases
 
 _IMAGENET2012 = os.path.join(os.path.dirname(__file__), "data", "imagenet2012_classes.tsv")
 _SIZES = {"imagenet2012": 1000, "imagenet21k": 21843}

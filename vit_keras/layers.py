@@ -10,8 +10,7 @@ import math
 import keras
 from keras import ops
 
-from vit_keras import interpolation_ops
-from vit_keras import xla_cpu
+from vit_keras import interpolation_ops, xla_cpu
 
 _PACKAGE = "vit_keras"
 

@@ -8,10 +8,7 @@ import re
 import keras
 import numpy as np
 
-from vit_keras import configs
-from vit_keras import geometry
-from vit_keras import layers
-from vit_keras import resnet
+from vit_keras import configs, geometry, layers, resnet
 
 
 def build_vit(variant, *, image_size=None, num_classes=None, include_top=True,

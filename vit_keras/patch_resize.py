@@ -25,8 +25,7 @@ per axis does the work of the dense `(q*q, p*p)` one.
 
 import numpy as np
 
-from vit_keras import geometry
-from vit_keras import posemb
+from vit_keras import geometry, posemb
 
 
 def _bilinear_matrix(in_size, out_size):

@@ -8,12 +8,8 @@ The model builder (`model.py`) knows nothing of checkpoints and the checkpoint l
 
 import os
 
-from vit_keras import configs
-from vit_keras import download
-from vit_keras import errors
-from vit_keras import geometry
+from vit_keras import configs, download, errors, geometry, releases
 from vit_keras import model as model_lib
-from vit_keras import releases
 from vit_keras.checkpoints import loader
 
 HUB_PREFIX = "hf-hub:"

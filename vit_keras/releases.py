@@ -10,8 +10,7 @@ ids are listed where the hub holds the same weights with the same head.
 
 import dataclasses
 
-from vit_keras import configs
-from vit_keras import errors
+from vit_keras import configs, errors
 
 OFFICIAL_BASE_URL = "https://storage.googleapis.com/"
 """The bucket every `Release.path` is relative to (`VIT_KERAS_WEIGHTS_MIRROR` replaces it)."""

@@ -5,8 +5,7 @@ import json
 import os
 
 from vit_keras import errors
-from vit_keras.checkpoints import names
-from vit_keras.checkpoints import timm
+from vit_keras.checkpoints import names, timm
 
 CONFIG = "config.json"
 _ANCHOR = "embeddings.patch_embeddings.projection.weight"

@@ -11,16 +11,8 @@ import os
 import keras
 import numpy as np
 
-from vit_keras import configs
-from vit_keras import errors
-from vit_keras import geometry
-from vit_keras import patch_resize
-from vit_keras import posemb
-from vit_keras.checkpoints import files
-from vit_keras.checkpoints import huggingface
-from vit_keras.checkpoints import names
-from vit_keras.checkpoints import npz
-from vit_keras.checkpoints import timm
+from vit_keras import configs, errors, geometry, patch_resize, posemb
+from vit_keras.checkpoints import files, huggingface, names, npz, timm
 
 logger = logging.getLogger("vit_keras")
 

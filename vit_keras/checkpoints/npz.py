@@ -3,8 +3,7 @@
 import numpy as np
 
 from vit_keras import errors
-from vit_keras.checkpoints import files
-from vit_keras.checkpoints import names
+from vit_keras.checkpoints import files, names
 
 
 def read(path):

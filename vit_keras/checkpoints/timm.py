@@ -1,7 +1,6 @@
 """timm `VisionTransformer` state dicts (`.pth`, `.bin` or `.safetensors`)."""
 
-from vit_keras import configs
-from vit_keras import errors
+from vit_keras import configs, errors
 from vit_keras.checkpoints import names
 
 _ANCHOR = "patch_embed.proj.weight"

@@ -11,7 +11,6 @@ import numpy as np
 
 from vit_keras import errors
 
-
 DISTRIBUTIONS = ("none", "data_parallel", "model_parallel")
 # The environment variables of `keras.distribution.initialize`; the apps' flags default to them.
 ADDRESSES_ENV = "KERAS_DISTRIBUTION_JOB_ADDRESSES"

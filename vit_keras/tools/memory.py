@@ -6,8 +6,7 @@ import os
 
 import keras
 
-from vit_keras import errors
-from vit_keras import geometry
+from vit_keras import errors, geometry
 from vit_keras import layers as vit_layers
 
 

@@ -15,8 +15,7 @@ options are `config_flags.option` fields: the flags of the app that runs it.
 
 import dataclasses
 
-from vit_keras import errors
-from vit_keras import fewshot
+from vit_keras import errors, fewshot
 from vit_keras import masked_patch_prediction as mpp
 from vit_keras.tools import recipes as recipes_lib
 from vit_keras.tools.config_flags import option

@@ -17,15 +17,12 @@ import warnings
 import keras
 
 from vit_keras import configs as configs_lib
-from vit_keras import geometry
-from vit_keras import masked_patch_prediction
-from vit_keras import pretrained
+from vit_keras import geometry, masked_patch_prediction, pretrained
 from vit_keras.checkpoints import save_npz
 from vit_keras.tools import callbacks as callbacks_lib
 from vit_keras.tools import distribution as distribution_lib
-from vit_keras.tools import memory
+from vit_keras.tools import memory, plots
 from vit_keras.tools import objectives as objectives_lib
-from vit_keras.tools import plots
 from vit_keras.tools import recipes as recipes_lib
 from vit_keras.tools.config_flags import option
 from vit_keras.tools.run_folder import RunFolder
