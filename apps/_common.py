@@ -57,9 +57,9 @@ class ReloadMismatchError(Exception):
     """A saved `.keras` file does not compute what the model that wrote it computes."""
 
 
-def verify_reload(model, path, tolerance=1e-5):
+def verify_reload(model, path, tolerance=1e-5, shown_as=None):
     """Reloads `path` and compares it with `model` on a fixed random image; returns the largest
-    difference, or raises `ReloadMismatchError`.
+    difference, or raises `ReloadMismatchError` (naming `shown_as`, default `path`).
 
     Compares the logits and, where the model has a `head` layer, the features it takes: a new
     head is zero-initialised, and zeros match zeros whatever the weights under them hold.
@@ -67,6 +67,7 @@ def verify_reload(model, path, tolerance=1e-5):
     import keras
 
     reloaded = keras.models.load_model(path)
+    shown_as = shown_as or path
     images = np.random.default_rng(0).uniform(0, 255, (1, *model.input_shape[1:])).astype(
         "float32")
 
@@ -78,13 +79,48 @@ def verify_reload(model, path, tolerance=1e-5):
 
     expected, found = outputs(model), outputs(reloaded)
     if [e.shape for e in expected] != [f.shape for f in found]:
-        raise ReloadMismatchError(f"Reloaded {path} has outputs of shapes "
+        raise ReloadMismatchError(f"Reloaded {shown_as} has outputs of shapes "
                                   f"{[f.shape for f in found]}, not {[e.shape for e in expected]}.")
     difference = max(float(np.max(np.abs(f - e))) for f, e in zip(found, expected))
     scale = max(1.0, *(float(np.max(np.abs(e))) for e in expected))
     if not difference <= tolerance * scale:  # NaN fails too
-        raise ReloadMismatchError(f"Reloaded {path} differs from the model that wrote it by "
+        raise ReloadMismatchError(f"Reloaded {shown_as} differs from the model that wrote it by "
                                   f"{difference:g} (logits or the features under the head).")
+    return difference
+
+
+def define_model_output_flags():
+    """`--out` (a `.keras` path) and `--overwrite`, for the apps that write one model file."""
+    flags.DEFINE_string("out", None, "Output .keras file, e.g. saved_models/NAME.keras.",
+                        required=True)
+    flags.DEFINE_bool("overwrite", False, "Replace --out if it exists (without it, an existing "
+                      "file stops the program before any work).")
+
+
+def check_model_output(out, overwrite):
+    """Refuses, before any work, an `--out` that is not a `.keras` path, or that exists and is not
+    to be overwritten: a model written earlier is never replaced without `--overwrite`."""
+    if not out.endswith(".keras"):
+        raise app.UsageError(f"--out must end with .keras; got {out!r}.")
+    if os.path.exists(out) and not overwrite:
+        raise app.UsageError(f"{out} exists already: pass --overwrite to replace it, or choose "
+                             f"another --out.")
+
+
+def save_checked_model(model, out):
+    """Writes `model` to `out` once a reload of it computes what `model` computes: saved under a
+    temporary name, reloaded and compared (`verify_reload`), then renamed into place, so `out` is
+    never a partial or a wrong file. Returns the largest difference; raises
+    `ReloadMismatchError` (the temporary file deleted)."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    temporary = f"{out[:-len('.keras')]}.tmp-{os.getpid()}.keras"
+    model.save(temporary)
+    try:
+        difference = verify_reload(model, temporary, shown_as=out)
+    except ReloadMismatchError:
+        os.remove(temporary)
+        raise
+    os.replace(temporary, out)
     return difference
 
 

@@ -15,12 +15,12 @@ nearest `--image_size` is downloaded once into $VIT_KERAS_HOME (default $KERAS_H
 read from the mirror VIT_KERAS_WEIGHTS_MIRROR names, and `--image_size` and `--num_classes`
 default to the release's; offline, the app exits with status 2 and says where to place the file.
 Position embeddings are resampled on the feature-map grid when the image size differs, and
-a head of another class count is zero-initialised. After saving, the file is reloaded with
-`keras.models.load_model` and its logits, and the features under the head, compared with the built
-model's; the program exits with status 1 if they differ.
+a head of another class count is zero-initialised. The model is saved under a temporary name,
+reloaded with `keras.models.load_model` and its logits, and the features under the head, compared
+with the built model's; only then does it become `--out` (the program exits with status 1 if they
+differ). An existing `--out` stops the program before any work unless `--overwrite` is given.
 """
 
-import os
 
 import _backend
 
@@ -42,7 +42,7 @@ flags.DEFINE_string("weights", None, "Optional checkpoint to load (.npz, timm st
 flags.DEFINE_enum("hybrid_numerics", "vit_jax", ("vit_jax", "timm"),
                   "Weight-standardisation and GroupNorm epsilons: vit_jax (the original models) or "
                   "timm's.")
-flags.DEFINE_string("out", None, "Output .keras file, e.g. saved_models/NAME.keras.", required=True)
+_common.define_model_output_flags()
 FLAGS = flags.FLAGS
 
 
@@ -53,8 +53,7 @@ def main(argv):
 
     import vit_keras  # pylint: disable=import-outside-toplevel
 
-    if not FLAGS.out.endswith(".keras"):
-        raise app.UsageError(f"--out must end with .keras; got {FLAGS.out!r}.")
+    _common.check_model_output(FLAGS.out, FLAGS.overwrite)
     hybrids = [name for name, config in vit_keras.VARIANTS.items() if config.is_hybrid]
     try:
         variant = vit_keras.get_config(FLAGS.model).name
@@ -80,10 +79,8 @@ def main(argv):
           f"{model.output_shape[-1]} classes; feature map {rows}x{cols}x{channels}; sequence "
           f"length {tokens}.")
 
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    model.save(FLAGS.out)
     try:
-        difference = _common.verify_reload(model, FLAGS.out)
+        difference = _common.save_checked_model(model, FLAGS.out)
     except _common.ReloadMismatchError as error:
         logging.error("%s", error)
         return 1

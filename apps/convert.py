@@ -15,13 +15,13 @@ read from the mirror VIT_KERAS_WEIGHTS_MIRROR names; offline, the app exits with
 where to place the file.
 
 The checkpoint determines the architecture; `--model` only checks it (`--variant` is its old name,
-still accepted). A different `--image_size`
-resamples the position embeddings, a different `--num_classes` gets a zero-initialised head. After
-saving, the file is reloaded with `keras.models.load_model` and its logits, and the features under
-the head, compared with the converted model's; the program exits with status 1 if they differ.
+still accepted). A different `--image_size` resamples the position embeddings, a different
+`--num_classes` gets a zero-initialised head. The model is saved under a temporary name, reloaded
+with `keras.models.load_model` and its logits, and the features under the head, compared with the
+converted model's; only then does it become `--out` (the program exits with status 1 if they
+differ). An existing `--out` stops the program before any work unless `--overwrite` is given.
 """
 
-import os
 
 import _backend
 
@@ -34,7 +34,7 @@ import _common
 flags.DEFINE_string("weights", None, "Checkpoint file, Hugging Face folder, hf-hub:REPO_ID, or a "
                     "release name (e.g. augreg_in21k_ft_in1k; needs --model), downloaded once.",
                     required=True)
-flags.DEFINE_string("out", None, "Output .keras file, e.g. saved_models/NAME.keras.", required=True)
+_common.define_model_output_flags()
 flags.DEFINE_string("model", None, "Expected variant (e.g. ViT-B/16 or ViT-B_16); an error if the "
                     "checkpoint holds another architecture. Required with a release name.")
 flags.DEFINE_alias("variant", "model")  # the flag's name before every app said --model
@@ -56,18 +56,15 @@ def main(argv):
 
     import vit_keras  # pylint: disable=import-outside-toplevel
 
-    if not FLAGS.out.endswith(".keras"):
-        raise app.UsageError(f"--out must end with .keras; got {FLAGS.out!r}.")
+    _common.check_model_output(FLAGS.out, FLAGS.overwrite)
     image_size = _common.parse_image_size(FLAGS.image_size) if FLAGS.image_size else None
     _common.check_weights(FLAGS.weights, FLAGS.model, image_size)  # before the download
     model = vit_keras.build_model_from_checkpoint(
         FLAGS.weights, variant=FLAGS.model, image_size=image_size,
         num_classes=FLAGS.num_classes, num_heads=FLAGS.num_heads,
         interpolation=FLAGS.interpolation, antialias=FLAGS.antialias)
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    model.save(FLAGS.out)
     try:
-        difference = _common.verify_reload(model, FLAGS.out)
+        difference = _common.save_checked_model(model, FLAGS.out)
     except _common.ReloadMismatchError as error:
         logging.error("%s", error)
         return 1

@@ -53,6 +53,24 @@ def test_convert_refuses_a_wrong_variant(tmp_path, checkpoint):
     assert not os.path.exists(tmp_path / "x.keras")
 
 
+@pytest.mark.slow
+def test_an_existing_output_is_replaced_only_with_overwrite(tmp_path, checkpoint):
+    out = tmp_path / "tiny.keras"
+    first = run_app("convert.py", "--weights", checkpoint, "--out", str(out))
+    assert first.returncode == 0, first.stderr[-3000:]
+    written = out.read_bytes()
+    again = run_app("convert.py", "--weights", checkpoint, "--out", str(out), "--num_classes", "3")
+    assert again.returncode == 2, again.stderr[-3000:]
+    assert again.stderr.strip().splitlines()[-1] == (
+        f"ERROR: {out} exists already: pass --overwrite to replace it, or choose another --out.")
+    assert out.read_bytes() == written
+    replaced = run_app("convert.py", "--weights", checkpoint, "--out", str(out), "--num_classes",
+                       "3", "--overwrite")
+    assert replaced.returncode == 0, replaced.stderr[-3000:]
+    assert keras.models.load_model(str(out)).output_shape == (None, 3)
+    assert sorted(os.listdir(tmp_path)) == ["tiny.keras", "tiny.npz"]  # no temporary file left
+
+
 def test_reload_verification_sees_the_features_under_a_zero_head(tmp_path):
     """A new head is zeros, so the logits of any two models with it agree; the check must also
     compare what the head takes, or a reload that lost the converted weights would pass."""
