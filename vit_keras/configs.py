@@ -22,10 +22,33 @@ class ViTConfig:
     # Hybrids only: units per ResNet stage (`()`: the root alone) and its width multiplier.
     resnet_layers: tuple | None = None
     resnet_width: int = 1
+    # The family's switches (DeiT, DeiT III, DINOv2, SigLIP, CLIP, MAE); the defaults are the
+    # paper's model. See docs/checkpoints.md for which family sets which.
+    layer_scale_init: float | None = None  # LayerScale on both residual branches, its init value
+    num_registers: int = 0  # register tokens (DINOv2-reg); they take no position embedding
+    distillation: bool = False  # DeiT's distillation token and its second head `head_dist`
+    posemb_prefix: bool = True  # position embeddings cover the class/distillation tokens
+    pre_norm: bool = False  # LayerNorm before the encoder (CLIP's `ln_pre`)
+    fc_norm: bool = False  # LayerNorm after pooling instead of before it (MAE, BEiT fine-tuning)
+    patch_bias: bool = True  # the patch embedding has a bias (CLIP's has none)
+    layer_norm_epsilon: float = 1e-6
+    gelu: str = "exact"  # "exact" (erf), "tanh" (Flax's approximation) or "quick" (CLIP's)
+    # A class token: None follows the classifier ("token" has one, "gap" and "map" none); True
+    # keeps one beside another pooling (MAE fine-tuned with mean pooling).
+    class_token: bool | None = None
 
     @property
     def is_hybrid(self):
         return self.resnet_layers is not None
+
+    def has_class_token(self, classifier):
+        """Whether a model of this config with `classifier` has a class token."""
+        return classifier == "token" if self.class_token is None else self.class_token
+
+    def num_prefix_tokens(self, classifier):
+        """Tokens before the patches: class token, distillation token, registers, in that order."""
+        return (int(self.has_class_token(classifier)) + int(self.distillation)
+                + self.num_registers)
 
     def __post_init__(self):
         if self.resnet_layers is not None:
@@ -38,6 +61,20 @@ class ViTConfig:
         for field in ("patch_size", "hidden_size", "mlp_dim", "num_heads", "num_layers"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{self.name}: {field} must be positive; got {getattr(self, field)}.")
+        if self.gelu not in GELUS:
+            raise ValueError(f"{self.name}: unknown gelu {self.gelu!r}; expected one of {GELUS}.")
+        if self.num_registers < 0:
+            raise ValueError(f"{self.name}: num_registers must be 0 or more; got "
+                             f"{self.num_registers}.")
+        if self.distillation and self.class_token is False:
+            raise ValueError(f"{self.name}: a distillation token needs a class token (DeiT reads "
+                             f"both); leave class_token at None or True.")
+
+
+GELUS = ("exact", "tanh", "quick")
+SWITCHES = ("layer_scale_init", "num_registers", "distillation", "posemb_prefix", "pre_norm",
+            "fc_norm", "patch_bias", "layer_norm_epsilon", "gelu", "class_token")
+"""The `ViTConfig` fields that switch a family member's behaviour on (not its sizes)."""
 
 
 def _vit(size, patch, hidden, mlp, heads, layers):

@@ -17,6 +17,20 @@ The canonical layout is the official vit_jax `.npz` (pre-Linen names, no prefix)
     head/kernel|bias                                  (features, classes)
     conv_root/kernel, gn_root/scale, block{s}/unit{u}/{conv,gn}{1,2,3,_proj}/...   hybrids only
 
+The family's switches (`ViTConfig`) add, where they are on:
+
+    Transformer/encoderblock_{i}/LayerScale_1/scale   (hidden,)  LayerScale of the attention branch
+    Transformer/encoderblock_{i}/LayerScale_3/scale   (hidden,)  LayerScale of the MLP branch
+    dist                                              (1, 1, hidden)      distillation token
+    reg                                               (1, registers, hidden)  register tokens
+    head_dist/kernel|bias                             (features, classes) the distillation head
+    Transformer/pre_norm/scale|bias                   LayerNorm before the encoder (CLIP)
+    fc_norm/scale|bias                                LayerNorm after pooling (no encoder_norm then)
+    MAPHead_0/probe                                   (1, 1, hidden)  attention pooling (SigLIP)
+    MAPHead_0/MultiHeadDotProductAttention_0/{query,key,value,out}/kernel|bias  as in the blocks
+    MAPHead_0/LayerNorm_0/scale|bias
+    MAPHead_0/MlpBlock_0/Dense_0|Dense_1/kernel|bias
+
 Keras weight paths equal these keys up to `Transformer/` and `gamma|beta` (see `keras_to_canonical`).
 Keys a converter does not recognise are passed through under their own name, so that a strict load
 reports them as unexpected.
@@ -30,6 +44,14 @@ from vit_keras import errors
 
 POSEMB = "Transformer/posembed_input/pos_embedding"
 CLS = "cls"
+DIST = "dist"
+REG = "reg"
+HEAD_DIST = "head_dist/"
+PRE_NORM = "Transformer/pre_norm/"
+FC_NORM = "fc_norm/"
+MAP_HEAD = "MAPHead_0/"
+LAYER_SCALE_ATTENTION = "LayerScale_1/scale"
+LAYER_SCALE_MLP = "LayerScale_3/scale"
 EMBEDDING_KERNEL = "embedding/kernel"
 ENCODER_NORM = "Transformer/encoder_norm/"
 BLOCK = "Transformer/encoderblock_{}/"
@@ -43,7 +65,8 @@ RESNET_ROOT = "conv_root/kernel"
 HEAD = "head/"
 
 _RESNET = "resnet/"
-_TRANSFORMER_PARTS = re.compile(r"^(encoderblock_\d+|encoder_norm|posembed_input)/")
+_TRANSFORMER_PARTS = re.compile(r"^(encoderblock_\d+|encoder_norm|posembed_input|pre_norm)/")
+_TOKENS = {"cls/cls": CLS, "dist/dist": DIST, "reg/reg": REG}
 
 
 # --- Keras model weights --------------------------------------------------------------------------
@@ -52,8 +75,8 @@ def keras_to_canonical(path):
     """A vit_keras weight path → its canonical key, e.g. `encoder_norm/gamma` →
     `Transformer/encoder_norm/scale`, `cls/cls` → `cls`, and for hybrids
     `resnet/block1/unit1/gn1/gamma` → `block1/unit1/gn1/scale` (the ResNet sits at the top level)."""
-    if path == "cls/cls":
-        return CLS
+    if path in _TOKENS:
+        return _TOKENS[path]
     if path.startswith(_RESNET):
         path = path[len(_RESNET):]
     key = re.sub(r"/gamma$", "/scale", re.sub(r"/beta$", "/bias", path))
@@ -237,18 +260,39 @@ def from_timm(state_dict, num_heads):
     ])
 
 
-def from_huggingface(state_dict, num_heads):
-    """A Hugging Face `ViTModel` / `ViTForImageClassification` state dict → canonical dict.
+# Keys of a full CLIPModel / SiglipModel folder outside its image tower: the vision tower is loaded
+# as `CLIPVisionModel` / `SiglipVisionModel` would load it, so the text tower and the projections
+# into the joint embedding space are left out (`logit_scale`, `logit_bias` belong to the pair).
+_HF_OUTSIDE_VISION = re.compile(r"^(text_model\.|text_projection\.|visual_projection\.|"
+                                r"logit_scale$|logit_bias$)")
+# DINOv2's `mask_token` replaces masked patches in self-supervised training only; inference and
+# fine-tuning never read it.
+_HF_TRAINING_ONLY = {"embeddings.mask_token"}
 
-    Accepts the names `save_pretrained` writes (`encoder.layer.{i}.attention.attention.query`) and
-    the in-memory names of transformers >= 5 (`layers.{i}.attention.q_proj`), with or without the
-    `vit.` prefix. `ViTModel`'s pooler (Dense + tanh on the class token after the final LayerNorm)
-    is the representation layer `pre_logits`.
+
+def from_huggingface(state_dict, num_heads):
+    """A Hugging Face ViT-family state dict → canonical dict.
+
+    The families: `ViTModel` / `ViTForImageClassification`, `ViTMAEModel` (ViT's names),
+    `DeiTModel` / `DeiTForImageClassification[WithTeacher]` (`distillation_token`,
+    `cls_classifier` / `distillation_classifier` → `head` / `head_dist`), `Dinov2Model` and
+    `Dinov2WithRegistersModel` (`norm1|2`, `mlp.fc1|2`, `layer_scale{1,2}.lambda1` → LayerScale,
+    `register_tokens` → `reg`), `CLIPVisionModel` (`class_embedding` (hidden,), bias-free
+    `patch_embedding`, `position_embedding.weight` (tokens, hidden), `pre_layrnorm` → pre_norm,
+    `post_layernorm` → encoder_norm) and `SiglipVisionModel` (no class token; its `head` is the
+    MAP head, a `torch.nn.MultiheadAttention` with fused `in_proj`). The names `save_pretrained`
+    writes (`encoder.layer.{i}.attention.attention.query`) and the in-memory names of
+    transformers >= 5 (`layers.{i}.attention.q_proj`) are accepted, with or without the model's
+    prefix (`vit.`, `deit.`, `vision_model.`). `ViTModel`'s and `DeiTModel`'s pooler (Dense + tanh
+    on the class token after the final LayerNorm) is the representation layer `pre_logits`. A full
+    CLIPModel / SiglipModel gives its image tower; DINOv2's training-only `mask_token` is dropped.
     """
-    state_dict = {k[len("vit."):] if k.startswith("vit.") else k: v for k, v in state_dict.items()}
-    hidden = state_dict["embeddings.patch_embeddings.projection.weight"].shape[0]
+    state_dict = {re.sub(r"^(vit|deit|vision_model)\.", "", k): v for k, v in state_dict.items()
+                  if not _HF_OUTSIDE_VISION.match(k) and k not in _HF_TRAINING_ONLY}
+    hidden = next(v for k, v in state_dict.items() if re.fullmatch(
+        r"embeddings\.patch_embeddings?\.(?:projection\.)?weight", k)).shape[0]
     _check_heads(hidden, num_heads)
-    layer = r"(?:encoder\.layer|layers)\.(\d+)\."
+    layer = r"(?:encoder\.layers?|layers)\.(\d+)\."
     projections = {"query": "query", "key": "key", "value": "value", "q_proj": "query",
                    "k_proj": "key", "v_proj": "value"}
 
@@ -264,20 +308,52 @@ def from_huggingface(state_dict, num_heads):
             return {block + "out/kernel": _heads_out(value, num_heads)}
         return {block + "out/bias": value}
 
+    map_attention = "MAPHead_0/MultiHeadDotProductAttention_0/"
+
+    def map_in(match, value):  # torch MultiheadAttention: in_proj stacks query, key, value
+        parts = np.split(value, 3, axis=0)
+        if match.group(1) == "weight":
+            return {f"{map_attention}{n}/kernel": _heads_in(p, num_heads)
+                    for n, p in zip(("query", "key", "value"), parts)}
+        return {f"{map_attention}{n}/bias": p.reshape(num_heads, -1)
+                for n, p in zip(("query", "key", "value"), parts)}
+
+    def map_out(match, value):
+        if match.group(1) == "weight":
+            return {map_attention + "out/kernel": _heads_out(value, num_heads)}
+        return {map_attention + "out/bias": value}
+
     return _convert(state_dict, [
-        (r"embeddings\.patch_embeddings\.projection\.weight", _to(EMBEDDING_KERNEL, _conv)),
-        (r"embeddings\.patch_embeddings\.projection\.bias", _to("embedding/bias")),
+        (r"embeddings\.patch_embeddings?\.(?:projection\.)?weight", _to(EMBEDDING_KERNEL, _conv)),
+        (r"embeddings\.patch_embeddings?\.(?:projection\.)?bias", _to("embedding/bias")),
         (r"embeddings\.cls_token", _to(CLS)),
+        (r"embeddings\.class_embedding", _to(CLS, lambda v: v.reshape(1, 1, -1))),
+        (r"embeddings\.distillation_token", _to("dist")),
+        (r"embeddings\.register_tokens", _to("reg")),
         (r"embeddings\.position_embeddings", _to(POSEMB)),
-        (layer + r"layernorm_before\.(weight|bias)", _ln(BLOCK + "LayerNorm_0/")),
-        (layer + r"attention\.(?:attention\.)?(query|key|value|q_proj|k_proj|v_proj)\.(weight|bias)",
-         qkv),
-        (layer + r"attention\.(?:output\.dense|o_proj)\.(weight|bias)", out),
-        (layer + r"layernorm_after\.(weight|bias)", _ln(BLOCK + "LayerNorm_2/")),
+        (r"embeddings\.position_embedding\.weight", _to(POSEMB, lambda v: v[None])),
+        (r"pre_layrnorm\.(weight|bias)", _ln("Transformer/pre_norm/")),
+        (layer + r"(?:layernorm_before|norm1|layer_norm1)\.(weight|bias)",
+         _ln(BLOCK + "LayerNorm_0/")),
+        (layer + r"(?:attention\.(?:attention\.)?|self_attn\.)"
+                 r"(query|key|value|q_proj|k_proj|v_proj)\.(weight|bias)", qkv),
+        (layer + r"(?:attention\.(?:output\.dense|o_proj)|self_attn\.out_proj)\.(weight|bias)",
+         out),
+        (layer + r"layer_scale1\.lambda1", _to(BLOCK + "LayerScale_1/scale")),
+        (layer + r"(?:layernorm_after|norm2|layer_norm2)\.(weight|bias)",
+         _ln(BLOCK + "LayerNorm_2/")),
         (layer + r"(?:intermediate\.dense|mlp\.fc1)\.(weight|bias)",
          _dense(BLOCK + "MlpBlock_3/Dense_0/")),
         (layer + r"(?:output\.dense|mlp\.fc2)\.(weight|bias)", _dense(BLOCK + "MlpBlock_3/Dense_1/")),
-        (r"layernorm\.(weight|bias)", _ln(ENCODER_NORM)),
+        (layer + r"layer_scale2\.lambda1", _to(BLOCK + "LayerScale_3/scale")),
+        (r"(?:layernorm|post_layernorm)\.(weight|bias)", _ln(ENCODER_NORM)),
+        (r"head\.probe", _to("MAPHead_0/probe")),
+        (r"head\.attention\.in_proj_(weight|bias)", map_in),
+        (r"head\.attention\.out_proj\.(weight|bias)", map_out),
+        (r"head\.layernorm\.(weight|bias)", _ln("MAPHead_0/LayerNorm_0/")),
+        (r"head\.mlp\.fc1\.(weight|bias)", _dense("MAPHead_0/MlpBlock_0/Dense_0/")),
+        (r"head\.mlp\.fc2\.(weight|bias)", _dense("MAPHead_0/MlpBlock_0/Dense_1/")),
         (r"pooler\.dense\.(weight|bias)", _dense(PRE_LOGITS)),
-        (r"classifier\.(weight|bias)", _dense(HEAD)),
+        (r"(?:classifier|cls_classifier)\.(weight|bias)", _dense(HEAD)),
+        (r"distillation_classifier\.(weight|bias)", _dense("head_dist/")),
     ])
