@@ -308,7 +308,7 @@ def from_huggingface(state_dict, num_heads):
             return {block + "out/kernel": _heads_out(value, num_heads)}
         return {block + "out/bias": value}
 
-    map_attention = "MAPHead_0/MultiHeadDotProductAttention_0/"
+    map_attention = MAP_HEAD + "MultiHeadDotProductAttention_0/"
 
     def map_in(match, value):  # torch MultiheadAttention: in_proj stacks query, key, value
         parts = np.split(value, 3, axis=0)
@@ -328,32 +328,32 @@ def from_huggingface(state_dict, num_heads):
         (r"embeddings\.patch_embeddings?\.(?:projection\.)?bias", _to("embedding/bias")),
         (r"embeddings\.cls_token", _to(CLS)),
         (r"embeddings\.class_embedding", _to(CLS, lambda v: v.reshape(1, 1, -1))),
-        (r"embeddings\.distillation_token", _to("dist")),
-        (r"embeddings\.register_tokens", _to("reg")),
+        (r"embeddings\.distillation_token", _to(DIST)),
+        (r"embeddings\.register_tokens", _to(REG)),
         (r"embeddings\.position_embeddings", _to(POSEMB)),
         (r"embeddings\.position_embedding\.weight", _to(POSEMB, lambda v: v[None])),
-        (r"pre_layrnorm\.(weight|bias)", _ln("Transformer/pre_norm/")),
+        (r"pre_layrnorm\.(weight|bias)", _ln(PRE_NORM)),
         (layer + r"(?:layernorm_before|norm1|layer_norm1)\.(weight|bias)",
          _ln(BLOCK + "LayerNorm_0/")),
         (layer + r"(?:attention\.(?:attention\.)?|self_attn\.)"
                  r"(query|key|value|q_proj|k_proj|v_proj)\.(weight|bias)", qkv),
         (layer + r"(?:attention\.(?:output\.dense|o_proj)|self_attn\.out_proj)\.(weight|bias)",
          out),
-        (layer + r"layer_scale1\.lambda1", _to(BLOCK + "LayerScale_1/scale")),
+        (layer + r"layer_scale1\.lambda1", _to(BLOCK + LAYER_SCALE_ATTENTION)),
         (layer + r"(?:layernorm_after|norm2|layer_norm2)\.(weight|bias)",
          _ln(BLOCK + "LayerNorm_2/")),
         (layer + r"(?:intermediate\.dense|mlp\.fc1)\.(weight|bias)",
          _dense(BLOCK + "MlpBlock_3/Dense_0/")),
         (layer + r"(?:output\.dense|mlp\.fc2)\.(weight|bias)", _dense(BLOCK + "MlpBlock_3/Dense_1/")),
-        (layer + r"layer_scale2\.lambda1", _to(BLOCK + "LayerScale_3/scale")),
+        (layer + r"layer_scale2\.lambda1", _to(BLOCK + LAYER_SCALE_MLP)),
         (r"(?:layernorm|post_layernorm)\.(weight|bias)", _ln(ENCODER_NORM)),
-        (r"head\.probe", _to("MAPHead_0/probe")),
+        (r"head\.probe", _to(MAP_HEAD + "probe")),
         (r"head\.attention\.in_proj_(weight|bias)", map_in),
         (r"head\.attention\.out_proj\.(weight|bias)", map_out),
-        (r"head\.layernorm\.(weight|bias)", _ln("MAPHead_0/LayerNorm_0/")),
-        (r"head\.mlp\.fc1\.(weight|bias)", _dense("MAPHead_0/MlpBlock_0/Dense_0/")),
-        (r"head\.mlp\.fc2\.(weight|bias)", _dense("MAPHead_0/MlpBlock_0/Dense_1/")),
+        (r"head\.layernorm\.(weight|bias)", _ln(MAP_HEAD + "LayerNorm_0/")),
+        (r"head\.mlp\.fc1\.(weight|bias)", _dense(MAP_HEAD + "MlpBlock_0/Dense_0/")),
+        (r"head\.mlp\.fc2\.(weight|bias)", _dense(MAP_HEAD + "MlpBlock_0/Dense_1/")),
         (r"pooler\.dense\.(weight|bias)", _dense(PRE_LOGITS)),
         (r"(?:classifier|cls_classifier)\.(weight|bias)", _dense(HEAD)),
-        (r"distillation_classifier\.(weight|bias)", _dense("head_dist/")),
+        (r"distillation_classifier\.(weight|bias)", _dense(HEAD_DIST)),
     ])
