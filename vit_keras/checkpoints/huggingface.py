@@ -1,16 +1,42 @@
-"""Hugging Face `ViTModel` / `ViTForImageClassification` checkpoints: a `save_pretrained` folder or
-its weights file, with the architecture read from `config.json` beside it when present."""
+"""Hugging Face checkpoints of the ViT family: a `save_pretrained` folder or its weights file, with
+the architecture read from `config.json` beside it when present.
+
+The families (`config.json`'s `model_type`): `vit` (`ViTModel`, `ViTForImageClassification`),
+`deit` (`DeiTModel`, `DeiTForImageClassification[WithTeacher]`), `dinov2` (`Dinov2Model`),
+`dinov2_with_registers`, `clip_vision_model` (`CLIPVisionModel`; a full `clip` folder gives its
+image tower), `siglip_vision_model` (`SiglipVisionModel`; a full `siglip` folder likewise) and
+`vit_mae` (`ViTMAEModel`). The key names are `names.from_huggingface`'s; this module reads what
+only `config.json` says (epsilon, GELU variant, heads, grid) and the defaults each family's config
+class has when a field is left out.
+"""
 
 import json
 import os
+import re
 
 from vit_keras import errors
 from vit_keras.checkpoints import names, timm
 
 CONFIG = "config.json"
-_ANCHOR = "embeddings.patch_embeddings.projection.weight"
-# Hugging Face activation names → vit_keras' approximate_gelu.
-_GELU = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
+# The patch embedding of every family: ViT/DeiT/DINOv2/MAE `embeddings.patch_embeddings.projection`,
+# CLIP/SigLIP `embeddings.patch_embedding`; under `vit.`, `deit.` or `vision_model.` (full CLIP).
+_ANCHOR = re.compile(r"(?:^|\.)embeddings\.patch_embeddings?\.(?:projection\.)?weight$")
+# Hugging Face activation names → `ViTConfig.gelu`.
+_GELU = {"gelu": "exact", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "quick_gelu": "quick"}
+# Each family's config-class defaults for the fields vit_keras reads (transformers leaves a field
+# out of `config.json` when it has the default, in older folders and nested `vision_config`s).
+_DEFAULTS = {
+    "vit": {"layer_norm_eps": 1e-12, "hidden_act": "gelu"},
+    "deit": {"layer_norm_eps": 1e-12, "hidden_act": "gelu"},
+    "vit_mae": {"layer_norm_eps": 1e-12, "hidden_act": "gelu"},
+    "dinov2": {"layer_norm_eps": 1e-6, "hidden_act": "gelu"},
+    "dinov2_with_registers": {"layer_norm_eps": 1e-6, "hidden_act": "gelu"},
+    "clip_vision_model": {"layer_norm_eps": 1e-5, "hidden_act": "quick_gelu"},
+    "siglip_vision_model": {"layer_norm_eps": 1e-6, "hidden_act": "gelu_pytorch_tanh"},
+}
+FAMILIES = tuple(_DEFAULTS)
+"""The `model_type`s vit_keras reads (`clip` and `siglip` folders: their `vision_config`)."""
+_VISION_TOWERS = {"clip": "clip_vision_model", "siglip": "siglip_vision_model"}
 
 
 def _read_json(path):
@@ -69,10 +95,15 @@ def _positive_int(value):
 
 
 def _check_config(config, path):
-    """Refuses a `config.json` whose fields that vit_keras reads have impossible values."""
+    """Refuses a `config.json` whose fields that vit_keras reads have impossible values, or a model
+    vit_keras cannot hold."""
     def bad(field, expected):
         return errors.CheckpointError(f"{path!r}: {field} is {config[field]!r}; expected {expected}.")
 
+    model_type = config.get("model_type", "vit")
+    if model_type not in FAMILIES:
+        raise bad("model_type", f"one of {sorted(FAMILIES + tuple(_VISION_TOWERS))} (the ViT "
+                                f"family vit_keras reads)")
     for field in ("num_attention_heads", "patch_size"):
         if field in config and not _positive_int(config[field]):
             raise bad(field, "a positive whole number")
@@ -85,30 +116,68 @@ def _check_config(config, path):
         raise bad("layer_norm_eps", "a positive number")
     if config.get("hidden_act", "gelu") not in _GELU:
         raise bad("hidden_act", f"one of {sorted(_GELU)} (the activations vit_keras supports)")
+    if config.get("use_swiglu_ffn"):
+        raise bad("use_swiglu_ffn", "false: vit_keras' MLP is Dense-GELU-Dense, not SwiGLU "
+                                    "(DINOv2 giant); it cannot hold this model")
+
+
+def vision_config(config):
+    """The image tower's config in a `config.json` dict: the dict itself, or a full CLIP or
+    SigLIP model's `vision_config` (with its `model_type`); None for None."""
+    if config is None:
+        return None
+    tower = _VISION_TOWERS.get(config.get("model_type"))
+    if tower is None:
+        return config
+    nested = config.get("vision_config")
+    if not isinstance(nested, dict):
+        nested = {}  # every field at its default
+    return {**nested, "model_type": tower}
 
 
 def read_config(folder):
-    """`config.json` in `folder` as a dict, or None; a `CheckpointError` naming the file and the field
-    when it is not JSON or a field vit_keras reads has an impossible value."""
+    """`config.json` in `folder` (its image tower's part, see `vision_config`) as a dict, or None;
+    a `CheckpointError` naming the file and the field when it is not JSON, a field vit_keras
+    reads has an impossible value, or the model is not one of the `FAMILIES`."""
     path = os.path.join(folder, CONFIG)
     if not os.path.exists(path):
         return None
-    config = _read_json(path)
+    config = vision_config(_read_json(path))
     _check_config(config, path)
     return config
 
 
 def matches(state_dict):
-    return any(key.endswith(_ANCHOR) for key in state_dict)
+    return any(_ANCHOR.search(key) for key in state_dict)
 
 
-def hints(config):
-    """Architecture facts from a ViT `config.json` that the weights alone do not carry."""
-    if not config:
-        return {}
-    _check_config(config, CONFIG)
-    out = {"layer_norm_epsilon": float(config.get("layer_norm_eps", 1e-12)),
-           "approximate_gelu": _GELU[config.get("hidden_act", "gelu")]}
+def family(state_dict, config=None):
+    """The family (a `model_type` of `FAMILIES`) of a Hugging Face state dict: `config.json`'s
+    `model_type` when there is one, else told from the keys."""
+    if config and "model_type" in config:
+        return vision_config(config)["model_type"]
+    keys = "\n".join(state_dict)
+    for pattern, found in ((r"embeddings\.class_embedding$", "clip_vision_model"),
+                           (r"embeddings\.patch_embedding\.weight$", "siglip_vision_model"),
+                           (r"embeddings\.register_tokens$", "dinov2_with_registers"),
+                           (r"layer_scale1\.lambda1$", "dinov2"),
+                           (r"embeddings\.distillation_token$", "deit")):
+        if re.search(pattern, keys, re.MULTILINE):
+            return found
+    return "vit"  # ViTMAEModel has ViT's keys and defaults
+
+
+def hints(config, model_type="vit"):
+    """Architecture facts from a `config.json` (dict, or None: the family's defaults) that the
+    weights alone do not carry: `layer_norm_epsilon`, `gelu` (and the older `approximate_gelu`),
+    `num_heads`, `grid`, and the family's position-embedding layout (`posemb_prefix`: every
+    Hugging Face family adds position embeddings to its class and distillation tokens)."""
+    config = vision_config(config) or {}
+    _check_config({"model_type": model_type, **config}, CONFIG)
+    config = {**_DEFAULTS[config.get("model_type", model_type)], **config}
+    gelu = _GELU[config["hidden_act"]]
+    out = {"layer_norm_epsilon": float(config["layer_norm_eps"]), "gelu": gelu,
+           "approximate_gelu": gelu == "tanh", "posemb_prefix": True}
     if "num_attention_heads" in config:
         out["num_heads"] = int(config["num_attention_heads"])
     if "image_size" in config and "patch_size" in config:
@@ -120,13 +189,14 @@ def hints(config):
 
 def convert(state_dict, config=None, num_heads=None):
     """`(canonical params, info)`. The heads come from `config.json`, else from `num_heads`, else
-    from the paper's variant of that width; LayerNorm epsilon defaults to Hugging Face's 1e-12."""
+    from the paper's variant of that width; LayerNorm epsilon and GELU variant from `config.json`,
+    else the family's defaults (ViT's epsilon is 1e-12, CLIP's GELU the quick one, ...)."""
+    model_type = family(state_dict, config)
     info = {"format": "huggingface", "interpolation": "bicubic", "antialias": False,
-            "layer_norm_epsilon": 1e-12, **hints(config)}
+            **hints(config, model_type)}
     if num_heads and "num_heads" not in info:  # config.json knows better than the caller
         info["num_heads"] = num_heads
     if "num_heads" not in info:
-        hidden = next(v for k, v in state_dict.items() if k.endswith(_ANCHOR)).shape[0]
+        hidden = next(v for k, v in state_dict.items() if _ANCHOR.search(k)).shape[0]
         info["num_heads"] = timm.default_num_heads(hidden)
     return names.from_huggingface(state_dict, info["num_heads"]), info
-
