@@ -8,9 +8,10 @@ application half (data pipelines, recipes, training runs, export, figures) is `v
 which the core never imports.
 """
 
-# Imported for what they register with Keras' serialization: the MPP layers and the training
-# recipes' WarmupSchedule, so that `import vit_keras` is all a saved model needs.
-from vit_keras import fewshot, masked_patch_prediction, schedules  # noqa: F401
+# Imported for what they register with Keras' serialization: the MPP layers, the training
+# recipes' WarmupSchedule and layer-decay optimizers, so that `import vit_keras` is all a saved
+# model needs.
+from vit_keras import fewshot, layer_decay, masked_patch_prediction, schedules  # noqa: F401
 from vit_keras.analysis import (
     attention_rollout,
     embedding_filter_components,

@@ -6,7 +6,8 @@ import dataclasses
 
 import keras
 
-# In the core, which `import vit_keras` registers: a saved optimizer finds it there.
+# In the core, which `import vit_keras` registers: a saved optimizer finds them there.
+from vit_keras import layer_decay
 from vit_keras.schedules import WarmupSchedule
 
 
@@ -77,11 +78,15 @@ MPP_DIGITS_RECIPE = dataclasses.replace(
     epochs=60, batch_size=64, image_size=16)
 
 
-def make_optimizer(recipe, total_steps=None, accum_steps=1):
+def make_optimizer(recipe, total_steps=None, accum_steps=1, layer_scales=None, ema_decay=None):
     """The recipe's optimizer with its warm-up schedule, global-norm clipping and accumulation.
 
     `total_steps` (optimizer updates) overrides the recipe's; `accum_steps` > 1 averages the
     gradients of that many batches per update (Keras' `gradient_accumulation_steps`).
+    `layer_scales` (`layer_decay.layer_decay_scales`: layer name → learning-rate scale) gives
+    the layer-decay SGD or AdamW (`vit_keras.layer_decay`). `ema_decay` keeps an exponential
+    moving average of the weights in the optimizer (Keras' `use_ema`, `ema_momentum`; never
+    written into the weights during training: `tools.ema`).
     """
     total_steps = int(total_steps or recipe.total_steps)
     warmup = min(recipe.warmup_steps, max(0, total_steps - 1))
@@ -89,13 +94,19 @@ def make_optimizer(recipe, total_steps=None, accum_steps=1):
                               steps_per_update=accum_steps)
     common = {"global_clipnorm": recipe.grad_clip_norm or None,
               "gradient_accumulation_steps": accum_steps if accum_steps > 1 else None}
+    if ema_decay is not None:
+        common.update(use_ema=True, ema_momentum=float(ema_decay))
+    if layer_scales is not None:
+        common["layer_scales"] = layer_scales
+    sgd, adamw = ((layer_decay.LayerDecaySGD, layer_decay.LayerDecayAdamW) if layer_scales is not None
+                  else (keras.optimizers.SGD, keras.optimizers.AdamW))
     if recipe.optimizer == "sgd":
         if recipe.weight_decay:
             common["weight_decay"] = recipe.weight_decay
-        return keras.optimizers.SGD(schedule, momentum=recipe.momentum, **common)
+        return sgd(schedule, momentum=recipe.momentum, **common)
     if recipe.optimizer == "adamw":
-        return keras.optimizers.AdamW(schedule, weight_decay=recipe.weight_decay,
-                                      beta_1=recipe.beta_1, beta_2=recipe.beta_2, **common)
+        return adamw(schedule, weight_decay=recipe.weight_decay, beta_1=recipe.beta_1,
+                     beta_2=recipe.beta_2, **common)
     raise ValueError(f"Unknown optimizer {recipe.optimizer!r}; expected 'sgd' or 'adamw'.")
 
 
