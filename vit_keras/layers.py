@@ -11,6 +11,7 @@ import keras
 from keras import ops
 
 from vit_keras import interpolation_ops, xla_cpu
+from vit_keras.configs import GELUS
 
 _PACKAGE = "vit_keras"
 
@@ -42,15 +43,17 @@ class PatchEmbedding(keras.layers.Layer):
     Input: `(batch, height, width, channels)`; height and width multiples of `patch_size`.
     Output: `(batch, (height // patch_size) * (width // patch_size), hidden_size)`, patches row-major;
     with `flatten=False` the grid `(batch, height // patch_size, width // patch_size, hidden_size)`.
-    Weights: `kernel` `(patch_size, patch_size, channels, hidden_size)` (HWIO), `bias` `(hidden_size,)`.
+    Weights: `kernel` `(patch_size, patch_size, channels, hidden_size)` (HWIO), `bias` `(hidden_size,)`
+    (none with `use_bias=False`, as CLIP's).
     """
 
     def __init__(self, patch_size, hidden_size, kernel_initializer="lecun_normal",
-                 bias_initializer="zeros", flatten=True, **kwargs):
+                 bias_initializer="zeros", flatten=True, use_bias=True, **kwargs):
         super().__init__(**kwargs)
         self.patch_size = int(patch_size)
         self.hidden_size = int(hidden_size)
         self.flatten = bool(flatten)
+        self.use_bias = bool(use_bias)
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
 
@@ -72,7 +75,8 @@ class PatchEmbedding(keras.layers.Layer):
             name="kernel", shape=(p, p, channels, self.hidden_size),
             initializer=self.kernel_initializer)
         self.bias = self.add_weight(
-            name="bias", shape=(self.hidden_size,), initializer=self.bias_initializer)
+            name="bias", shape=(self.hidden_size,), initializer=self.bias_initializer
+        ) if self.use_bias else None
         self._einsum = xla_cpu.choose_einsum()  # bfloat16 products on XLA:CPU
 
     def call(self, images):
@@ -87,7 +91,7 @@ class PatchEmbedding(keras.layers.Layer):
                     f"that is a multiple of {p}.")
         if height is None or width is None:
             # Sizes unknown while tracing (e.g. a SavedModel signature): the equivalent convolution.
-            patches = ops.conv(images, self.kernel, strides=p, padding="valid") + self.bias
+            patches = self._add_bias(ops.conv(images, self.kernel, strides=p, padding="valid"))
             if self.flatten:
                 return ops.reshape(patches, (ops.shape(patches)[0], -1, self.hidden_size))
             return patches
@@ -96,8 +100,11 @@ class PatchEmbedding(keras.layers.Layer):
         x = ops.transpose(x, (0, 1, 3, 2, 4, 5))  # (batch, rows, cols, p, p, channels): HWI order
         x = ops.reshape(x, (-1, rows * cols, p * p * channels))
         kernel = ops.reshape(self.kernel, (p * p * channels, self.hidden_size))
-        patches = self._einsum("bnk,kd->bnd", x, kernel) + self.bias
+        patches = self._add_bias(self._einsum("bnk,kd->bnd", x, kernel))
         return patches if self.flatten else ops.reshape(patches, (-1, rows, cols, self.hidden_size))
+
+    def _add_bias(self, patches):
+        return patches if self.bias is None else patches + self.bias
 
     def compute_output_shape(self, input_shape):
         batch, height, width, _ = input_shape
@@ -115,6 +122,7 @@ class PatchEmbedding(keras.layers.Layer):
             "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
             "bias_initializer": keras.initializers.serialize(self.bias_initializer),
             "flatten": self.flatten,
+            "use_bias": self.use_bias,
         }
 
 
@@ -137,6 +145,59 @@ class ClassToken(keras.layers.Layer):
     def compute_output_shape(self, input_shape):
         batch, tokens, hidden = input_shape
         return (batch, None if tokens is None else tokens + 1, hidden)
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class DistillationToken(keras.layers.Layer):
+    """Prepends DeiT's learnable distillation token (the class token goes before it).
+
+    Input: `(batch, tokens, hidden)`. Output: `(batch, tokens + 1, hidden)`.
+    Weight: `dist` `(1, 1, hidden)`, normal(stddev 0.02) as DeiT.
+    """
+
+    def build(self, input_shape):
+        self.dist = self.add_weight(name="dist", shape=(1, 1, input_shape[-1]),
+                                    initializer=keras.initializers.RandomNormal(stddev=0.02))
+
+    def call(self, x):
+        token = ops.broadcast_to(ops.cast(self.dist, x.dtype), (ops.shape(x)[0], 1, x.shape[-1]))
+        return ops.concatenate([token, x], axis=1)
+
+    def compute_output_shape(self, input_shape):
+        batch, tokens, hidden = input_shape
+        return (batch, None if tokens is None else tokens + 1, hidden)
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class RegisterTokens(keras.layers.Layer):
+    """Inserts `num_tokens` learnable register tokens (Darcet et al.) before token `insert_at`.
+
+    They come after the class and distillation tokens and take no position embedding: the model
+    inserts them after adding position embeddings to the tokens before and after them.
+    Input: `(batch, tokens, hidden)`. Output: `(batch, tokens + num_tokens, hidden)`.
+    Weight: `reg` `(1, num_tokens, hidden)`, normal(stddev 1e-6) as DINOv2.
+    """
+
+    def __init__(self, num_tokens, insert_at=0, **kwargs):
+        super().__init__(**kwargs)
+        self.num_tokens = int(num_tokens)
+        self.insert_at = int(insert_at)
+
+    def build(self, input_shape):
+        self.reg = self.add_weight(name="reg", shape=(1, self.num_tokens, input_shape[-1]),
+                                   initializer=keras.initializers.RandomNormal(stddev=1e-6))
+
+    def call(self, x):
+        tokens = ops.broadcast_to(ops.cast(self.reg, x.dtype),
+                                  (ops.shape(x)[0], self.num_tokens, x.shape[-1]))
+        return ops.concatenate([x[:, :self.insert_at], tokens, x[:, self.insert_at:]], axis=1)
+
+    def compute_output_shape(self, input_shape):
+        batch, tokens, hidden = input_shape
+        return (batch, None if tokens is None else tokens + self.num_tokens, hidden)
+
+    def get_config(self):
+        return {**super().get_config(), "num_tokens": self.num_tokens, "insert_at": self.insert_at}
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
@@ -288,19 +349,65 @@ class MultiHeadDotProductAttention(keras.layers.Layer):
                 "attention_dropout": self.attention_dropout}
 
 
+def gelu_variant(gelu=None, approximate_gelu=False):
+    """The GELU a layer computes: `"exact"` (erf; timm, Hugging Face), `"tanh"` (Flax's
+    approximation) or `"quick"` (`x * sigmoid(1.702 x)`, OpenAI CLIP's). `gelu=None` takes the
+    older boolean `approximate_gelu` (True: `"tanh"`)."""
+    if gelu is None:
+        return "tanh" if approximate_gelu else "exact"
+    if gelu not in GELUS:
+        raise ValueError(f"Unknown gelu {gelu!r}; expected one of {GELUS}.")
+    if approximate_gelu and gelu != "tanh":
+        raise ValueError(f"approximate_gelu=True asks for the tanh GELU, but gelu={gelu!r}; "
+                         f"pass one of the two.")
+    return gelu
+
+
+def _quick_gelu(x):
+    return x * ops.sigmoid(1.702 * x)
+
+
+def _choose_gelu(gelu):
+    """The GELU function of a layer built now (exact and tanh in each backend's fastest form)."""
+    return _quick_gelu if gelu == "quick" else xla_cpu.choose_gelu(gelu == "tanh")
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class LayerScale(keras.layers.Layer):
+    """Scales each channel by a learned factor (CaiT's LayerScale, in DeiT III and DINOv2).
+
+    Input and output: `(batch, tokens, hidden)`. Weight: `scale` `(hidden,)`, all `init_value`.
+    """
+
+    def __init__(self, init_value=1e-5, **kwargs):
+        super().__init__(**kwargs)
+        self.init_value = float(init_value)
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(name="scale", shape=(input_shape[-1],),
+                                     initializer=keras.initializers.Constant(self.init_value))
+
+    def call(self, x):
+        return x * ops.cast(self.scale, x.dtype)
+
+    def get_config(self):
+        return {**super().get_config(), "init_value": self.init_value}
+
+
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class MlpBlock(keras.layers.Layer):
     """Dense → GELU → dropout → Dense → dropout, as in vit_jax's `MlpBlock`.
 
     Input and output: `(batch, tokens, hidden)`. Weights: `Dense_0` `(hidden, mlp_dim)`,
-    `Dense_1` `(mlp_dim, hidden)`.
+    `Dense_1` `(mlp_dim, hidden)`. `gelu`: see `gelu_variant`; `approximate_gelu=True` is the
+    older spelling of `gelu="tanh"` (configs saved before `gelu` existed carry it).
     """
 
-    def __init__(self, mlp_dim, dropout=0.0, approximate_gelu=False, **kwargs):
+    def __init__(self, mlp_dim, dropout=0.0, approximate_gelu=False, gelu=None, **kwargs):
         super().__init__(**kwargs)
         self.mlp_dim = int(mlp_dim)
         self.dropout = float(dropout)
-        self.approximate_gelu = bool(approximate_gelu)
+        self.gelu = gelu_variant(gelu, approximate_gelu)
         self._dropout = keras.layers.Dropout(self.dropout, dtype=self.dtype_policy, name="dropout")
 
     def build(self, input_shape):
@@ -316,7 +423,7 @@ class MlpBlock(keras.layers.Layer):
         # Chosen once for this backend and device (see vit_keras.xla_cpu): `dense(x)` or, on
         # XLA:CPU, an einsum with its kernel for bfloat16 products; GELU in its fastest form.
         self._project = xla_cpu.choose_projection()
-        self._gelu = xla_cpu.choose_gelu(self.approximate_gelu)
+        self._gelu = _choose_gelu(self.gelu)
 
     def call(self, x, training=None):
         x = self._gelu(self._project(self.dense_0, x))
@@ -325,7 +432,7 @@ class MlpBlock(keras.layers.Layer):
 
     def get_config(self):
         return {**super().get_config(), "mlp_dim": self.mlp_dim, "dropout": self.dropout,
-                "approximate_gelu": self.approximate_gelu}
+                "gelu": self.gelu}
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
@@ -335,10 +442,13 @@ class TransformerBlock(keras.layers.Layer):
     Input and output: `(batch, tokens, hidden)`; with `return_attention_scores=True` the call also
     returns the attention probabilities `(batch, heads, tokens, tokens)`.
     `drop_path_rate` drops each residual branch per example (stochastic depth) during training.
+    With `layer_scale_init` both branches are scaled per channel (`LayerScale_1` after the
+    attention, `LayerScale_3` after the MLP) before they are added. `gelu` as `MlpBlock`'s.
     """
 
     def __init__(self, num_heads, mlp_dim, dropout=0.0, attention_dropout=0.0, drop_path_rate=0.0,
-                 layer_norm_epsilon=1e-6, approximate_gelu=False, seed=None, **kwargs):
+                 layer_norm_epsilon=1e-6, approximate_gelu=False, seed=None, gelu=None,
+                 layer_scale_init=None, **kwargs):
         super().__init__(**kwargs)
         self.num_heads = int(num_heads)
         self.mlp_dim = int(mlp_dim)
@@ -346,7 +456,8 @@ class TransformerBlock(keras.layers.Layer):
         self.attention_dropout = float(attention_dropout)
         self.drop_path_rate = float(drop_path_rate)
         self.layer_norm_epsilon = float(layer_norm_epsilon)
-        self.approximate_gelu = bool(approximate_gelu)
+        self.gelu = gelu_variant(gelu, approximate_gelu)
+        self.layer_scale_init = None if layer_scale_init is None else float(layer_scale_init)
         self.seed = seed
         policy = self.dtype_policy
         self.norm_0 = keras.layers.LayerNormalization(
@@ -357,14 +468,20 @@ class TransformerBlock(keras.layers.Layer):
         self._dropout = keras.layers.Dropout(self.dropout, dtype=policy, name="dropout")
         self.norm_2 = keras.layers.LayerNormalization(
             epsilon=self.layer_norm_epsilon, dtype=policy, name="LayerNorm_2")
-        self.mlp = MlpBlock(self.mlp_dim, self.dropout, self.approximate_gelu, dtype=policy,
+        self.mlp = MlpBlock(self.mlp_dim, self.dropout, gelu=self.gelu, dtype=policy,
                             name="MlpBlock_3")
+        self.scale_1 = self.scale_3 = None
+        if self.layer_scale_init is not None:
+            self.scale_1 = LayerScale(self.layer_scale_init, dtype=policy, name="LayerScale_1")
+            self.scale_3 = LayerScale(self.layer_scale_init, dtype=policy, name="LayerScale_3")
         if self.drop_path_rate > 0:
             self._seed_generator = keras.random.SeedGenerator(seed)
 
     def build(self, input_shape):
-        for sublayer in (self.norm_0, self.attention, self.norm_2, self.mlp):
-            sublayer.build(input_shape)
+        for sublayer in (self.norm_0, self.attention, self.norm_2, self.mlp, self.scale_1,
+                         self.scale_3):
+            if sublayer is not None:
+                sublayer.build(input_shape)
         # An identity; on XLA:CPU one whose gradient XLA computes once per block instead of fusing
         # it into every consumer (see vit_keras.xla_cpu).
         self._block_boundary = xla_cpu.choose_block_boundary()
@@ -382,8 +499,14 @@ class TransformerBlock(keras.layers.Layer):
                            return_attention_scores=return_attention_scores)
         if return_attention_scores:
             y, scores = y
-        x = x + self._drop_path(self._dropout(y, training=training), training)
-        x = x + self._drop_path(self.mlp(self.norm_2(x), training=training), training)
+        y = self._dropout(y, training=training)
+        if self.scale_1 is not None:
+            y = self.scale_1(y)
+        x = x + self._drop_path(y, training)
+        y = self.mlp(self.norm_2(x), training=training)
+        if self.scale_3 is not None:
+            y = self.scale_3(y)
+        x = x + self._drop_path(y, training)
         return (x, scores) if return_attention_scores else x
 
     def compute_output_spec(self, x, training=None, return_attention_scores=False):
@@ -398,7 +521,8 @@ class TransformerBlock(keras.layers.Layer):
             "attention_dropout": self.attention_dropout,
             "drop_path_rate": self.drop_path_rate,
             "layer_norm_epsilon": self.layer_norm_epsilon,
-            "approximate_gelu": self.approximate_gelu,
+            "gelu": self.gelu,
+            "layer_scale_init": self.layer_scale_init,
             "seed": self.seed,
         }
 
@@ -407,25 +531,32 @@ class TransformerBlock(keras.layers.Layer):
 class TokenPooling(keras.layers.Layer):
     """Reduces the token sequence to one vector per image.
 
-    Input: `(batch, tokens, hidden)`. Output: `(batch, hidden)`: the class token (`mode="token"`) or
-    the mean over all tokens (`mode="gap"`, computed in float32).
+    Input: `(batch, tokens, hidden)`. Output: `(batch, hidden)`: the class token (`mode="token"`),
+    the mean over the patch tokens after the `num_prefix_tokens` class, distillation and register
+    tokens (`mode="gap"`, computed in float32), or DeiT's distillation token, token 1
+    (`mode="distillation"`).
     """
 
-    MODES = ("token", "gap")
+    MODES = ("token", "gap", "distillation")
 
-    def __init__(self, mode="token", **kwargs):
+    def __init__(self, mode="token", num_prefix_tokens=0, **kwargs):
         super().__init__(**kwargs)
         if mode not in self.MODES:
             raise ValueError(f"Unknown pooling mode {mode!r}; expected one of {self.MODES}.")
         self.mode = mode
+        self.num_prefix_tokens = int(num_prefix_tokens)
 
     def call(self, x):
         if self.mode == "token":
             return x[:, 0]
-        return ops.cast(ops.mean(ops.cast(x, "float32"), axis=1), x.dtype)
+        if self.mode == "distillation":
+            return x[:, 1]
+        patches = x[:, self.num_prefix_tokens:] if self.num_prefix_tokens else x
+        return ops.cast(ops.mean(ops.cast(patches, "float32"), axis=1), x.dtype)
 
     def compute_output_shape(self, input_shape):
         return (input_shape[0], input_shape[-1])
 
     def get_config(self):
-        return {**super().get_config(), "mode": self.mode}
+        return {**super().get_config(), "mode": self.mode,
+                "num_prefix_tokens": self.num_prefix_tokens}

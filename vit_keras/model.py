@@ -3,30 +3,34 @@
 Architecture only: weights come in through `vit_keras.pretrained` (`vit_keras.build_model`).
 """
 
+import dataclasses
 import re
 
 import keras
 import numpy as np
 
-from vit_keras import configs, geometry, layers, resnet
+from vit_keras import configs, geometry, heads, layers, resnet
+
+CLASSIFIERS = ("token", "gap", "map")
+"""Poolings: the class token, the mean of the patch tokens, SigLIP's attention pooling (MAP)."""
 
 
 def build_vit(variant, *, image_size=None, num_classes=None, include_top=True,
               include_preprocessing=True, classifier="token", representation_size=None,
               dropout=0.0, attention_dropout=0.0, drop_path_rate=0.0, channels=3,
-              layer_norm_epsilon=1e-6, approximate_gelu=False, hybrid_numerics="vit_jax",
+              layer_norm_epsilon=None, approximate_gelu=None, hybrid_numerics="vit_jax",
               dynamic_image_size=False, name=None):
     """The architecture half of `vit_keras.build_model`: every argument but `weights`, documented
-    there. Returns the freshly initialised `keras.Model`."""
-    config = configs.get_config(variant)
+    there. `layer_norm_epsilon` and `approximate_gelu` (True: `gelu="tanh"`, False: `"exact"`)
+    override the config's fields when given. Returns the freshly initialised `keras.Model`."""
+    config = _with_overrides(configs.get_config(variant), layer_norm_epsilon, approximate_gelu)
     height, width = geometry.pair(224 if image_size is None else image_size, "image size")
     num_classes = 1000 if num_classes is None else num_classes
-    if classifier not in layers.TokenPooling.MODES:
-        raise ValueError(f"Unknown classifier {classifier!r}; expected one of "
-                         f"{layers.TokenPooling.MODES}.")
+    _check_switches(config, classifier, representation_size)
     if hybrid_numerics not in resnet.NUMERICS:
         raise ValueError(f"Unknown hybrid_numerics {hybrid_numerics!r}; expected one of "
                          f"{list(resnet.NUMERICS)}.")
+    epsilon = config.layer_norm_epsilon
 
     input_size = (None, None) if dynamic_image_size else (height, width)
     images = keras.Input((*input_size, channels), name="images")
@@ -47,36 +51,115 @@ def build_vit(variant, *, image_size=None, num_classes=None, include_top=True,
                 f"{config.patch_size} of {config.name}; use an image size that is a multiple of "
                 f"{config.patch_size * size // grid}.")
     patches = layers.PatchEmbedding(config.patch_size, config.hidden_size,
-                                    flatten=not dynamic_image_size, name="embedding")(x)
+                                    flatten=not dynamic_image_size, use_bias=config.patch_bias,
+                                    name="embedding")(x)
     x = patches
     if dynamic_image_size:  # the grid stays for the position embeddings to resample to
         x = keras.layers.Reshape((-1, config.hidden_size), name="patch_tokens")(x)
-    if classifier == "token":
-        x = layers.ClassToken(name="cls")(x)
+    # Token order [cls, dist, registers..., patches]. Position embeddings cover the class and
+    # distillation tokens (posemb_prefix) or only the patches; registers take none (DINOv2-reg).
+    class_token = config.has_class_token(classifier)
+    covered = int(class_token) + int(config.distillation)
+
+    def prefix_tokens(x):
+        if config.distillation:
+            x = layers.DistillationToken(name="dist")(x)
+        if class_token:
+            x = layers.ClassToken(name="cls")(x)
+        return x
+
+    if config.posemb_prefix:
+        x = prefix_tokens(x)
     if dynamic_image_size:
         grid = tuple(side // config.patch_size for side in feature_map)
-        x = layers.AddPositionEmbs(grid_size=grid, num_prefix_tokens=int(classifier == "token"),
-                                   name="posembed_input")(x, patches)
+        x = layers.AddPositionEmbs(
+            grid_size=grid, num_prefix_tokens=covered if config.posemb_prefix else 0,
+            name="posembed_input")(x, patches)
     else:
         x = layers.AddPositionEmbs(name="posembed_input")(x)
+    if not config.posemb_prefix:
+        x = prefix_tokens(x)
+    if config.num_registers:
+        x = layers.RegisterTokens(config.num_registers, insert_at=covered, name="reg")(x)
     x = keras.layers.Dropout(dropout, name="dropout")(x)
+    if config.pre_norm:
+        x = keras.layers.LayerNormalization(epsilon=epsilon, name="pre_norm")(x)
     for index, rate in enumerate(np.linspace(0.0, drop_path_rate, config.num_layers)):
         x = layers.TransformerBlock(
             config.num_heads, config.mlp_dim, dropout=dropout, attention_dropout=attention_dropout,
-            drop_path_rate=float(rate), layer_norm_epsilon=layer_norm_epsilon,
-            approximate_gelu=approximate_gelu, name=f"encoderblock_{index}")(x)
+            drop_path_rate=float(rate), layer_norm_epsilon=epsilon, gelu=config.gelu,
+            layer_scale_init=config.layer_scale_init, name=f"encoderblock_{index}")(x)
     # Under mixed precision the last LayerNorm and everything after it run in float32.
     head_dtype = "float32" if keras.config.dtype_policy().name.startswith("mixed") else None
-    x = keras.layers.LayerNormalization(
-        epsilon=layer_norm_epsilon, dtype=head_dtype, name="encoder_norm")(x)
-    x = layers.TokenPooling(classifier, dtype=head_dtype, name="pooling")(x)
+    if not config.fc_norm:
+        x = keras.layers.LayerNormalization(epsilon=epsilon, dtype=head_dtype,
+                                            name="encoder_norm")(x)
+    num_prefix = config.num_prefix_tokens(classifier)
+    if classifier == "map":
+        x = heads.MAPHead(config.num_heads, config.mlp_dim, layer_norm_epsilon=epsilon,
+                          gelu=config.gelu, num_prefix_tokens=num_prefix, dtype=head_dtype,
+                          name="MAPHead_0")(x)
+    elif config.distillation:
+        return _distilled(images, x, config, include_top, num_classes, head_dtype, name)
+    else:
+        x = layers.TokenPooling(classifier, num_prefix_tokens=num_prefix, dtype=head_dtype,
+                                name="pooling")(x)
+    if config.fc_norm:
+        x = keras.layers.LayerNormalization(epsilon=epsilon, dtype=head_dtype, name="fc_norm")(x)
     if representation_size:
         x = keras.layers.Dense(representation_size, activation="tanh", dtype=head_dtype,
                                name="pre_logits")(x)
     if include_top:
         x = keras.layers.Dense(num_classes, kernel_initializer="zeros", dtype=head_dtype,
                                name="head")(x)
-    return keras.Model(images, x, name=name or re.sub(r"[/+]", "_", config.name))
+    return keras.Model(images, x, name=_model_name(config, name))
+
+
+def _model_name(config, name):
+    return name or re.sub(r"[/+]", "_", config.name)
+
+
+def _with_overrides(config, layer_norm_epsilon, approximate_gelu):
+    """`config` with the build arguments that override its fields (None: the config's)."""
+    changes = {}
+    if layer_norm_epsilon is not None:
+        changes["layer_norm_epsilon"] = float(layer_norm_epsilon)
+    if approximate_gelu is not None:
+        changes["gelu"] = "tanh" if approximate_gelu else "exact"
+    return dataclasses.replace(config, **changes) if changes else config
+
+
+def _check_switches(config, classifier, representation_size):
+    """Refuses a classifier that the config's switches cannot pool with."""
+    if classifier not in CLASSIFIERS:
+        raise ValueError(f"Unknown classifier {classifier!r}; expected one of {CLASSIFIERS}.")
+    if classifier == "token" and config.class_token is False:
+        raise ValueError(f"{config.name} has no class token (class_token=False), so it cannot "
+                         f"pool with classifier='token'; use 'gap' or 'map'.")
+    if config.distillation and classifier != "token":
+        raise ValueError(f"{config.name} has a distillation token, whose head reads the class "
+                         f"and distillation tokens (DeiT); use classifier='token', not "
+                         f"{classifier!r}.")
+    if config.distillation and (representation_size or config.fc_norm):
+        raise ValueError(f"{config.name}: DeiT's distilled heads read the tokens directly; a "
+                         f"representation layer or fc_norm is not supported with distillation.")
+    if config.is_hybrid and (config.num_registers or config.distillation):
+        raise ValueError(f"{config.name}: hybrids take no register or distillation tokens.")
+
+
+def _distilled(images, tokens, config, include_top, num_classes, head_dtype, name):
+    """DeiT's two heads, averaged as at inference (timm's `VisionTransformerDistilled`): the class
+    token's `head` and the distillation token's `head_dist`. Without the top, the mean of the two
+    tokens (timm's pre-logits)."""
+    cls = layers.TokenPooling("token", dtype=head_dtype, name="pooling")(tokens)
+    dist = layers.TokenPooling("distillation", dtype=head_dtype, name="pooling_dist")(tokens)
+    if include_top:
+        cls = keras.layers.Dense(num_classes, kernel_initializer="zeros", dtype=head_dtype,
+                                 name="head")(cls)
+        dist = keras.layers.Dense(num_classes, kernel_initializer="zeros", dtype=head_dtype,
+                                  name="head_dist")(dist)
+    x = keras.layers.Average(dtype=head_dtype, name="distilled_average")([cls, dist])
+    return keras.Model(images, x, name=_model_name(config, name))
 
 
 def with_dynamic_image_size(model):

@@ -6,6 +6,7 @@ The model builder (`model.py`) knows nothing of checkpoints and the checkpoint l
 (`checkpoints/`) builds no models; this facade depends on both, so imports point one way.
 """
 
+import dataclasses
 import os
 
 from vit_keras import configs, download, errors, geometry, releases
@@ -142,7 +143,7 @@ def _fields(config, fields):
 def build_model(variant, *, weights=None, image_size=None, num_classes=None, include_top=True,
                 include_preprocessing=True, classifier="token", representation_size=None,
                 dropout=0.0, attention_dropout=0.0, drop_path_rate=0.0, channels=3,
-                layer_norm_epsilon=1e-6, approximate_gelu=False, hybrid_numerics="vit_jax",
+                layer_norm_epsilon=None, approximate_gelu=None, hybrid_numerics="vit_jax",
                 dynamic_image_size=False, name=None):
     """Builds a Vision Transformer as a functional `keras.Model`.
 
@@ -165,15 +166,19 @@ def build_model(variant, *, weights=None, image_size=None, num_classes=None, inc
         (after the final LayerNorm and the representation layer, if any) and has no head.
       include_preprocessing: `True`: inputs are RGB pixels in [0, 255], rescaled in the graph to
         [-1, 1] (the original weights' convention); `False`: inputs are already normalised.
-      classifier: `"token"` (class token) or `"gap"` (global average pooling, no class token).
+      classifier: `"token"` (class token), `"gap"` (global average pooling of the patch tokens;
+        no class token unless the config's `class_token` says so) or `"map"` (SigLIP's attention
+        pooling, `vit_keras.heads.MAPHead`).
       representation_size: width of the optional `pre_logits` layer (Dense + tanh) before the head
         (default: none, or the release file's, which has one in the original ImageNet-21k files).
       dropout: dropout rate after the embeddings, the attention and the MLP.
       attention_dropout: dropout rate on the attention probabilities.
       drop_path_rate: stochastic depth of the last block; earlier blocks get linearly less.
       channels: number of input channels.
-      layer_norm_epsilon: 1e-6 as in the original models.
-      approximate_gelu: the tanh GELU of Flax (exact erf GELU, as in timm and Hugging Face, if False).
+      layer_norm_epsilon: overrides the config's `layer_norm_epsilon` (1e-6, the original
+        models'); None keeps it.
+      approximate_gelu: overrides the config's `gelu`: True the tanh GELU of Flax, False the exact
+        erf GELU of timm and Hugging Face; None keeps the config's.
       hybrid_numerics: hybrids only: the weight-standardisation and GroupNorm epsilons of
         `"vit_jax"` (the original models) or `"timm"` (see `vit_keras.resnet.NUMERICS`).
       dynamic_image_size: `True`: the model takes images of any size, `(batch, None, None,
@@ -225,7 +230,8 @@ def _variant_for(fields, variant, path):
 
 def build_model_from_checkpoint(path, *, variant=None, image_size=None, num_classes=None,
                                 include_top=None, num_heads=None, strict=True, interpolation=None,
-                                antialias=None, allow_non_finite=False, **build_kwargs):
+                                antialias=None, allow_non_finite=False, timm_architecture=None,
+                                **build_kwargs):
     """Builds the model a checkpoint describes and loads it.
 
     The file determines patch size, width, depth, MLP size, heads, class token or GAP, the
@@ -241,6 +247,10 @@ def build_model_from_checkpoint(path, *, variant=None, image_size=None, num_clas
       num_classes: default: the checkpoint's head; another count gets a zero-initialised head.
       include_top: default: `True` when the checkpoint has a head or `num_classes` is given.
       num_heads: for timm files of non-standard width (the file does not store it).
+      timm_architecture: for timm files, the timm model name (e.g.
+        `"vit_base_patch16_clip_quickgelu_224"`), which decides what the keys cannot: LayerNorm
+        epsilon, GELU variant, heads (see `vit_keras.checkpoints.timm`). Default: the
+        `architecture` of a timm `config.json` beside the file, if any.
       strict: as in `vit_keras.load_pretrained`.
       interpolation: as in `vit_keras.load_pretrained`.
       antialias: as in `vit_keras.load_pretrained`.
@@ -259,9 +269,11 @@ def build_model_from_checkpoint(path, *, variant=None, image_size=None, num_clas
     if variant is not None and num_heads is None:
         num_heads = configs.get_config(variant).num_heads
     path, _ = resolve_weights(path, variant, image_size)
-    checkpoint = loader.read_checkpoint(path, num_heads=num_heads)
+    checkpoint = loader.read_checkpoint(path, num_heads=num_heads,
+                                        timm_architecture=timm_architecture)
     arch = loader.architecture(checkpoint)
-    config = _variant_for(arch["config"], variant, checkpoint.path)
+    config = dataclasses.replace(_variant_for(arch["config"], variant, checkpoint.path),
+                                 **arch["switches"])
     if image_size is None:
         if arch["grid"] is None:
             raise errors.CheckpointError(
@@ -278,8 +290,7 @@ def build_model_from_checkpoint(path, *, variant=None, image_size=None, num_clas
     kwargs = {"image_size": image_size, "num_classes": num_classes or 1000,
               "include_top": include_top, "classifier": arch["classifier"],
               "representation_size": arch["representation_size"], "channels": arch["channels"],
-              "layer_norm_epsilon": arch["layer_norm_epsilon"],
-              "approximate_gelu": arch["approximate_gelu"], **build_kwargs}
+              **build_kwargs}
     model = model_lib.build_vit(config, **kwargs)
     return loader.load_pretrained(model, checkpoint, strict=strict, interpolation=interpolation,
                                   antialias=antialias, allow_non_finite=allow_non_finite)

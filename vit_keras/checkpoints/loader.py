@@ -17,6 +17,7 @@ from vit_keras.checkpoints import files, huggingface, names, npz, timm
 logger = logging.getLogger("vit_keras")
 
 _HEAD = (names.HEAD + "kernel", names.HEAD + "bias")
+_HEAD_DIST = (names.HEAD_DIST + "kernel", names.HEAD_DIST + "bias")
 _LISTED = 10
 """How many problems an error lists before it sums up the rest as "and N more"."""
 
@@ -38,7 +39,7 @@ class Checkpoint:
     hints: dict
 
 
-def read_checkpoint(path, *, num_heads=None):
+def read_checkpoint(path, *, num_heads=None, timm_architecture=None):
     """Reads any supported checkpoint into a `Checkpoint`; never executes code from the file.
 
     Args:
@@ -47,6 +48,9 @@ def read_checkpoint(path, *, num_heads=None):
         content, not the extension.
       num_heads: attention heads, needed to lay out fused PyTorch projections when the file does not
         say (timm files; default: the paper's variant of that hidden size).
+      timm_architecture: a timm file's architecture name, for what its keys cannot say (LayerNorm
+        epsilon, GELU variant, heads; see `vit_keras.checkpoints.timm`). Default: the
+        `architecture` of timm's `config.json` beside the file, if any.
 
     Returns:
       A `Checkpoint` (a `Checkpoint` passed as `path` comes back as it is).
@@ -72,7 +76,8 @@ def read_checkpoint(path, *, num_heads=None):
         else:
             state_dict = {k: v for p in paths for k, v in files.read_torch(p).items()}
         if timm.matches(state_dict):
-            params, info = timm.convert(state_dict, num_heads)
+            params, info = timm.convert(
+                state_dict, num_heads, timm_architecture or timm.architecture_beside(paths[0]))
         elif huggingface.matches(state_dict):
             params, info = huggingface.convert(state_dict, huggingface.read_config(folder), num_heads)
         else:
@@ -95,7 +100,7 @@ def _fit_position_embeddings(checkpoint, params, weights, grid, interpolation, a
     same_grid = old_grid is None or geometry.pair(old_grid, "token grid") == grid
     if old.ndim != 3 or old.shape[-1] != target[-1] or (old.shape[1] == target[1] and same_grid):
         return  # same size (an exact no-op), or a mismatch reported with the others
-    prefix = 1 if names.CLS in params else 0
+    prefix = _posemb_prefix_tokens(params, old_grid)
     interpolation = interpolation or checkpoint.interpolation
     antialias = checkpoint.antialias if antialias is None else antialias
     if interpolation == "vit_jax":
@@ -103,16 +108,30 @@ def _fit_position_embeddings(checkpoint, params, weights, grid, interpolation, a
     new = posemb.resample_position_embeddings(
         old, grid, num_prefix_tokens=prefix, old_grid=old_grid, interpolation=interpolation,
         antialias=antialias)
-    model_prefix = 1 if names.CLS in weights else 0
-    if prefix > model_prefix:  # only reachable with strict=False: the class token is unexpected
-        new = new[:, prefix:]
+    model_prefix = target[1] - grid[0] * grid[1]
+    if prefix > model_prefix:  # only reachable with strict=False: the model has fewer tokens
+        new = new[:, prefix - model_prefix:]
     elif prefix < model_prefix:
-        new = np.concatenate([np.zeros_like(new[:, :1]), new], axis=1)
+        new = np.concatenate([np.zeros_like(new[:, :model_prefix - prefix]), new], axis=1)
     side = int(round((old.shape[1] - prefix) ** 0.5))
     old_rows, old_cols = geometry.pair(old_grid, "token grid") if old_grid else (side, side)
     logger.info("Resampled position embeddings from %dx%d to %dx%d (%s%s).", old_rows, old_cols,
                 *grid, interpolation, ", antialias" if antialias else "")
     params[names.POSEMB] = new
+
+
+def _posemb_prefix_tokens(params, grid=None):
+    """How many prefix tokens (class, distillation) the canonical position embeddings cover: all of
+    them (the original layout), or none (DeiT III, timm's `no_embed_class`). Registers never have
+    position embeddings. Told from the `grid` where known, else from the token count: k*k + 1 and
+    k*k + 2 are never squares, so a square count with prefix tokens means none are covered."""
+    prefix = int(names.CLS in params) + int(names.DIST in params)
+    tokens = np.shape(params[names.POSEMB])[1]
+    if grid is not None:
+        rows, cols = geometry.pair(grid, "token grid")
+        return tokens - rows * cols if tokens - rows * cols in (0, prefix) else prefix
+    side = int(round(tokens ** 0.5))
+    return 0 if prefix and side * side == tokens else prefix
 
 
 def _fit_patch_embedding(params, weights):
@@ -143,24 +162,33 @@ def _reconcile_heads(params, weights):
             del params[key]
         logger.warning("Model has no representation layer: the checkpoint's pre_logits (%d units) "
                        "is dropped, as vit_jax does when fine-tuning.", width)
-    found = {key: params.pop(key) for key in _HEAD if key in params}
-    if _HEAD[0] not in weights:
+    zeroed = []
+    for head, name in ((_HEAD, "classification head"), (_HEAD_DIST, "distillation head")):
+        zeroed += _reconcile_head(params, weights, head, name, dropped)
+    return zeroed
+
+
+def _reconcile_head(params, weights, head, name, dropped):
+    """`head`'s (kernel, bias) keys to zero-initialise: those of a model head that the checkpoint
+    lacks or holds for another class count."""
+    found = {key: params.pop(key) for key in head if key in params}
+    if head[0] not in weights:
         if found:
-            logger.info("Model has no classification head: the checkpoint's head is not loaded.")
+            logger.info("Model has no %s: the checkpoint's is not loaded.", name)
         return []
-    model_head = tuple(weights[_HEAD[0]].shape)
-    if _HEAD[0] not in found:
-        reason = "Checkpoint has no classification head"
-    elif found[_HEAD[0]].shape[-1] != model_head[-1]:
-        reason = f"Checkpoint head has {found[_HEAD[0]].shape[-1]} classes, the model {model_head[-1]}"
-    elif dropped and tuple(found[_HEAD[0]].shape) != model_head:
-        reason = "The checkpoint's head reads the dropped representation layer"
+    model_head = tuple(weights[head[0]].shape)
+    if head[0] not in found:
+        reason = f"Checkpoint has no {name}"
+    elif found[head[0]].shape[-1] != model_head[-1]:
+        reason = f"Checkpoint {name} has {found[head[0]].shape[-1]} classes, the model {model_head[-1]}"
+    elif dropped and tuple(found[head[0]].shape) != model_head:
+        reason = f"The checkpoint's {name} reads the dropped representation layer"
     else:
         params.update(found)
         return []
-    logger.warning("%s: the model's %d-class head is zero-initialised (the fine-tuning "
-                   "convention).", reason, model_head[-1])
-    return [k for k in _HEAD if k in weights]
+    logger.warning("%s: the model's %d-class %s is zero-initialised (the fine-tuning "
+                   "convention).", reason, model_head[-1], name)
+    return [k for k in head if k in weights]
 
 
 def _without_unit_axes(shape):
@@ -235,7 +263,7 @@ def _architecture_hint(checkpoint, weights):
 
 
 def load_pretrained(model, path, *, strict=True, interpolation=None, antialias=None,
-                    checkpoint_grid=None, allow_non_finite=False):
+                    checkpoint_grid=None, allow_non_finite=False, timm_architecture=None):
     """Loads a checkpoint of any supported format into a vit_keras model, in place.
 
     Args:
@@ -254,6 +282,7 @@ def load_pretrained(model, path, *, strict=True, interpolation=None, antialias=N
         does not say (Hugging Face's `config.json` does).
       allow_non_finite: `False`: an array to be loaded that holds NaN or Inf raises a `CheckpointError`
         naming the arrays, before anything is assigned. `True`: such arrays are loaded.
+      timm_architecture: as in `read_checkpoint` (here it matters only for the heads).
 
     Returns:
       The model. A head with another class count (or none in the file) is zero-initialised, and a
@@ -266,7 +295,8 @@ def load_pretrained(model, path, *, strict=True, interpolation=None, antialias=N
     query = names.QUERY_KERNEL.format(0)
     if checkpoint is None:
         checkpoint = read_checkpoint(
-            path, num_heads=weights[query].shape[1] if query in weights else None)
+            path, num_heads=weights[query].shape[1] if query in weights else None,
+            timm_architecture=timm_architecture)
     params = dict(checkpoint.params)
     _fit_position_embeddings(checkpoint, params, weights, geometry.token_grid(model), interpolation,
                              antialias, checkpoint_grid)
@@ -333,9 +363,11 @@ def save_npz(model, path):
 
 
 def architecture(checkpoint):
-    """The architecture stored in a `Checkpoint`: a dict of `ViTConfig` fields (`config`) and the
-    `build_model` arguments the file determines (`classifier`, `representation_size`,
-    `num_classes`, `channels`, `grid`, `layer_norm_epsilon`, `approximate_gelu`)."""
+    """The architecture stored in a `Checkpoint`: a dict of `ViTConfig` size fields (`config`),
+    its switch fields (`switches`, every field of `configs.SWITCHES`: from the keys, and from the
+    checkpoint's hints where the keys cannot tell, e.g. epsilon and GELU) and the `build_model`
+    arguments the file determines (`classifier`, `representation_size`, `num_classes`,
+    `channels`, `grid`; `layer_norm_epsilon` and `approximate_gelu` repeat the switches)."""
     params = checkpoint.params
     kernel = params.get(names.EMBEDDING_KERNEL)
     if kernel is None or kernel.ndim != 4 or kernel.shape[0] != kernel.shape[1]:
@@ -370,10 +402,19 @@ def architecture(checkpoint):
         config["resnet_layers"] = tuple(units)
         config["resnet_width"] = root.shape[-1] // 64
         channels = root.shape[2]
-    classifier = "token" if names.CLS in params else "gap"
+    switches = _switches(checkpoint)
+    if names.MAP_HEAD + "probe" in params:
+        classifier = "map"
+    elif names.CLS in params and not switches["fc_norm"]:
+        classifier = "token"
+    else:  # timm's `avg` pooling, which comes with fc_norm (MAE fine-tuning)
+        classifier = "gap"
+    classifier = checkpoint.hints.get("classifier", classifier)
+    if names.CLS in params and classifier != "token":
+        switches["class_token"] = True
     grid = checkpoint.hints.get("grid")
     if grid is None:
-        tokens = params[names.POSEMB].shape[1] - (classifier == "token")
+        tokens = params[names.POSEMB].shape[1] - _posemb_prefix_tokens(params)
         side = int(round(tokens ** 0.5))
         grid = (side, side) if side * side == tokens else None
     head = params.get(names.HEAD + "kernel")
@@ -385,6 +426,33 @@ def architecture(checkpoint):
         "num_classes": None if head is None else int(head.shape[1]),
         "channels": int(channels),
         "grid": grid,
-        "layer_norm_epsilon": checkpoint.hints.get("layer_norm_epsilon", 1e-6),
-        "approximate_gelu": checkpoint.hints.get("approximate_gelu", False),
+        "layer_norm_epsilon": switches["layer_norm_epsilon"],
+        "approximate_gelu": switches["gelu"] == "tanh",
+        "switches": switches,
     }
+
+
+def _switches(checkpoint):
+    """The `ViTConfig` switches of a checkpoint: the keys say whether LayerScale, registers, a
+    distillation token, pre_norm, fc_norm and a patch bias are there and which tokens the position
+    embeddings cover; the hints (a Hugging Face `config.json`, a timm architecture name) say
+    epsilon and GELU, and win over the keys for any switch they name."""
+    params, hints = checkpoint.params, checkpoint.hints
+    grid = hints.get("grid")
+    layer_scale = names.BLOCK.format(0) + names.LAYER_SCALE_ATTENTION in params
+    switches = {
+        # The init value is not stored; the weights are loaded over it.
+        "layer_scale_init": hints.get("layer_scale_init", 1e-5) if layer_scale else None,
+        "num_registers": int(params[names.REG].shape[1]) if names.REG in params else 0,
+        "distillation": names.DIST in params,
+        "posemb_prefix": not (_posemb_prefix_tokens(params, grid) == 0
+                              and (names.CLS in params or names.DIST in params)),
+        "pre_norm": names.PRE_NORM + "scale" in params,
+        "fc_norm": names.FC_NORM + "scale" in params,
+        "patch_bias": "embedding/bias" in params,
+        "layer_norm_epsilon": 1e-6,
+        "gelu": "tanh" if hints.get("approximate_gelu") else "exact",
+        "class_token": None,
+    }
+    switches.update({name: hints[name] for name in configs.SWITCHES if name in hints})
+    return switches

@@ -219,12 +219,9 @@ _TIMM_RESNET = [
 
 def from_timm(state_dict, num_heads):
     """A timm `VisionTransformer` state dict (NumPy values) → canonical dict; hybrids
-    (`vit_base_r50_s16_384`, `vit_tiny_r_s16_p8_224`, ...) included."""
-    if "fc_norm.weight" in state_dict:
-        raise errors.CheckpointError(
-            "This timm checkpoint applies its final LayerNorm after pooling (fc_norm); vit_keras, "
-            "like vit_jax, normalises before pooling (encoder_norm), so it cannot hold this model. "
-            "Only timm ViTs with `norm` (fc_norm=False) are supported.")
+    (`vit_base_r50_s16_384`, `vit_tiny_r_s16_p8_224`, ...) and the family's switches (DeiT's
+    `dist_token`/`head_dist`, `reg_token`, LayerScale `ls1`/`ls2`, `norm_pre`, `fc_norm`, the
+    `attn_pool` MAP head) included."""
     hidden = state_dict["patch_embed.proj.weight"].shape[0]
     _check_heads(hidden, num_heads)
 
@@ -243,11 +240,32 @@ def from_timm(state_dict, num_heads):
             return {block + "out/kernel": _heads_out(value, num_heads)}
         return {block + "out/bias": value}
 
+    pool = MAP_HEAD + "MultiHeadDotProductAttention_0/"
+
+    def pool_projection(names_):
+        """`attn_pool.q` (query) or `attn_pool.kv` (key and value, stacked) of the MAP head."""
+        def convert(match, value):
+            parts = np.split(value, len(names_), axis=0)
+            if match.group(1) == "weight":
+                return {f"{pool}{n}/kernel": _heads_in(p, num_heads) for n, p in zip(names_, parts)}
+            return {f"{pool}{n}/bias": p.reshape(num_heads, -1) for n, p in zip(names_, parts)}
+        return convert
+
+    def pool_out(match, value):
+        if match.group(1) == "weight":
+            return {pool + "out/kernel": _heads_out(value, num_heads)}
+        return {pool + "out/bias": value}
+
     return _convert(state_dict, _TIMM_RESNET + [
         (r"patch_embed\.proj\.weight", _to(EMBEDDING_KERNEL, _conv)),
         (r"patch_embed\.proj\.bias", _to("embedding/bias")),
         (r"cls_token", _to(CLS)),
+        (r"dist_token", _to(DIST)),
+        (r"reg_token", _to(REG)),
         (r"pos_embed", _to(POSEMB)),
+        (r"norm_pre\.(weight|bias)", _ln(PRE_NORM)),
+        (r"blocks\.(\d+)\.ls1\.gamma", _to(BLOCK + LAYER_SCALE_ATTENTION)),
+        (r"blocks\.(\d+)\.ls2\.gamma", _to(BLOCK + LAYER_SCALE_MLP)),
         (r"blocks\.(\d+)\.norm1\.(weight|bias)", _ln(BLOCK + "LayerNorm_0/")),
         (r"blocks\.(\d+)\.attn\.qkv\.(weight|bias)", qkv),
         (r"blocks\.(\d+)\.attn\.proj\.(weight|bias)", proj),
@@ -255,8 +273,17 @@ def from_timm(state_dict, num_heads):
         (r"blocks\.(\d+)\.mlp\.fc1\.(weight|bias)", _dense(BLOCK + "MlpBlock_3/Dense_0/")),
         (r"blocks\.(\d+)\.mlp\.fc2\.(weight|bias)", _dense(BLOCK + "MlpBlock_3/Dense_1/")),
         (r"norm\.(weight|bias)", _ln(ENCODER_NORM)),
+        (r"fc_norm\.(weight|bias)", _ln(FC_NORM)),
+        (r"attn_pool\.latent", _to(MAP_HEAD + "probe")),
+        (r"attn_pool\.q\.(weight|bias)", pool_projection(("query",))),
+        (r"attn_pool\.kv\.(weight|bias)", pool_projection(("key", "value"))),
+        (r"attn_pool\.proj\.(weight|bias)", pool_out),
+        (r"attn_pool\.norm\.(weight|bias)", _ln(MAP_HEAD + "LayerNorm_0/")),
+        (r"attn_pool\.mlp\.fc1\.(weight|bias)", _dense(MAP_HEAD + "MlpBlock_0/Dense_0/")),
+        (r"attn_pool\.mlp\.fc2\.(weight|bias)", _dense(MAP_HEAD + "MlpBlock_0/Dense_1/")),
         (r"pre_logits\.fc\.(weight|bias)", _dense(PRE_LOGITS)),  # timm < 0.6
         (r"head\.(weight|bias)", _dense(HEAD)),
+        (r"head_dist\.(weight|bias)", _dense(HEAD_DIST)),
     ])
 
 
