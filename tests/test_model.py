@@ -8,14 +8,18 @@ import vit_keras
 
 from conftest import random_images, randomize_weights
 
-# Parameter counts of vit_jax (models_test.py) and the paper, 1000 classes, 224 px.
+# Parameter counts of vit_jax (models_test.py) and the paper, 1000 classes, 224 px; the patch-14
+# sizes (DINOv2, CLIP) by the same count: 257 tokens.
 PARAMETER_COUNTS = {
     "ViT-Ti/16": 5_717_416,
+    "ViT-S/14": 22_004_584,
     "ViT-S/16": 22_050_664,
     "ViT-S/32": 22_878_952,
     "ViT-B/8": 86_576_872,
+    "ViT-B/14": 86_475_496,
     "ViT-B/16": 86_567_656,
     "ViT-B/32": 88_224_232,
+    "ViT-L/14": 304_203_752,
     "ViT-L/16": 304_326_632,
     "ViT-L/32": 306_535_400,
     "ViT-H/14": 632_045_800,

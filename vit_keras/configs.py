@@ -87,14 +87,18 @@ def _hybrid(resnet, vit, patch_size, resnet_layers):
                                resnet_layers=resnet_layers)
 
 
-# Sizes from Table 1 of the paper (Ti and S from "How to train your ViT").
+# Sizes from Table 1 of the paper (Ti and S from "How to train your ViT"); the same sizes with
+# 14-pixel patches are DINOv2's (S, B, L) and CLIP's ViT-L/14.
 _VITS = (
     _vit("Ti", 16, 192, 768, 3, 12),
+    _vit("S", 14, 384, 1536, 6, 12),
     _vit("S", 16, 384, 1536, 6, 12),
     _vit("S", 32, 384, 1536, 6, 12),
     _vit("B", 8, 768, 3072, 12, 12),
+    _vit("B", 14, 768, 3072, 12, 12),
     _vit("B", 16, 768, 3072, 12, 12),
     _vit("B", 32, 768, 3072, 12, 12),
+    _vit("L", 14, 1024, 4096, 16, 24),
     _vit("L", 16, 1024, 4096, 16, 24),
     _vit("L", 32, 1024, 4096, 16, 24),
     _vit("H", 14, 1280, 5120, 16, 32),
