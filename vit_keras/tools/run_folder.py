@@ -1,6 +1,7 @@
 """A training run's folder, `OUTPUT_DIR/RUN_NAME/`: the one place that knows its layout.
 
     model.keras          the model, rewritten atomically after every epoch and at the end
+    adapters.npz         a LoRA run's trained weights alone (`finetuning.apply_adapters`)
     metrics.json         the final metrics, the resolved recipe and the run's settings
     flags.txt            the app's flags (usable as its --flagfile)
     class_names.json     a JSON list of strings, one per output class
@@ -116,6 +117,7 @@ class RunFolder:
         return os.path.join(self.path, name)
 
     model = property(lambda self: self._file("model.keras"))
+    adapters = property(lambda self: self._file("adapters.npz"))
     metrics = property(lambda self: self._file("metrics.json"))
     flags = property(lambda self: self._file("flags.txt"))
     class_names = property(lambda self: self._file("class_names.json"))

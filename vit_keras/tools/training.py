@@ -21,7 +21,7 @@ from vit_keras import geometry, masked_patch_prediction, pretrained
 from vit_keras.checkpoints import save_npz
 from vit_keras.tools import callbacks as callbacks_lib
 from vit_keras.tools import distribution as distribution_lib
-from vit_keras.tools import memory, plots
+from vit_keras.tools import finetuning, memory, plots
 from vit_keras.tools import objectives as objectives_lib
 from vit_keras.tools import recipes as recipes_lib
 from vit_keras.tools.config_flags import option
@@ -160,6 +160,20 @@ class RunConfig:
     overwrite: bool = option(
         False, "Start the run over: delete what the run folder holds (a finished run's model and "
         "metrics, an unfinished run's backup) and train afresh. Never written to flags.txt.")
+    # fine-tuning a part of the weights (vit_keras.tools.finetuning)
+    lora_rank: int = option(
+        None, "LoRA rank R: adapters on the attention projections and the MLP of every block; "
+        "all else frozen but the head. model.keras has them merged; adapters.npz holds them alone "
+        "(finetuning.apply_adapters). 0 or none: off.")
+    lora_alpha: float = option(None, "LoRA scale numerator: updates are scaled by alpha / rank "
+                               "(default: the rank, a scale of 1).")
+    lora_train_norms: bool = option(False, "With --lora_rank, train the LayerNorms too.")
+    linear_probe: bool = option(
+        False, "Linear evaluation: the encoder frozen and run as at inference (no dropout), only "
+        "the head trained.")
+    remat: bool = option(
+        False, "Recompute each encoder block in the backward pass instead of storing its "
+        "activations: less memory for a slower step (larger --batch_size fits).")
     seed: int = option(0, "Seed of the initialisation, the data order and the splits.")
     verbose: int = option(1, "Keras fit verbosity: 1 progress bars, 2 one line per epoch.")
     flags_text: str = None          # written to flags.txt (the app's --flagfile); not a flag
@@ -345,6 +359,7 @@ def run(config, app="finetune", log=print, started=None, objective=CLASSIFICATIO
     `distribution.MultiProcessError` when several processes cannot be set up.
     """
     started = started or time.perf_counter()
+    finetuning.check_options(config, objective)  # one line, before anything loads
     # First: JAX must join the other processes before it computes anything.
     processes = distribution_lib.initialize_processes(config.coordinator_address,
                                                       config.num_processes, config.process_id,
@@ -502,6 +517,8 @@ def _build_and_compile(state):
         state.log("MirroredStrategy: XLA compilation off (TensorFlow's XLA cannot place "
                   "mirrored variables).")
     vit = build_run_model(config, recipe, state.splits.num_classes, log=state.log)
+    # LoRA, linear probe, remat: a resumed run rebuilds the same model before its backup loads.
+    vit = finetuning.prepare_run_model(vit, config, log=state.log)
     model = state.objective.build_model(vit, config.seed)
     optimizer = recipes_lib.make_optimizer(recipe, state.total_updates, state.accum)
     state.objective.compile(model, optimizer, recipe, jit_compile)
@@ -521,7 +538,8 @@ def _train(state):
     state.throughput = callbacks_lib.Throughput(recipe.batch_size, state.steps_per_epoch)
     state.log(
         f"Run {state.name}: {state.objective.describe(model)}, {model.count_params():,} "
-        f"parameters, image size {recipe.image_size}, {state.training.num_examples['train']} "
+        f"parameters ({finetuning.trainable_parameters(model):,} trained), image size "
+        f"{recipe.image_size}, {state.training.num_examples['train']} "
         f"training images, batch {recipe.batch_size}"
         + (f" x {state.accum} accumulated" if state.accum > 1 else "")
         + f", {state.epochs} epochs of {state.steps_per_epoch} steps, {recipe.optimizer} lr "
@@ -552,7 +570,8 @@ def _callbacks(state, nan_guard):
     """`fit`'s callbacks: NaN guard, throughput, history.csv and TensorBoard (process 0's),
     the model after every epoch, and last the backup (an epoch's backup exists only once its
     other files are written)."""
-    checkpoint = callbacks_lib.AtomicModelCheckpoint(state.writes.model)
+    checkpoint = (finetuning.MergedModelCheckpoint if finetuning.lora_on(state.config)
+                  else callbacks_lib.AtomicModelCheckpoint)(state.writes.model)
     checkpoint.guard = state.backup.guard = nan_guard
     chief = state.processes.is_chief
     logs = []
@@ -598,7 +617,9 @@ def _report(state, fit_seconds):
         results = state.objective.evaluate(state.model, state.splits, state.pipeline, history)
     if state.splits.skipped_files:
         state.log(state.splits.unreadable.summary())
-    state.writes.save_model(state.model)
+    state.writes.save_model(finetuning.model_to_save(state.model))  # LoRA: merged, plain
+    if finetuning.lora_on(state.config):
+        finetuning.save_adapters(state.model, state.writes.adapters)
     if state.processes.is_chief:
         plots.plot_history(history, state.folder.curves)
     metrics = {
@@ -606,6 +627,7 @@ def _report(state, fit_seconds):
         "images_per_second": state.throughput.images_per_second(),
         "wall_time_s": time.perf_counter() - state.started,
         "fit_time_s": fit_seconds,
+        "trainable_parameters": finetuning.trainable_parameters(state.model),
         "epochs": state.epochs,
         "resumed_from_epoch": state.resume_epoch,
         "num_examples": state.training.num_examples,

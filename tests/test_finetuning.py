@@ -1,0 +1,251 @@
+"""LoRA, the linear probe and rematerialisation (`vit_keras.tools.finetuning`), and the run's
+checks of their flags."""
+
+import dataclasses
+
+import keras
+import numpy as np
+import pytest
+
+from vit_keras.tools import finetuning, objectives
+from vit_keras.tools.training import RunConfig
+
+from conftest import BACKENDS, randomize_weights, run_on_backend, tiny_data, tiny_model
+
+RANK = 2
+
+
+def _trained(model, steps=3, learning_rate=0.05):
+    """`model` after a few SGD steps on random data (every trainable weight moves)."""
+    x, y = tiny_data(n=16)
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate),
+                  loss=keras.losses.CategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=8, epochs=steps // 2 + 1, verbose=0)
+    return model
+
+
+def _values(model):
+    return {weight.path: keras.ops.convert_to_numpy(weight).copy() for weight in model.weights}
+
+
+def _random_adapters(model, seed=0):
+    """`model` with random LoRA `B` (a trained one's may still be tiny), for exact checks."""
+    rng = np.random.default_rng(seed)
+    for layer in finetuning.lora_targets(model):
+        layer.lora_kernel_b.assign(rng.normal(0, 0.1, layer.lora_kernel_b.shape))
+    return model
+
+
+@pytest.fixture
+def lora_run(tiny_config):
+    """A randomised tiny ViT, its weights, and a LoRA-enabled copy trained a few steps."""
+    base = randomize_weights(tiny_model(tiny_config))
+    before = _values(base)
+    model = keras.Model.from_config(base.get_config())
+    model.set_weights(base.get_weights())
+    finetuning.enable_lora(model, RANK)
+    return base, before, _trained(model)
+
+
+def test_lora_training_changes_only_adapters_and_head(lora_run):
+    _, before, model = lora_run
+    after = _values(model)
+    changed = {path for path in before if not np.array_equal(before[path], after[path])}
+    assert changed and all(path.startswith("head/") for path in changed), sorted(changed)
+    adapters = [path for path in after if "lora_kernel_b" in path]
+    # B starts at zero; every adapter has learnt something.
+    assert adapters and all(np.any(after[path] != 0) for path in adapters)
+
+
+def test_lora_trains_only_adapters_head_and_optionally_layer_norms(tiny_config):
+    model = finetuning.enable_lora(tiny_model(tiny_config), RANK, train_norms=True)
+    names = {weight.path.split("/")[-1] for weight in model.trainable_weights}
+    assert names == {"lora_kernel_a", "lora_kernel_b", "kernel", "bias", "gamma", "beta"}
+    kernels = [w.path for w in model.trainable_weights if w.path.endswith(("/kernel", "/bias"))]
+    assert kernels == ["head/kernel", "head/bias"]
+
+
+def test_merged_projections_differ_from_the_base_by_rank_at_most_r(lora_run):
+    base, before, model = lora_run
+    _random_adapters(model)
+    merged = _values(finetuning.merge_lora(model))
+    for layer in finetuning.lora_targets(model):
+        path = next(w.path for w in layer.weights if w.name == "kernel")
+        difference = (merged[path] - before[path]).astype("float64")
+        assert np.any(difference != 0), path
+        if layer.name in ("query", "key", "value"):
+            # (hidden, heads, head_dim): Keras adapts the last axis, so each head's map has its
+            # own update of rank <= R (module docstring).
+            matrices = [difference[:, head] for head in range(difference.shape[1])]
+        else:  # out (heads, head_dim, hidden) and the MLP: the kernel as inputs x outputs
+            matrices = [difference.reshape(-1, difference.shape[-1])]
+        # The merged kernel is float32: the sum's rounding adds noise of about eps32 * |kernel|
+        # per entry, full-rank; singular values below a generous bound of it are that noise.
+        noise = np.finfo(np.float32).eps * np.abs(before[path]).max() * max(difference.shape)
+        ranks = [np.linalg.matrix_rank(matrix, tol=4 * noise) for matrix in matrices]
+        assert max(ranks) <= RANK, (path, ranks)
+        assert max(np.linalg.svd(matrix, compute_uv=False)[0] for matrix in matrices) > 100 * noise
+
+
+def test_merged_kernels_equal_base_plus_the_scaled_low_rank_product(lora_run):
+    _, before, model = lora_run
+    _random_adapters(model)
+    merged = _values(finetuning.merge_lora(model))
+    for layer in finetuning.lora_targets(model):
+        path = next(w.path for w in layer.weights if w.name == "kernel")
+        a = keras.ops.convert_to_numpy(layer.lora_kernel_a).astype("float64")
+        b = keras.ops.convert_to_numpy(layer.lora_kernel_b).astype("float64")
+        expected = before[path] + (layer.lora_alpha / layer.lora_rank) * np.tensordot(a, b, 1)
+        # One float32 rounding of the sum: relative 1e-6 of the kernel's values.
+        np.testing.assert_allclose(merged[path], expected, rtol=1e-6, atol=1e-7)
+
+
+def test_merged_model_is_plain_and_computes_what_the_lora_model_does(lora_run):
+    model = _random_adapters(lora_run[2])
+    merged = finetuning.merge_lora(model)
+    assert not any(layer.lora_enabled for layer in finetuning.lora_targets(merged))
+    x, _ = tiny_data(n=4)
+    np.testing.assert_allclose(merged.predict(x, verbose=0), model.predict(x, verbose=0),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_adapters_applied_to_the_base_give_the_merged_model(lora_run, tmp_path):
+    base, _, model = lora_run
+    path = finetuning.save_adapters(model, str(tmp_path / "adapters.npz"))
+    rebuilt = finetuning.apply_adapters(base, path)
+    expected, found = _values(finetuning.merge_lora(model)), _values(rebuilt)
+    assert expected.keys() == found.keys()
+    for key in expected:
+        np.testing.assert_array_equal(found[key], expected[key])
+    stored = np.load(path)
+    assert sum(stored[k].size for k in stored.files if not k.startswith("__")) == \
+        finetuning.trainable_parameters(model)
+
+
+def test_adapters_refuse_a_base_of_another_shape(lora_run, tmp_path, tiny_config):
+    _, _, model = lora_run
+    path = finetuning.save_adapters(model, str(tmp_path / "adapters.npz"))
+    with pytest.raises(finetuning.AdaptersError, match="number of classes"):
+        finetuning.apply_adapters(tiny_model(tiny_config, num_classes=5), path)
+
+
+SAVED_MERGED = """
+import keras, numpy as np
+import vit_keras
+model = keras.saving.load_model(ARGS["path"])
+assert not any(getattr(l, "lora_enabled", False) for l in model._flatten_layers())
+x = np.random.default_rng(0).uniform(0, 255, (2, 8, 8, 3)).astype("float32")
+print(json.dumps(np.asarray(model.predict(x, verbose=0)).tolist()))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("load_backend", BACKENDS)
+def test_merged_model_saved_here_loads_on_every_backend(lora_run, tmp_path, load_backend):
+    _, _, model = lora_run
+    path = str(tmp_path / "model.keras")
+    finetuning.merge_lora(model).save(path)
+    x = np.random.default_rng(0).uniform(0, 255, (2, 8, 8, 3)).astype("float32")
+    expected = model.predict(x, verbose=0)
+    found = run_on_backend(load_backend, SAVED_MERGED, path=path)
+    np.testing.assert_allclose(found, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_linear_probe_leaves_every_encoder_weight_unchanged(tiny_config):
+    model = randomize_weights(tiny_model(tiny_config))
+    probe = finetuning.linear_probe_model(model)
+    before = _values(probe)
+    after = _values(_trained(probe))
+    changed = sorted(path for path in before if not np.array_equal(before[path], after[path]))
+    assert changed == ["head/bias", "head/kernel"]
+
+
+def test_linear_probe_encoder_computes_as_at_inference(tiny_config):
+    from vit_keras import build_model
+
+    model = randomize_weights(build_model(tiny_config, image_size=8, num_classes=3, dropout=0.5,
+                                          drop_path_rate=0.5))
+    probe = finetuning.linear_probe_model(model)
+    x, _ = tiny_data(n=4)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(probe(x, training=True)),
+                               keras.ops.convert_to_numpy(model(x, training=False)),
+                               rtol=1e-5, atol=1e-6)
+    assert finetuning.trainable_parameters(probe) == 32 * 3 + 3
+
+
+def _loss_and_gradients(model, x, y):
+    """The loss and the gradients of the trainable weights, by the backend's own autodiff."""
+    loss_fn = keras.losses.CategoricalCrossentropy(from_logits=True)
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        trainable = [v.value for v in model.trainable_variables]
+        others = [v.value for v in model.non_trainable_variables]
+
+        def compute(trainable):
+            logits, _ = model.stateless_call(trainable, others, x, training=True)
+            return loss_fn(y, logits)
+
+        loss, grads = jax.value_and_grad(compute)(trainable)
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+    else:
+        model.zero_grad()
+        loss = loss_fn(y, model(x, training=True))
+        loss.backward()
+        grads = [v.value.grad for v in model.trainable_variables]
+    return (float(keras.ops.convert_to_numpy(loss)),
+            [keras.ops.convert_to_numpy(g) for g in grads])
+
+
+def test_remat_gives_the_same_loss_and_gradients(tiny_config):
+    model = randomize_weights(tiny_model(tiny_config))
+    remat = finetuning.rematerialized(model)
+    assert [getattr(b, "rematerialized", False) for b in finetuning._blocks(remat)] == [True] * 2
+    x, y = tiny_data(n=4)
+    loss, grads = _loss_and_gradients(model, x, y)
+    remat_loss, remat_grads = _loss_and_gradients(remat, x, y)
+    # The same arithmetic, recomputed: equal up to float32 rounding of a reordered graph.
+    assert remat_loss == pytest.approx(loss, rel=1e-6)
+    assert len(grads) == len(remat_grads) == len(model.trainable_variables)
+    for grad, remat_grad in zip(grads, remat_grads):
+        np.testing.assert_allclose(remat_grad, grad, rtol=1e-5, atol=1e-6)
+
+
+def test_remat_and_lora_train_together_with_dropout_and_drop_path(tiny_config):
+    from vit_keras import build_model
+
+    # Random draws inside a recomputed block: their generator's state leaves the remat.
+    model = build_model(tiny_config, image_size=8, num_classes=3, dropout=0.1,
+                        drop_path_rate=0.1)
+    model = finetuning.enable_lora(finetuning.rematerialized(model), RANK)
+    before = _values(model)
+    after = _values(_trained(model))
+    assert any(not np.array_equal(before[p], after[p]) for p in before if "lora_kernel_b" in p)
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"linear_probe": True, "lora_rank": 4}, "choose one"),
+    ({"lora_alpha": 8.0}, "needs --lora_rank"),
+    ({"lora_rank": -1}, "positive rank"),
+    ({"lora_rank": 4, "lora_alpha": 0.0}, "must be positive"),
+    ({"lora_train_norms": True}, "needs --lora_rank"),
+    ({"linear_probe": True, "drop_path_rate": 0.1}, "drop --drop_path_rate"),
+])
+def test_nonsense_flag_combinations_are_refused_in_one_line(flags, message):
+    with pytest.raises(finetuning.FinetuningOptionError, match=message) as raised:
+        finetuning.check_options(dataclasses.replace(RunConfig(), **flags))
+    assert "\n" not in str(raised.value)
+
+
+def test_lora_and_linear_probe_are_refused_for_masked_patch_prediction():
+    objective = objectives.MaskedPatchPrediction()
+    for flags in ({"lora_rank": 4}, {"linear_probe": True}):
+        with pytest.raises(finetuning.FinetuningOptionError, match="MaskedPatchPrediction"):
+            finetuning.check_options(dataclasses.replace(RunConfig(), **flags), objective)
+    finetuning.check_options(dataclasses.replace(RunConfig(), remat=True), objective)
