@@ -11,11 +11,14 @@ class has when a field is left out.
 """
 
 import json
+import logging
 import os
 import re
 
 from vit_keras import errors
 from vit_keras.checkpoints import names, timm
+
+logger = logging.getLogger("vit_keras")
 
 CONFIG = "config.json"
 # The patch embedding of every family: ViT/DeiT/DINOv2/MAE `embeddings.patch_embeddings.projection`,
@@ -187,11 +190,30 @@ def hints(config, model_type="vit"):
     return out
 
 
+def _encoder_and_heads(state_dict, model_type):
+    """`state_dict` without the parts of a family's folder that no vit_keras model holds:
+    `ViTMAEForPreTraining`'s decoder (the hub's `facebook/vit-mae-*` folders; only the encoder is
+    ever fine-tuned), and `DeiTModel`'s pooler, which no published DeiT checkpoint trained (they
+    are `DeiTForImageClassification[WithTeacher]` folders, whose `DeiTModel` has no pooler):
+    vit_keras pools a distilled model as timm and DeiT do, by the mean of the class and
+    distillation tokens, and says so in one log line."""
+    if model_type == "vit_mae":
+        return {k: v for k, v in state_dict.items() if not k.startswith("decoder.")}
+    pooler = [k for k in state_dict if re.search(r"(?:^|\.)pooler\.dense\.", k)]
+    if model_type == "deit" and pooler:
+        logger.warning("DeiT: the checkpoint's pooler (Dense + tanh on the class token) is not "
+                       "loaded; the model pools by the mean of the class and distillation "
+                       "tokens, as DeiT and timm do.")
+        return {k: v for k, v in state_dict.items() if k not in pooler}
+    return state_dict
+
+
 def convert(state_dict, config=None, num_heads=None):
     """`(canonical params, info)`. The heads come from `config.json`, else from `num_heads`, else
     from the paper's variant of that width; LayerNorm epsilon and GELU variant from `config.json`,
     else the family's defaults (ViT's epsilon is 1e-12, CLIP's GELU the quick one, ...)."""
     model_type = family(state_dict, config)
+    state_dict = _encoder_and_heads(state_dict, model_type)
     info = {"format": "huggingface", "interpolation": "bicubic", "antialias": False,
             **hints(config, model_type)}
     if num_heads and "num_heads" not in info:  # config.json knows better than the caller
