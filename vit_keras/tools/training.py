@@ -17,10 +17,11 @@ import warnings
 import keras
 
 from vit_keras import configs as configs_lib
-from vit_keras import geometry, masked_patch_prediction, pretrained
+from vit_keras import geometry, layer_decay, masked_patch_prediction, pretrained
 from vit_keras.checkpoints import save_npz
 from vit_keras.tools import callbacks as callbacks_lib
 from vit_keras.tools import distribution as distribution_lib
+from vit_keras.tools import ema as ema_lib
 from vit_keras.tools import finetuning, memory, plots
 from vit_keras.tools import objectives as objectives_lib
 from vit_keras.tools import recipes as recipes_lib
@@ -112,6 +113,14 @@ class RunConfig:
     eval_batch_size: int = option(256, "Batch size of validation and test.")
     accum_steps: int = option(1, "Gradient accumulation: batches averaged per update.")
     label_smoothing: float = option(None, "Label smoothing (default 0; 0.1 on digits).")
+    layer_decay: float = option(
+        None, "Layer-wise learning-rate decay F in (0, 1] (BEiT/MAE, timm): block i of L at lr * "
+        "F^(L-i), the embeddings at lr * F^(L+1), the head at lr (vit_keras.layer_decay). "
+        "Default: off.")
+    ema_decay: float = option(
+        None, "Exponential moving average of the weights with this decay in (0, 1), e.g. 0.999: "
+        "validated each epoch (val_ema_*), and the run's model when it validates better than "
+        "the raw weights (metrics.json's ema). Default: off.")
     # augmentation
     crop_min_area: float = option(
         None, "Inception crop: smallest crop area fraction (default 0.05 as vit_jax; 0.8 on "
@@ -360,6 +369,8 @@ def run(config, app="finetune", log=print, started=None, objective=CLASSIFICATIO
     """
     started = started or time.perf_counter()
     finetuning.check_options(config, objective)  # one line, before anything loads
+    layer_decay.check_layer_decay(config.layer_decay)
+    ema_lib.check_ema_decay(config.ema_decay, objective.validation_split)
     # First: JAX must join the other processes before it computes anything.
     processes = distribution_lib.initialize_processes(config.coordinator_address,
                                                       config.num_processes, config.process_id,
@@ -520,8 +531,16 @@ def _build_and_compile(state):
     # LoRA, linear probe, remat: a resumed run rebuilds the same model before its backup loads.
     vit = finetuning.prepare_run_model(vit, config, log=state.log)
     model = state.objective.build_model(vit, config.seed)
-    optimizer = recipes_lib.make_optimizer(recipe, state.total_updates, state.accum)
+    scales = None
+    if config.layer_decay is not None:
+        scales = layer_decay.layer_decay_scales(model, config.layer_decay)
+        state.log(f"Layer decay {config.layer_decay:g}, learning-rate scales: "
+                  f"{layer_decay.describe_scales(scales)}.")
+    optimizer = recipes_lib.make_optimizer(recipe, state.total_updates, state.accum,
+                                           layer_scales=scales, ema_decay=config.ema_decay)
     state.objective.compile(model, optimizer, recipe, jit_compile)
+    if config.ema_decay is not None:  # built here (in the scope), so a backup loads the average
+        model.optimizer.build(model.trainable_variables)
     if config.jit_compile is None:  # the loading backend chooses (also when forced off above)
         recipes_lib.portable_compile_config(model)
     if recipe.image_size is None:  # the weights' own (resolve_recipe)
@@ -581,7 +600,12 @@ def _callbacks(state, nan_guard):
         logs.append(keras.callbacks.TensorBoard(state.folder.logs, write_graph=False))
     else:
         state.log("TensorBoard is not installed (pip install tensorboard): no TensorBoard logs.")
-    return [nan_guard, state.throughput, *logs,
+    averages = []
+    if state.config.ema_decay is not None:  # before the logs, which then have val_ema_*
+        averages.append(ema_lib.EmaEvaluation(
+            state.pipeline(state.objective.validation_split, whole_batches=True)))
+        averages[0].guard = nan_guard
+    return [nan_guard, state.throughput, *averages, *logs,
             *([keras.callbacks.CSVLogger(state.folder.history, append=True)] if chief else []),
             checkpoint, state.backup]
 
@@ -614,6 +638,12 @@ def _report(state, fit_seconds):
     and writes metrics.json, last; returns the metrics."""
     with _no_length_warning(state.processes.multi):
         history = state.folder.read_history()
+        ema_choice = None
+        if state.config.ema_decay is not None:  # the average, when it validates better
+            ema_choice = {"decay": state.config.ema_decay, **ema_lib.choose_weights(
+                state.model, state.pipeline(state.objective.validation_split, whole_batches=True))}
+            state.log(f"EMA: the run's model has the {ema_choice['weights']} weights "
+                      f"(validation: {ema_choice}).")
         results = state.objective.evaluate(state.model, state.splits, state.pipeline, history)
     if state.splits.skipped_files:
         state.log(state.splits.unreadable.summary())
@@ -627,6 +657,7 @@ def _report(state, fit_seconds):
         "images_per_second": state.throughput.images_per_second(),
         "wall_time_s": time.perf_counter() - state.started,
         "fit_time_s": fit_seconds,
+        **({"ema": ema_choice} if ema_choice else {}),
         "trainable_parameters": finetuning.trainable_parameters(state.model),
         "epochs": state.epochs,
         "resumed_from_epoch": state.resume_epoch,
