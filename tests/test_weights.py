@@ -47,13 +47,20 @@ def blob_server(tmp_path, monkeypatch, cache):
 
 @backend_independent
 def test_every_release_names_a_variant_a_well_formed_url_and_a_consistent_head():
-    sizes = {"imagenet2012": 1000, "imagenet21k": 21843}
+    sizes = {"imagenet2012": 1000, "imagenet21k": 21843, None: None}
     seen = set()
     for release in releases.RELEASES:
         config = vit_keras.VARIANTS[release.variant]
         url = urllib.parse.urlparse(release.url)
-        assert (url.scheme, url.netloc) == ("https", "storage.googleapis.com"), release
-        assert url.path.startswith("/vit_models/") and url.path.endswith(".npz"), release
+        if release.name in releases.PAPER_RELEASE_NAMES:
+            assert (url.scheme, url.netloc) == ("https", "storage.googleapis.com"), release
+            assert url.path.startswith("/vit_models/") and url.path.endswith(".npz"), release
+            assert release.files == (release.path,), release
+        else:  # the family's: a hub repository's weights, with its config.json beside them
+            assert (url.scheme, url.netloc) == ("https", "huggingface.co"), release
+            assert release.path == f"{release.hf_hub_id}/resolve/main/model.safetensors", release
+            assert release.files == (release.path.replace("model.safetensors", "config.json"),
+                                     release.path), release
         assert not re.search(r"\s|//", url.path), release
         assert release.num_classes == sizes[release.class_names], release
         assert release.representation_size in (None, config.hidden_size), release
@@ -92,7 +99,8 @@ def test_augreg_files_classes_and_sizes_match_timms_default_cfgs():
     ours = {r.url for r in releases.RELEASES if r.name.startswith("augreg")}
     assert ours == timm_augreg  # the same 35 files, byte for byte in their names
     for release in releases.RELEASES:
-        if not (release.hf_hub_id or "").startswith("timm/"):
+        if not (release.hf_hub_id or "").startswith("timm/") or (
+                release.name not in releases.PAPER_RELEASE_NAMES):
             continue
         cfg = get_pretrained_cfg(release.hf_hub_id[len("timm/"):])
         assert cfg is not None, release.hf_hub_id
@@ -100,6 +108,43 @@ def test_augreg_files_classes_and_sizes_match_timms_default_cfgs():
             assert cfg.url == release.url, release
         assert cfg.num_classes == release.num_classes, release
         assert cfg.input_size[1:] == (release.image_size, release.image_size), release
+
+
+@backend_independent
+def test_the_family_releases_sizes_and_heads_match_timms_default_cfgs():
+    from timm.models import get_pretrained_cfg
+
+    for release in releases.RELEASES:
+        if release.name in releases.PAPER_RELEASE_NAMES:
+            continue
+        (timm_id,) = [hub_id for hub_id in (release.hf_hub_id, *release.other_hub_ids)
+                      if hub_id.startswith("timm/")]
+        cfg = get_pretrained_cfg(timm_id[len("timm/"):])
+        assert cfg is not None and cfg.hf_hub_id in ("timm/", timm_id), release
+        assert cfg.input_size[1:] == (release.image_size, release.image_size), release
+        if "clip" in timm_id:  # timm's CLIP files keep the projection into the joint space as a head
+            assert cfg.num_classes in (512, 768) and release.num_classes is None, release
+        else:
+            assert (cfg.num_classes or None) == release.num_classes, release
+        config = vit_keras.VARIANTS[release.variant]
+        assert f"patch{config.patch_size}" in timm_id, release
+        sizes = {384: "small", 768: "base", 1024: "large"}
+        assert sizes[config.hidden_size] in timm_id + " ".join(release.other_hub_ids), release
+
+
+@backend_independent
+def test_the_family_releases_are_found_by_name_and_by_either_hub_id():
+    release = releases.find_release("ViT-S/14", "dinov2")
+    assert (release.hf_hub_id, release.image_size, release.num_classes) == (
+        "facebook/dinov2-small", 518, None)
+    assert releases.release_for_hub_id("timm/vit_small_patch14_dinov2.lvd142m") == release
+    assert releases.release_for_hub_id("facebook/dinov2-small") == release
+    assert releases.find_release("ViT-B/16", "siglip_webli").classifier == "map"
+    assert {r.variant for r in vit_keras.list_weights() if r.name == "clip_openai"} == {
+        "ViT-B/16", "ViT-B/32", "ViT-L/14"}
+    with pytest.raises(errors.ReleaseNotFoundError, match="ViT-S/14 has no release 'clip_openai'; "
+                                                          "its releases are: dinov2, dinov2_reg4"):
+        releases.find_release("ViT-S/14", "clip_openai")
 
 
 @backend_independent
@@ -436,23 +481,39 @@ def _logits_of(model, images):
 
 # --- The documentation shows the table as it is ------------------------------------------------
 
-def _weights_matrix():
-    """The README's table: a row per variant, a column per release, the resolutions in a cell."""
-    lines = ["| variant | " + " | ".join(f"`{name}`" for name in releases.RELEASE_NAMES) + " |",
-             "|---" * (1 + len(releases.RELEASE_NAMES)) + "|"]
-    for variant in dict.fromkeys(r.variant for r in releases.RELEASES):
+def _weights_matrix(names=releases.PAPER_RELEASE_NAMES):
+    """The README's tables: a row per variant, a column per release, the resolutions in a cell;
+    the paper's releases (the default) or the family's."""
+    lines = ["| variant | " + " | ".join(f"`{name}`" for name in names) + " |",
+             "|---" * (1 + len(names)) + "|"]
+    for variant in dict.fromkeys(r.variant for r in releases.RELEASES if r.name in names):
         sizes = {name: [str(r.image_size) for r in vit_keras.list_weights(variant) if r.name == name]
-                 for name in releases.RELEASE_NAMES}
+                 for name in names}
         lines.append(f"| {variant} | " + " | ".join(", ".join(sizes[n]) or "–"
-                                                   for n in releases.RELEASE_NAMES) + " |")
+                                                   for n in names) + " |")
+    return "\n".join(lines)
+
+
+def _family_list():
+    """The weights page's table of the family's releases: files' repository, pooling, other ids."""
+    lines = ["| variant | release | px | classes | pooling | files (`<repository>/resolve/main/`) "
+             "| also on the hub |", "|---|---|---|---|---|---|---|"]
+    for r in releases.RELEASES:
+        if r.name in releases.FAMILY_RELEASE_NAMES:
+            lines.append(f"| {r.variant} | `{r.name}` | {r.image_size} | {r.num_classes or '–'} | "
+                         f"{r.classifier} | `{r.hf_hub_id}` | "
+                         f"{', '.join(f'`{i}`' for i in r.other_hub_ids) or '–'} |")
     return "\n".join(lines)
 
 
 def _weights_list():
-    """The weights page's table: every file with its classes, URL path and hub id."""
+    """The weights page's table: every file of the paper's releases with its classes, URL path
+    and hub id."""
     lines = ["| variant | release | px | classes | pre-logits | file (below `vit_models/`) | "
              "Hugging Face hub |", "|---|---|---|---|---|---|---|"]
     for r in releases.RELEASES:
+        if r.name not in releases.PAPER_RELEASE_NAMES:
+            continue
         lines.append(f"| {r.variant} | `{r.name}` | {r.image_size} | {r.num_classes} | "
                      f"{r.representation_size or '–'} | `{r.path[len('vit_models/'):]}` | "
                      f"{f'`{r.hf_hub_id}`' if r.hf_hub_id else '–'} |")
@@ -460,8 +521,10 @@ def _weights_list():
 
 
 @backend_independent
-@pytest.mark.parametrize("document, table", [("README.md", _weights_matrix),
-                                             ("docs/weights.md", _weights_list)])
+@pytest.mark.parametrize("document, table", [
+    ("README.md", _weights_matrix), ("docs/weights.md", _weights_list),
+    ("docs/weights.md", lambda: _weights_matrix(releases.FAMILY_RELEASE_NAMES)),
+    ("docs/weights.md", _family_list)], ids=["readme", "weights", "family_matrix", "family_list"])
 def test_the_documented_weights_tables_are_the_release_table(document, table):
     from conftest import REPO_ROOT
 

@@ -1,8 +1,10 @@
 """Fetching published files into a local cache: resumable, atomic, checked, and quick to fail.
 
-Files are named by their path below the official bucket (`releases.OFFICIAL_BASE_URL`) and cached
-at the same path below `cache_dir()`, so a file can be placed there by hand and a mirror can hold
-the same tree. `VIT_KERAS_WEIGHTS_MIRROR` (a base URL or a local folder) replaces the bucket.
+Files are named by their path below a base URL (the official bucket, `releases.OFFICIAL_BASE_URL`,
+or for the ViT family's releases the Hugging Face hub, `releases.HUB_BASE_URL`) and cached at the
+same path below `cache_dir()`, so a file can be placed there by hand and a mirror can hold the same
+tree. `VIT_KERAS_WEIGHTS_MIRROR` (a base URL or a local folder) replaces either base: a mirror holds
+the bucket's paths (`vit_models/...`) and the hub's (`<repo id>/resolve/main/<file>`) side by side.
 
 Why not `keras.utils.get_file`: it writes in place (a process killed mid-download leaves a
 truncated file that the next call trusts, since there is no published hash to check) and opens
@@ -75,11 +77,12 @@ def cache_path(path):
     return os.path.join(cache_dir(), *_parts(path))
 
 
-def _source():
-    """The base the files are fetched from: `(url, None)` or `(None, local folder)`."""
+def _source(base_url=None):
+    """The base the files are fetched from: `(url, None)` or `(None, local folder)`; without a
+    mirror, `base_url` (default: the official bucket)."""
     mirror = os.environ.get(MIRROR_VARIABLE, "").strip()
     if not mirror:
-        return releases.OFFICIAL_BASE_URL, None
+        return base_url or releases.OFFICIAL_BASE_URL, None
     scheme = urllib.parse.urlparse(mirror).scheme
     if scheme == "file":
         return None, urllib.request.url2pathname(urllib.parse.urlparse(mirror).path)
@@ -88,20 +91,21 @@ def _source():
     return None, os.path.expanduser(mirror)  # a folder
 
 
-def url_for(path):
-    """The URL the file at `path` is downloaded from (the mirror's, if one is set)."""
+def url_for(path, base_url=None):
+    """The URL the file at `path` below `base_url` (default: the official bucket) is downloaded
+    from (the mirror's, if one is set)."""
     parts = _parts(path)
-    base, folder = _source()
+    base, folder = _source(base_url)
     if folder is not None:
         return "file://" + urllib.request.pathname2url(os.path.join(folder, *parts))
     return base + urllib.parse.quote("/".join(parts), safe="/+")
 
 
-def _unavailable(path, url, reason):
+def _unavailable(path, url, reason, base_url=None):
     return WeightsUnavailableError(
         f"Could not download {url} ({reason}). Without network access, place the file by hand "
         f"at {cache_path(path)}, or set {MIRROR_VARIABLE} to a base URL or folder that holds "
-        f"'{path}' (it replaces {releases.OFFICIAL_BASE_URL}).")
+        f"'{path}' (it replaces {base_url or releases.OFFICIAL_BASE_URL}).")
 
 
 def invalid_file_error(path, local, problem):
@@ -114,20 +118,22 @@ def invalid_file_error(path, local, problem):
                             f"'{path}' ({problem}). Replace it with a good copy.")
 
 
-def fetch(path, *, progress=True, verify=None):
+def fetch(path, *, progress=True, verify=None, base_url=None):
     """The local copy of the published file at `path`, downloaded on the first call.
 
     A cached file is returned without touching the network. With `VIT_KERAS_WEIGHTS_MIRROR` set
     to a folder, the file is read from there and not copied.
 
     Args:
-      path: the file's path below the official bucket, e.g. `"vit_models/imagenet21k/ViT-B_16.npz"`;
+      path: the file's path below `base_url`, e.g. `"vit_models/imagenet21k/ViT-B_16.npz"`;
         relative, without `..`.
       progress: show a progress bar (on stderr) while downloading.
       verify: checks a downloaded file before it becomes the cached file: called with the path of
         the complete download, it raises `ValueError` saying what is wrong. A file that fails is
         deleted, never cached. Cached and mirror-folder files are not checked here (a caller that
         reads one reports its problem with `invalid_file_error`).
+      base_url: what `path` is below (default: the official bucket; `releases.HUB_BASE_URL` for
+        the family's releases). A mirror replaces it.
 
     Raises:
       ValueError: for a `path` that leaves the bucket's root.
@@ -139,7 +145,7 @@ def fetch(path, *, progress=True, verify=None):
         `WeightsUnavailableError`: its `.part` file is kept, and the next call resumes it.)
     """
     parts = _parts(path)
-    _, folder = _source()
+    _, folder = _source(base_url)
     if folder is not None:
         local = os.path.join(folder, *parts)
         if not os.path.isfile(local):
@@ -151,19 +157,20 @@ def fetch(path, *, progress=True, verify=None):
     if os.path.isfile(target):
         return target
     os.makedirs(os.path.dirname(target), exist_ok=True)
-    url = url_for(path)
+    url = url_for(path, base_url)
     try:
         _download(url, target, progress, verify)
     except _Rejected as rejected:
         raise InvalidFileError(
             f"The file downloaded from {url} is not a valid '{path}' ({rejected}); it was deleted, "
             f"not cached. Check the server ({MIRROR_VARIABLE} replaces "
-            f"{releases.OFFICIAL_BASE_URL}), or place a good copy at {target}.") from rejected
+            f"{base_url or releases.OFFICIAL_BASE_URL}), or place a good copy at "
+            f"{target}.") from rejected
     except urllib.error.HTTPError as error:
-        raise _unavailable(path, url, f"HTTP {error.code} {error.reason}") from error
+        raise _unavailable(path, url, f"HTTP {error.code} {error.reason}", base_url) from error
     except (urllib.error.URLError, OSError) as error:
         reason = getattr(error, "reason", None) or error
-        raise _unavailable(path, url, str(reason) or type(error).__name__) from error
+        raise _unavailable(path, url, str(reason) or type(error).__name__, base_url) from error
     return target
 
 

@@ -11,7 +11,7 @@ import os
 
 from vit_keras import configs, download, errors, geometry, releases
 from vit_keras import model as model_lib
-from vit_keras.checkpoints import loader
+from vit_keras.checkpoints import huggingface, loader
 
 HUB_PREFIX = "hf-hub:"
 _CHECKPOINT_SUFFIXES = (".npz", ".pth", ".pt", ".bin", ".safetensors", ".keras", ".h5")
@@ -89,7 +89,14 @@ def resolve_weights(weights, variant=None, image_size=None):
         return download.fetch_hub(weights[len(HUB_PREFIX):]), release
     if release is None:  # a file, a folder or a Checkpoint
         return weights, None
-    local = download.fetch(release.path, verify=lambda file: read_release(file, release))
+    for path in release.files[:-1]:  # a hub release's config.json, beside the weights: read with them
+        local = download.fetch(path, base_url=release.base_url, verify=huggingface.read_json)
+        try:
+            huggingface.read_json(local)
+        except ValueError as error:
+            raise download.invalid_file_error(path, local, error) from error
+    local = download.fetch(release.path, base_url=release.base_url,
+                           verify=lambda file: read_release(file, release))
     try:
         return read_release(local, release), release
     except ValueError as error:  # a file placed by hand, in a mirror folder, or cached long ago

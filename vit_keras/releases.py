@@ -1,11 +1,15 @@
-"""The release table: every published checkpoint of the paper's models as one record of data.
+"""The release table: every published checkpoint of the paper's models, and the common releases of
+the ViT family (DeiT, DeiT III, DINOv2 with and without registers, SigLIP, CLIP, MAE), as one
+record of data each.
 
-A release is a set of weights for one variant (`imagenet21k`, `augreg_in21k_ft_in1k`, ...), at
-one or more resolutions. Each record names its file by its path below the official bucket
-(`OFFICIAL_BASE_URL`), so a mirror can replace the base and keep the paths. File names are the
+A release is a set of weights for one variant (`imagenet21k`, `augreg_in21k_ft_in1k`, `dinov2`,
+...), at one or more resolutions. Each record names its file by its path below a base URL: the
+paper's files below the official bucket (`OFFICIAL_BASE_URL`), the family's below the Hugging Face
+hub (`HUB_BASE_URL`, as `<repo id>/resolve/main/<file>`, with the repository's `config.json`
+beside the weights), so that a mirror can replace the base and keep the paths. File names are the
 facts of google-research/vision_transformer's README and of timm's `default_cfgs`
-(`vision_transformer.py`, `vision_transformer_hybrid.py`; a test compares them); Hugging Face hub
-ids are listed where the hub holds the same weights with the same head.
+(`vision_transformer.py`, `vision_transformer_hybrid.py`, `deit.py`; tests compare them); Hugging
+Face hub ids are listed where the hub holds the same weights with the same head.
 """
 
 import dataclasses
@@ -13,7 +17,10 @@ import dataclasses
 from vit_keras import configs, errors
 
 OFFICIAL_BASE_URL = "https://storage.googleapis.com/"
-"""The bucket every `Release.path` is relative to (`VIT_KERAS_WEIGHTS_MIRROR` replaces it)."""
+"""The bucket the paper's `Release.path`s are relative to (`VIT_KERAS_WEIGHTS_MIRROR` replaces it)."""
+HUB_BASE_URL = "https://huggingface.co/"
+"""The Hugging Face hub, which the family's `Release.path`s are relative to (the mirror variable
+replaces it too: a mirror holds both trees)."""
 
 CLASS_NAME_FILES = {"imagenet2012": None, "imagenet21k": "bit_models/imagenet21k_wordnet_lemmas.txt"}
 """The class-name lists a release can name: ImageNet-1k's ship in the package (`None`), the 21k
@@ -30,27 +37,43 @@ class Release:
         files at several resolutions.
       path: the file below `OFFICIAL_BASE_URL`.
       image_size: the resolution the weights were trained or fine-tuned at.
-      num_classes: the head's classes (21843 for ImageNet-21k, 1000 for ImageNet-1k).
+      num_classes: the head's classes (21843 for ImageNet-21k, 1000 for ImageNet-1k), or None
+        for a backbone published without a head (DINOv2, SigLIP, CLIP, MAE).
       representation_size: width of the `pre_logits` layer (original ImageNet-21k files), or None.
-      classifier: `"token"` for all published ViTs.
-      class_names: the key in `CLASS_NAME_FILES` of the head's class names.
+      classifier: `"token"` for the paper's ViTs, `"map"` for SigLIP's attention pooling.
+      class_names: the key in `CLASS_NAME_FILES` of the head's class names (None without a head).
       hf_hub_id: the same weights on the Hugging Face hub (`timm/...` state dicts, `google/...`
-        transformers folders), or None.
+        transformers folders), or None; for the family's releases, the repository the files
+        come from.
+      base_url: what `path` is below: `OFFICIAL_BASE_URL` or `HUB_BASE_URL`.
+      config_path: the `config.json` beside the weights (below `base_url`), fetched first: it
+        says what the weights alone do not (epsilon, GELU variant, timm architecture).
+      other_hub_ids: further hub repositories that hold the same weights (for the family:
+        timm's, or the transformers folder a timm file was converted from), found by
+        `release_for_hub_id` like `hf_hub_id`.
     """
 
     variant: str
     name: str
     path: str
     image_size: int
-    num_classes: int
+    num_classes: int | None
     representation_size: int | None = None
     classifier: str = "token"
-    class_names: str = "imagenet2012"
+    class_names: str | None = "imagenet2012"
     hf_hub_id: str | None = None
+    base_url: str = OFFICIAL_BASE_URL
+    config_path: str | None = None
+    other_hub_ids: tuple = ()
 
     @property
     def url(self):
-        return OFFICIAL_BASE_URL + self.path
+        return self.base_url + self.path
+
+    @property
+    def files(self):
+        """The paths below `base_url` to fetch, in order: the config (if any), then the weights."""
+        return (self.config_path, self.path) if self.config_path else (self.path,)
 
     @property
     def spec(self):
@@ -118,6 +141,48 @@ _AUGREG_1K = {  # variant: (ImageNet-1k training run, timm model name without th
     "ViT-B/16": ("B_16-i1k-300ep-lr_0.001-aug_strong2-wd_0.1-do_0.1-sd_0.1", "vit_base_patch16"),
 }
 
+# --- The ViT family on the Hugging Face hub: HUB_BASE_URL + "<repo id>/resolve/main/<file>" -------
+# The files come from the transformers folder where its config.json says everything vit_keras needs
+# (CLIP's quick GELU, which timm's `*_clip_224.openai` names do not say); else from timm's repository
+# (a state dict and a config.json naming the timm architecture). CLIP and SigLIP folders hold the
+# whole image-text model: vit_keras reads the image tower. timm's CLIP files carry the projection
+# into the joint space as a head (512 or 768 classes); the table's CLIP records have none.
+_FAMILY = (  # (variant, release, files' repository, other repository, image size, classes, pooling)
+    ("ViT-S/16", "deit_in1k", "timm/deit_small_patch16_224.fb_in1k",
+     "facebook/deit-small-patch16-224", 224, 1000, "token"),
+    ("ViT-B/16", "deit_distilled_in1k", "timm/deit_base_distilled_patch16_224.fb_in1k",
+     "facebook/deit-base-distilled-patch16-224", 224, 1000, "token"),
+    ("ViT-B/16", "deit3_in22k_ft_in1k", "timm/deit3_base_patch16_224.fb_in22k_ft_in1k", None,
+     224, 1000, "token"),
+    ("ViT-S/14", "dinov2", "facebook/dinov2-small", "timm/vit_small_patch14_dinov2.lvd142m", 518,
+     None, "token"),
+    ("ViT-B/14", "dinov2", "facebook/dinov2-base", "timm/vit_base_patch14_dinov2.lvd142m", 518,
+     None, "token"),
+    ("ViT-L/14", "dinov2", "facebook/dinov2-large", "timm/vit_large_patch14_dinov2.lvd142m", 518,
+     None, "token"),
+    ("ViT-S/14", "dinov2_reg4", "facebook/dinov2-with-registers-small",
+     "timm/vit_small_patch14_reg4_dinov2.lvd142m", 518, None, "token"),
+    ("ViT-B/14", "dinov2_reg4", "facebook/dinov2-with-registers-base",
+     "timm/vit_base_patch14_reg4_dinov2.lvd142m", 518, None, "token"),
+    ("ViT-L/14", "dinov2_reg4", "facebook/dinov2-with-registers-large",
+     "timm/vit_large_patch14_reg4_dinov2.lvd142m", 518, None, "token"),
+    ("ViT-B/16", "siglip_webli", "google/siglip-base-patch16-224",
+     "timm/vit_base_patch16_siglip_224.webli", 224, None, "map"),
+    ("ViT-B/16", "clip_openai", "openai/clip-vit-base-patch16",
+     "timm/vit_base_patch16_clip_224.openai", 224, None, "token"),
+    ("ViT-B/32", "clip_openai", "openai/clip-vit-base-patch32",
+     "timm/vit_base_patch32_clip_224.openai", 224, None, "token"),
+    ("ViT-L/14", "clip_openai", "openai/clip-vit-large-patch14",
+     "timm/vit_large_patch14_clip_224.openai", 224, None, "token"),
+    ("ViT-B/16", "mae", "timm/vit_base_patch16_224.mae", "facebook/vit-mae-base", 224, None,
+     "token"),
+)
+_HUB_WEIGHTS = "model.safetensors"
+
+
+def _hub_file(repo, name):
+    return f"{repo}/resolve/main/{name}"
+
 
 def _table():
     rows = []
@@ -142,15 +207,28 @@ def _table():
             path = f"vit_models/augreg/{run}{_FT_1K.format(lr='0.01', size=size)}.npz"
             rows.append(Release(variant, "augreg_in1k", path, size, 1000,
                                 hf_hub_id=f"timm/{timm_name}_{size}.augreg_in1k"))
+    for variant, name, repo, other, size, classes, classifier in _FAMILY:
+        rows.append(Release(variant, name, _hub_file(repo, _HUB_WEIGHTS), size, classes,
+                            classifier=classifier,
+                            class_names="imagenet2012" if classes else None, hf_hub_id=repo,
+                            base_url=HUB_BASE_URL, config_path=_hub_file(repo, "config.json"),
+                            other_hub_ids=(other,) if other else ()))
     order = {name: i for i, name in enumerate(configs.VARIANTS)}
     return tuple(sorted(rows, key=lambda r: (order[r.variant], RELEASE_NAMES.index(r.name),
                                              r.image_size)))
 
 
-RELEASE_NAMES = ("imagenet21k", "imagenet21k+imagenet2012", "augreg_in21k", "augreg_in21k_ft_in1k",
-                 "augreg_in1k")
-"""The releases: the paper's (ImageNet-21k, and fine-tuned on ImageNet-1k) and AugReg's
-("How to train your ViT": ImageNet-21k, fine-tuned on ImageNet-1k, and ImageNet-1k only)."""
+PAPER_RELEASE_NAMES = ("imagenet21k", "imagenet21k+imagenet2012", "augreg_in21k",
+                       "augreg_in21k_ft_in1k", "augreg_in1k")
+"""The paper's releases (ImageNet-21k, and fine-tuned on ImageNet-1k) and AugReg's ("How to train
+your ViT": ImageNet-21k, fine-tuned on ImageNet-1k, and ImageNet-1k only), in the bucket."""
+FAMILY_RELEASE_NAMES = ("deit_in1k", "deit_distilled_in1k", "deit3_in22k_ft_in1k", "dinov2",
+                        "dinov2_reg4", "siglip_webli", "clip_openai", "mae")
+"""The family's releases on the Hugging Face hub: DeiT (ImageNet-1k; distilled), DeiT III
+(ImageNet-21k, fine-tuned on 1k), DINOv2 (LVD-142M; with four registers), SigLIP (WebLI), CLIP
+(OpenAI's), MAE (ImageNet-1k self-supervised)."""
+RELEASE_NAMES = PAPER_RELEASE_NAMES + FAMILY_RELEASE_NAMES
+"""Every release name a `weights=` value can take."""
 
 RELEASES = _table()
 """Every published file, as `Release` records, by variant (in `VARIANTS` order) and release."""
@@ -210,4 +288,5 @@ def find_release(variant, name, image_size=None):
 
 def release_for_hub_id(hub_id):
     """The `Release` whose weights the hub repository `hub_id` holds, or None."""
-    return next((release for release in RELEASES if release.hf_hub_id == hub_id), None)
+    return next((release for release in RELEASES
+                 if hub_id == release.hf_hub_id or hub_id in release.other_hub_ids), None)

@@ -42,7 +42,7 @@ FAMILIES = tuple(_DEFAULTS)
 _VISION_TOWERS = {"clip": "clip_vision_model", "siglip": "siglip_vision_model"}
 
 
-def _read_json(path):
+def read_json(path):
     """The JSON object in the file at `path`; a `CheckpointError` naming the file if it is not one."""
     try:
         with open(path, encoding="utf-8") as f:
@@ -56,7 +56,7 @@ def _read_json(path):
 
 def _shards(index):
     """The files an `model.safetensors.index.json` names, each a plain name inside its folder."""
-    weight_map = _read_json(index).get("weight_map")
+    weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map or not all(
             isinstance(name, str) for name in weight_map.values()):
         raise errors.CheckpointError(f"{index!r} has no \"weight_map\" of tensor names to shard files.")
@@ -145,7 +145,7 @@ def read_config(folder):
     path = os.path.join(folder, CONFIG)
     if not os.path.exists(path):
         return None
-    config = vision_config(_read_json(path))
+    config = vision_config(read_json(path))
     _check_config(config, path)
     return config
 
