@@ -264,3 +264,14 @@ def test_each_family_saved_as_keras_here_loads_on_another_backend(tmp_path):
     errors = run_on_backend(other, _LOAD_ALL, models=models)
     assert set(errors) == set(FAMILIES)
     assert max(errors.values()) <= RTOL, errors
+
+
+def test_feature_grid_of_a_dynamic_size_model_leaves_out_registers():
+    config = {"name": "reg", "patch_size": 8, "hidden_size": 32, "mlp_dim": 64, "num_heads": 2,
+              "num_layers": 1, "num_registers": 4, "posemb_prefix": False}
+    model = vit_keras.build_model(config, image_size=16, dynamic_image_size=True)
+    images = np.random.default_rng(0).uniform(0, 255, (1, 24, 32, 3)).astype("float32")
+    grid = vit_keras.build_feature_extractor(model, [-1], output="grid")(images)
+    tokens = vit_keras.build_feature_extractor(model, [-1], output="tokens")(images)
+    assert grid.shape == (1, 3, 4, 32)
+    np.testing.assert_allclose(np.asarray(grid).reshape(1, 12, 32), np.asarray(tokens)[:, 5:])

@@ -155,7 +155,11 @@ def build_feature_extractor(model, blocks=None, output="tokens", norm=True):
     if output == "grid":
         position = next((layer for layer in model.layers if layer.name == "posembed_input"), None)
         if getattr(position, "grid_size", None) is not None:  # dynamic image size
-            grid, prefix = None, position.num_prefix_tokens
+            # Every prefix token: those with position embeddings and registers without.
+            grid, prefix = None, sum(
+                getattr(layer, "num_tokens", 1) for layer in model.layers
+                if isinstance(layer, (layers.ClassToken, layers.DistillationToken,
+                                      layers.RegisterTokens)))
             patch_grid = model.get_layer("embedding").output
         else:
             grid = geometry.token_grid(model)
