@@ -11,6 +11,8 @@ that were used for training, so the same held-out split is evaluated; flags over
 
 import os
 
+import numpy as np
+
 import _backend
 
 _backend.start_app()  # before keras is imported
@@ -28,6 +30,10 @@ flags.DEFINE_float("val_fraction", None, "Held-out fraction for val (default: th
 flags.DEFINE_integer("seed", None, "Seed of the held-out splits (default: the run's, else 0).")
 flags.DEFINE_integer("batch_size", 256, "Evaluation batch size.")
 flags.DEFINE_string("json", None, "Also write the results as JSON to this path.")
+flags.DEFINE_enum("quantize", "none", ["none", "int8"],
+                  "int8: also evaluate the model with Keras' int8 weight quantization "
+                  "(model.quantize('int8'), as apps/predict.py --quantize int8 runs it) on the same "
+                  "images, and print its accuracy next to float's (JSON: quantized).")
 FLAGS = flags.FLAGS
 
 
@@ -59,6 +65,18 @@ def main(argv):
                   skipped_files=[path for path, _ in splits.skipped_files])
     print(f"{dataset} {FLAGS.split}: {report['count']} images, accuracy "
           f"{100 * report['accuracy']:.2f}%, top-5 {100 * report['top5_accuracy']:.2f}%")
+    if FLAGS.quantize != "none":
+        quantized_logits, _ = evaluation.evaluate_model(
+            evaluation.quantized_copy(model, FLAGS.quantize), pipeline)
+        quantized = evaluation.classification_report(quantized_logits, labels,
+                                                     splits.class_names)
+        agreement = float(np.mean(quantized_logits.argmax(-1) == logits.argmax(-1)))
+        report["quantized"] = {"mode": FLAGS.quantize, "accuracy": quantized["accuracy"],
+                               "top5_accuracy": quantized["top5_accuracy"],
+                               "agreement_with_float": agreement}
+        print(f"{FLAGS.quantize}: accuracy {100 * quantized['accuracy']:.2f}% (float "
+              f"{100 * report['accuracy']:.2f}%), top-5 {100 * quantized['top5_accuracy']:.2f}%, "
+              f"same top-1 class as float on {100 * agreement:.2f}% of the images")
     print("\n| class | images | accuracy |\n|---|---|---|")
     for name, row in report["per_class"].items():
         accuracy = "-" if row["accuracy"] is None else f"{100 * row['accuracy']:.2f}%"

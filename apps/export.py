@@ -45,7 +45,9 @@ flags.DEFINE_multi_enum("format", None, vit_export.FORMATS,
                         "Export format; repeat the flag to write several from one load.",
                         required=True)
 flags.DEFINE_enum("quantize", "none", vit_export.QUANTIZATIONS,
-                  "Weight quantization (tflite only): none (float32), dynamic_int8 or float16.")
+                  "Weight quantization (tflite only): none (float32), dynamic_int8 (TFLite's int8 "
+                  "weights with int8 products at run time: the LiteRT counterpart of "
+                  "apps/predict.py and apps/evaluate.py --quantize int8) or float16.")
 flags.DEFINE_string("out", None, "Root folder of the exports.", required=True)
 flags.DEFINE_string("name", None,
                     "Model name: the SavedModel folder (TF Serving's MODEL_NAME) and file stem. "

@@ -41,6 +41,10 @@ flags.DEFINE_string("class_names", None,
                     "A JSON list or a text file with one class name per line (default: the "
                     "release's classes, or class_names.json beside a .keras model).")
 flags.DEFINE_string("json", None, "Also write the predictions as JSON to this path.")
+flags.DEFINE_enum("quantize", "none", ["none", "int8"],
+                  "int8: Keras' int8 weight quantization of the model (model.quantize('int8'): "
+                  "int8 kernels with per-channel scales in every Dense/EinsumDense) before "
+                  "predicting; apps/evaluate.py --quantize int8 measures its accuracy.")
 FLAGS = flags.FLAGS
 
 
@@ -86,6 +90,7 @@ def main(argv):
         model, release = _published_model(FLAGS.model, FLAGS.weights, FLAGS.image_size)
         class_names = _common.read_class_names(FLAGS.class_names, None) if FLAGS.class_names \
             else (vit_keras.class_names(release) if release is not None else [])
+    model = evaluation.quantized_copy(model, FLAGS.quantize)
     images = data.load_image_files(files, _common.model_image_size(model))  # names bad files
     logits = keras.ops.convert_to_numpy(model.predict(images, verbose=0))
     predictions = evaluation.top_k_predictions(logits, class_names, FLAGS.top_k)

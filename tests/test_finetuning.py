@@ -2,6 +2,7 @@
 checks of their flags."""
 
 import dataclasses
+import json
 
 import keras
 import numpy as np
@@ -249,3 +250,39 @@ def test_lora_and_linear_probe_are_refused_for_masked_patch_prediction():
         with pytest.raises(finetuning.FinetuningOptionError, match="MaskedPatchPrediction"):
             finetuning.check_options(dataclasses.replace(RunConfig(), **flags), objective)
     finetuning.check_options(dataclasses.replace(RunConfig(), remat=True), objective)
+
+
+@pytest.mark.slow
+def test_lora_run_saves_a_plain_model_and_adapters_and_its_flags_rerun_complete(tmp_path):
+    """apps/finetune.py --lora_rank 4 on the digits: flags.txt records the LoRA flags, the same
+    command (its flagfile) finds the run complete; model.keras is plain and evaluates with
+    apps/evaluate.py --quantize int8."""
+    from conftest import run_app
+
+    args = ["--image_size", "8", "--batch_size", "16", "--steps_per_epoch", "3", "--verbose", "2",
+            "--epochs", "2", "--lora_rank", "4", "--lora_alpha", "8", "--output_dir",
+            str(tmp_path), "--run_name", "lora"]
+    first = run_app("finetune.py", *args)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    run_dir = tmp_path / "lora"
+    flags_text = (run_dir / "flags.txt").read_text()
+    assert "--lora_rank=4" in flags_text and "--lora_alpha=8.0" in flags_text
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["config"]["run"]["lora_rank"] == 4
+    assert 0 < metrics["trainable_parameters"] < metrics["config"]["num_parameters"]
+    assert "trained)" in first.stdout + first.stderr
+    stored = np.load(run_dir / "adapters.npz")
+    assert int(stored["__lora_rank__"]) == 4
+    again = run_app("finetune.py", "--flagfile", str(run_dir / "flags.txt"))
+    assert again.returncode == 0 and "is complete" in again.stdout + again.stderr
+    check = run_on_backend(keras.backend.backend(), """
+        import keras, vit_keras
+        model = keras.saving.load_model(ARGS["path"])
+        print(json.dumps([getattr(l, "lora_enabled", False) for l in model._flatten_layers()]))
+        """, path=str(run_dir / "model.keras"))
+    assert not any(check)
+    evaluated = run_app("evaluate.py", "--model", str(run_dir / "model.keras"), "--quantize",
+                        "int8", "--json", str(tmp_path / "eval.json"))
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert report["quantized"]["mode"] == "int8" and 0 <= report["quantized"]["accuracy"] <= 1

@@ -1,6 +1,8 @@
 """A trained classifier's predictions on NumPy: its logits over a dataset, top-1/top-5 and
 per-class accuracy, and the top-k classes of each image (apps/evaluate.py, apps/predict.py)."""
 
+import warnings
+
 import keras
 import numpy as np
 
@@ -35,6 +37,27 @@ def evaluate_model(model, dataset):
         logits.append(keras.ops.convert_to_numpy(model(images, training=False)))
         labels.append(one_hot.argmax(-1))
     return np.concatenate(logits).astype("float32"), np.concatenate(labels)
+
+
+# `--quantize` of apps/predict.py and apps/evaluate.py: Keras' own weight quantization.
+QUANTIZATIONS = ("none", "int8")
+
+
+def quantized_copy(model, mode):
+    """A copy of `model` (same config and weights) quantized by `keras.Model.quantize(mode)`, or
+    `model` itself for `"none"`. `"int8"`: every Dense and EinsumDense (the encoder's projections
+    and the head) keeps int8 kernels with one float scale per output channel, and quantizes its
+    input per token as it runs; the patch embedding and LayerNorms stay float."""
+    if mode not in QUANTIZATIONS:
+        raise ValueError(f"Unknown quantization {mode!r}; expected one of {QUANTIZATIONS}.")
+    if mode == "none":
+        return model
+    copy = keras.Model.from_config(model.get_config())
+    copy.set_weights(model.get_weights())
+    with warnings.catch_warnings():  # one per layer without weights to quantize: noise
+        warnings.filterwarnings("ignore", message=".*does not have a `quantize` method")
+        copy.quantize(mode)
+    return copy
 
 
 def top_k_predictions(logits, class_names, k=5):
