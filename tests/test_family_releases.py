@@ -1,0 +1,84 @@
+"""The ViT family's releases download by name through the local mirror (no network): a hub
+repository's `config.json` and `model.safetensors` at their paths below the hub, fetched, checked,
+cached and read as one folder; and `apps/finetune.py --weights dinov2` takes the name.
+
+The synthetic DINOv2-small is full size (22M parameters at 518 px: what `read_release` checks), so
+these tests are slow.
+"""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import vit_keras
+from vit_keras import download, releases
+
+from conftest import run_app
+from weights_mirror import MirrorServer
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+RELEASE = releases.find_release("ViT-S/14", "dinov2")
+
+
+@pytest.fixture(scope="module")
+def hub_mirror(tmp_path_factory):
+    """A mirror of the hub holding a random DINOv2-small folder at `RELEASE`'s paths."""
+    root = tmp_path_factory.mktemp("hub")
+    config = transformers.Dinov2Config(hidden_size=384, num_hidden_layers=12,
+                                       num_attention_heads=6, image_size=518, patch_size=14,
+                                       layerscale_value=0.5)
+    torch.manual_seed(0)
+    folder = root / os.path.dirname(RELEASE.path)
+    transformers.Dinov2Model(config).save_pretrained(folder)
+    server = MirrorServer(root)
+    yield server, str(folder)
+    server.stop()
+
+
+@pytest.fixture
+def from_hub_mirror(hub_mirror, monkeypatch, tmp_path):
+    server, folder = hub_mirror
+    monkeypatch.setenv(download.HOME_VARIABLE, str(tmp_path / "cache"))
+    monkeypatch.setenv(download.MIRROR_VARIABLE, server.url)
+    del server.requests[:]
+    return server, folder
+
+
+@pytest.mark.slow
+def test_a_family_release_is_fetched_config_first_cached_and_loaded_by_name(from_hub_mirror,
+                                                                              tmp_path):
+    server, folder = from_hub_mirror
+    model = vit_keras.build_model("ViT-S/14", weights="dinov2", include_top=False)
+    assert [path for path, _ in server.requests] == ["/" + path for path in RELEASE.files]
+    assert model.input_shape == (None, 518, 518, 3) and model.output_shape == (None, 384)
+    for path in RELEASE.files:  # cached at the hub's paths
+        assert os.path.isfile(tmp_path / "cache" / path)
+    reference = vit_keras.build_model_from_checkpoint(folder, include_top=False)
+    for got, expected in zip(model.weights, reference.weights):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(got),
+                                      keras.ops.convert_to_numpy(expected))
+    scale = next(w for w in model.weights if "LayerScale_1" in w.path or "layer_scale" in w.path)
+    assert np.allclose(keras.ops.convert_to_numpy(scale), 0.5)  # the file's LayerScale, loaded
+    vit_keras.build_model("ViT-S/14", weights="dinov2", include_top=False)
+    assert len(server.requests) == len(RELEASE.files)  # the second build reads the cache
+
+
+@pytest.mark.slow
+def test_finetune_takes_a_family_release_name(from_hub_mirror, tmp_path):
+    server, _ = from_hub_mirror
+    result = run_app("finetune.py", "--weights", "dinov2", "--model", "ViT-S/14",
+                     "--image_size", "28", "--batch_size", "16", "--steps_per_epoch", "1",
+                     "--epochs", "1", "--eval_batch_size", "64", "--verbose", "2",
+                     "--output_dir", str(tmp_path / "runs"), "--run_name", "dinov2",
+                     timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert ("/" + RELEASE.path, None) in server.requests
+    metrics = json.loads((tmp_path / "runs" / "dinov2" / "metrics.json").read_text())
+    assert 0.0 <= metrics["test_accuracy"] <= 1.0
+    model = keras.models.load_model(tmp_path / "runs" / "dinov2" / "model.keras", compile=False)
+    assert model.input_shape == (None, 28, 28, 3) and model.output_shape == (None, 10)
