@@ -82,7 +82,7 @@ def layer_decay_scales(model, layer_decay):
     for i, layer in enumerate(layers):
         if layer.name in blocks:
             scales[layer.name] = float(layer_decay ** (depth - blocks[layer.name]))
-        elif i < first_block and layer.trainable_weights:
+        elif i < first_block and layer.weights:  # frozen ones too: one table per model
             scales[layer.name] = float(layer_decay ** (depth + 1))
     return scales
 
