@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from vit_keras.tools import finetuning, objectives
-from vit_keras.tools.training import RunConfig
+from vit_keras.tools.training import KILL_AFTER_TRAINING, RunConfig
 
-from conftest import BACKENDS, randomize_weights, run_on_backend, tiny_data, tiny_model
+from conftest import BACKENDS, randomize_weights, run_app, run_on_backend, tiny_data, tiny_model
 
 RANK = 2
 
@@ -206,7 +206,9 @@ def _loss_and_gradients(model, x, y):
 
 def test_remat_gives_the_same_loss_and_gradients(tiny_config):
     model = randomize_weights(tiny_model(tiny_config))
-    remat = finetuning.rematerialized(model)
+    remat = keras.Model.from_config(model.get_config())
+    remat.set_weights(model.get_weights())
+    finetuning.rematerialize(remat)
     assert [getattr(b, "rematerialized", False) for b in finetuning._blocks(remat)] == [True] * 2
     x, y = tiny_data(n=4)
     loss, grads = _loss_and_gradients(model, x, y)
@@ -224,10 +226,17 @@ def test_remat_and_lora_train_together_with_dropout_and_drop_path(tiny_config):
     # Random draws inside a recomputed block: their generator's state leaves the remat.
     model = build_model(tiny_config, image_size=8, num_classes=3, dropout=0.1,
                         drop_path_rate=0.1)
-    model = finetuning.enable_lora(finetuning.rematerialized(model), RANK)
+    model = finetuning.enable_lora(finetuning.rematerialize(model), RANK)
     before = _values(model)
     after = _values(_trained(model))
     assert any(not np.array_equal(before[p], after[p]) for p in before if "lora_kernel_b" in p)
+
+
+def test_run_model_of_linear_probe_with_remat_is_both(tiny_config):
+    config = dataclasses.replace(RunConfig(), linear_probe=True, remat=True)
+    model = finetuning.prepare_run_model(tiny_model(tiny_config), config, log=lambda _: None)
+    assert all(getattr(b, "rematerialized", False) for b in finetuning._blocks(model))
+    assert [w.path for w in model.trainable_weights] == ["head/kernel", "head/bias"]
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -253,24 +262,29 @@ def test_lora_and_linear_probe_are_refused_for_masked_patch_prediction():
 
 
 @pytest.mark.slow
-def test_lora_run_saves_a_plain_model_and_adapters_and_its_flags_rerun_complete(tmp_path):
-    """apps/finetune.py --lora_rank 4 on the digits: flags.txt records the LoRA flags, the same
-    command (its flagfile) finds the run complete; model.keras is plain and evaluates with
-    apps/evaluate.py --quantize int8."""
-    from conftest import run_app
-
+def test_lora_run_resumes_saves_a_plain_model_and_adapters_and_reruns_complete(tmp_path,
+                                                                               monkeypatch):
+    """apps/finetune.py --lora_rank 4 on the digits, killed once its training ended: the same
+    command resumes it (the backup of the LoRA model loads into the LoRA model rebuilt from the
+    flags), flags.txt records the LoRA flags, its flagfile finds the run complete; model.keras
+    is plain and evaluates with apps/evaluate.py --quantize int8."""
     args = ["--image_size", "8", "--batch_size", "16", "--steps_per_epoch", "3", "--verbose", "2",
             "--epochs", "2", "--lora_rank", "4", "--lora_alpha", "8", "--output_dir",
             str(tmp_path), "--run_name", "lora"]
+    monkeypatch.setenv(KILL_AFTER_TRAINING, "1")
+    killed = run_app("finetune.py", *args)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    monkeypatch.delenv(KILL_AFTER_TRAINING)
     first = run_app("finetune.py", *args)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "Resuming" in first.stdout + first.stderr
     run_dir = tmp_path / "lora"
     flags_text = (run_dir / "flags.txt").read_text()
     assert "--lora_rank=4" in flags_text and "--lora_alpha=8.0" in flags_text
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["config"]["run"]["lora_rank"] == 4
     assert 0 < metrics["trainable_parameters"] < metrics["config"]["num_parameters"]
-    assert "trained)" in first.stdout + first.stderr
+    assert f"({metrics['trainable_parameters']:,} trained)" in first.stdout + first.stderr
     stored = np.load(run_dir / "adapters.npz")
     assert int(stored["__lora_rank__"]) == 4
     again = run_app("finetune.py", "--flagfile", str(run_dir / "flags.txt"))

@@ -18,7 +18,7 @@ model is compiled:
 - The linear probe (`linear_probe_model`, `--linear_probe`): the paper's linear evaluation on a
   whole dataset. The encoder is frozen and runs as at inference (its dropout and drop path rates
   set to 0, so `training=True` computes what `training=False` does); only `head` trains.
-- Rematerialisation (`rematerialized`, `--remat`): each `TransformerBlock`'s forward is recomputed
+- Rematerialisation (`rematerialize`, `--remat`): each `TransformerBlock`'s forward is recomputed
   in the backward pass instead of keeping its activations (`keras.remat` of each block's call:
   `jax.checkpoint`, `tf.recompute_grad`, `torch.utils.checkpoint`), for larger batches in the same
   memory. The saved model does not carry it.
@@ -100,11 +100,14 @@ def trainable_parameters(model):
 
 
 def prepare_run_model(vit, config, log=print):
-    """The ViT a run trains from the one it built (call before compiling): rematerialised with
-    `config.remat`, then LoRA-enabled (`config.lora_rank`) or a linear probe
-    (`config.linear_probe`), or as it was."""
+    """The ViT a run trains from the one it built (call before compiling): a linear probe
+    (`config.linear_probe`, a copy), rematerialised (`config.remat`) and LoRA-enabled
+    (`config.lora_rank`), both in place."""
+    if config.linear_probe:
+        vit = linear_probe_model(vit)
+        log("Linear probe: the encoder frozen, at inference; only the head trains.")
     if config.remat:
-        vit = rematerialized(vit)
+        rematerialize(vit)
         log("--remat: each encoder block is recomputed in the backward pass.")
     if lora_on(config):
         enable_lora(vit, config.lora_rank, config.lora_alpha,
@@ -113,9 +116,6 @@ def prepare_run_model(vit, config, log=print):
         log(f"LoRA rank {config.lora_rank}, alpha {alpha:g} on the attention projections and "
             f"the MLP; trained: adapters, {' and '.join(HEAD_LAYERS)}"
             + (", LayerNorms" if config.lora_train_norms else "") + ".")
-    elif config.linear_probe:
-        vit = linear_probe_model(vit)
-        log("Linear probe: the encoder frozen, at inference; only the head trains.")
     return vit
 
 
@@ -278,26 +278,25 @@ def linear_probe_model(model):
 
 # Rematerialisation -------------------------------------------------------------------------------
 
-def rematerialized(model):
-    """A copy of `model` (same weights) whose `TransformerBlock`s are each recomputed in the
-    backward pass (`keras.remat`: `jax.checkpoint`, `tf.recompute_grad`,
-    `torch.utils.checkpoint`).
+def rematerialize(model):
+    """Makes each `TransformerBlock` of `model` recompute its forward in the backward pass
+    (`keras.remat`: `jax.checkpoint`, `tf.recompute_grad`, `torch.utils.checkpoint`), in place;
+    returns the model.
 
     Not `keras.RematScope(mode="list_of_layers")`: Keras then passes the call's keyword arguments
     through `jax.checkpoint`, which turns `training=True` into a traced array that the layers
     cannot branch on in Python. Here each block's call rematerialises a function of its input
-    alone, `training` bound. The copy's config is the model's, so a saved copy does not carry
+    alone, `training` bound. The model's config is unchanged, so a saved model does not carry
     the rematerialisation.
     """
-    copy = keras.Model.from_config(model.get_config())
-    copy.set_weights(model.get_weights())
-    blocks = _blocks(copy)
+    blocks = _blocks(model)
     if not blocks:
         raise ValueError(f"{model.name} has no TransformerBlock to rematerialise.")
     for block in blocks:
-        block.call = _rematerialized_call(block)
-        block.rematerialized = True
-    return copy
+        if not getattr(block, "rematerialized", False):
+            block.call = _rematerialized_call(block)
+            block.rematerialized = True
+    return model
 
 
 def _rematerialized_call(block):
