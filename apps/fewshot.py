@@ -4,6 +4,7 @@ r"""Few-shot linear evaluation of a model's frozen pre-logits features (the pape
     python apps/fewshot.py --model run/model.keras --dataset cifar10 --data_dir ~/tensorflow_datasets \
         --shots 1,5,10,25 --seeds 3 --json fewshot.json
     python apps/fewshot.py --model run/model.keras --probe logistic
+    python apps/fewshot.py --model ViT-S/14 --weights dinov2 --image_size 224 --dataset cifar10
 
 For each shot count and seed, that many training examples per class are drawn (big_vision's
 order), a linear probe is fitted on their frozen features and scored on the whole test split;
@@ -13,7 +14,10 @@ bias feature, `--l2_reg` 1024); `--probe logistic` trains a softmax layer with K
 `.keras` file works: a classifier (the head's input is used), a model without head, or a masked
 patch prediction model from apps/pretrain.py (its encoder's pooled output). The model's own input
 size sets the resolution; when the model sits in a run folder its dataset, data_dir, seed and
-val_fraction are the defaults.
+val_fraction are the defaults. With `--weights` a published release (the paper's or the ViT
+family's: DINOv2, CLIP, SigLIP, ...), a checkpoint or a hub id is evaluated as a frozen backbone:
+`--model` names its variant, and its pooled output (the one its source library calls pooled) is the
+features.
 """
 
 import os
@@ -26,7 +30,14 @@ from absl import app, flags
 
 import _common
 
-flags.DEFINE_string("model", None, "The .keras file whose features are evaluated.", required=True)
+flags.DEFINE_string("model", None, "The .keras file whose features are evaluated; with --weights, "
+                    "the variant the weights are for (e.g. ViT-S/14).", required=True)
+flags.DEFINE_string("weights", None, "Pretrained weights evaluated instead of a .keras file: a "
+                    "release name (e.g. dinov2, clip_openai, augreg_in21k; --model names the "
+                    "variant), a checkpoint file or folder, or hf-hub:REPO_ID. The model is built "
+                    "without its head: its pooled features are evaluated.")
+flags.DEFINE_integer("image_size", None, "With --weights: the resolution (default: the weights' "
+                     "own; position embeddings are resampled to another).")
 flags.DEFINE_string("dataset", None, "digits, folder:PATH or a tfds name (default: the run's "
                     "dataset from metrics.json beside the model, else digits).")
 flags.DEFINE_string("data_dir", None, "tfds data directory (default: the run's).")
@@ -54,7 +65,7 @@ def main(argv):
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
     import keras
 
-    import vit_keras  # noqa: F401  (registers the layers for loading)
+    import vit_keras  # registers the layers for loading
     from vit_keras import fewshot
     from vit_keras.tools import data, run_folder
 
@@ -63,9 +74,15 @@ def main(argv):
     except ValueError:
         raise app.UsageError(f"--shots takes whole numbers (e.g. 1,5,10,25); got "
                              f"{','.join(FLAGS.shots)!r}.") from None
+    if FLAGS.weights:  # checked before the data loads
+        _common.check_weights(FLAGS.weights, FLAGS.model, FLAGS.image_size)
     dataset, splits = _common.load_run_splits(FLAGS.model, FLAGS.dataset, FLAGS.data_dir,
                                               FLAGS.split_seed, FLAGS.val_fraction)
-    model = keras.saving.load_model(FLAGS.model, compile=False)
+    if FLAGS.weights:
+        model = vit_keras.build_model_from_checkpoint(
+            FLAGS.weights, variant=FLAGS.model, image_size=FLAGS.image_size, include_top=False)
+    else:
+        model = keras.saving.load_model(FLAGS.model, compile=False)
     image_size = _common.model_image_size(model)
     features = {split: fewshot.dataset_features(model, data.make_pipeline(
         splits, split, image_size=image_size, batch_size=FLAGS.batch_size).as_numpy_iterator())
@@ -78,14 +95,16 @@ def main(argv):
                                shots=shots, seeds=FLAGS.seeds, l2_reg=FLAGS.l2_reg,
                                num_classes=splits.num_classes, probe=FLAGS.probe)
     dimension = features[FLAGS.train_split][0].shape[1]
-    print(f"{dataset}: {FLAGS.probe} probe on {dimension} frozen features of {FLAGS.model}, "
+    source = f"{FLAGS.model} {FLAGS.weights}" if FLAGS.weights else FLAGS.model
+    print(f"{dataset}: {FLAGS.probe} probe on {dimension} frozen features of {source}, "
           f"shots from {FLAGS.train_split} ({len(features[FLAGS.train_split][1])} images), scored "
           f"on {FLAGS.test_split} ({len(features[FLAGS.test_split][1])} images), {FLAGS.seeds} "
           f"seeds, backend {keras.backend.backend()}.\n")
     print(fewshot.results_table(results))
     if FLAGS.json:
         run_folder.atomic_write_json({
-            "model": os.path.abspath(FLAGS.model), "dataset": dataset, "probe": FLAGS.probe,
+            "model": FLAGS.model if FLAGS.weights else os.path.abspath(FLAGS.model),
+            "weights": FLAGS.weights, "dataset": dataset, "probe": FLAGS.probe,
             "l2_reg": FLAGS.l2_reg, "train_split": FLAGS.train_split,
             "test_split": FLAGS.test_split, "feature_dimension": dimension,
             "backend": keras.backend.backend(),

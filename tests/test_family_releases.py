@@ -82,3 +82,18 @@ def test_finetune_takes_a_family_release_name(from_hub_mirror, tmp_path):
     assert 0.0 <= metrics["test_accuracy"] <= 1.0
     model = keras.models.load_model(tmp_path / "runs" / "dinov2" / "model.keras", compile=False)
     assert model.input_shape == (None, 28, 28, 3) and model.output_shape == (None, 10)
+
+
+@pytest.mark.slow
+def test_fewshot_evaluates_a_family_release_as_a_frozen_backbone(from_hub_mirror, tmp_path):
+    server, _ = from_hub_mirror
+    out = tmp_path / "fewshot.json"
+    result = run_app("fewshot.py", "--model", "ViT-S/14", "--weights", "dinov2",
+                     "--image_size", "28", "--shots", "1", "--seeds", "1", "--json", str(out),
+                     timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert ("/" + RELEASE.path, None) in server.requests
+    report = json.loads(out.read_text())
+    assert (report["model"], report["weights"], report["feature_dimension"]) == (
+        "ViT-S/14", "dinov2", 384)
+    assert 0.0 <= report["results"]["1"]["mean"] <= 1.0
