@@ -5,6 +5,8 @@ and int8 against float inference throughput (`model.quantize("int8")`).
     python benchmarks/finetuning_cost.py            # ViT-B/16, 224 px, batch 8, jax; 3 rounds
     python benchmarks/finetuning_cost.py --backend torch --inference_backends jax tensorflow torch
     python benchmarks/finetuning_cost.py --models ViT-Ti/16 --steps 2 --rounds 1  # a smoke run
+    python benchmarks/finetuning_cost.py --models ViT-digits --image_size 16 --batch_size 256 \
+        --modes                         # only the digits model's float vs int8 inference
 
 Each measurement runs in its own process (peak RSS is the process's, `ru_maxrss`), and the
 processes alternate over `--rounds` rounds (full, lora, probe, remat, full, ...) so that drift in
@@ -47,10 +49,11 @@ def _worker(args):
     import numpy as np
 
     import vit_keras
-    from vit_keras.tools import evaluation, finetuning
+    from vit_keras.tools import evaluation, finetuning, recipes
 
     keras.utils.set_random_seed(0)
-    model = vit_keras.build_model(args.model, image_size=args.image_size, num_classes=1000)
+    variant = recipes.DIGITS_VIT if args.model == recipes.DIGITS_VIT["name"] else args.model
+    model = vit_keras.build_model(variant, image_size=args.image_size, num_classes=1000)
     rng = np.random.default_rng(0)
     images = rng.uniform(0, 255, (args.batch_size, args.image_size, args.image_size, 3)).astype(
         "float32")
@@ -133,7 +136,8 @@ def main():
     parser.add_argument("--models", nargs="+", default=["ViT-B/16"])
     parser.add_argument("--backend", default="jax", choices=BACKENDS,
                         help="Backend of the training measurements (the issue: the fastest).")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES),
+                        help="Training modes (none: inference only).")
     parser.add_argument("--inference_backends", nargs="*", default=list(BACKENDS),
                         choices=BACKENDS, help="Backends of float vs int8 inference (none: skip).")
     parser.add_argument("--image_size", type=int, default=224)
@@ -159,10 +163,11 @@ def main():
     rows = _summary(measurements)
     training = [row for row in rows if row["mode"] in MODES]
     inference = [row for row in rows if row["mode"] not in MODES]
-    print(f"Training step, batch {args.batch_size}, {args.image_size} px, {args.backend} "
-          f"(median of {args.rounds} rounds):\n")
-    print(_table(training, ["model", "mode", "step_ms", "images_per_s", "peak_rss_mib",
-                            "trainable_parameters", "error"]))
+    if training:
+        print(f"Training step, batch {args.batch_size}, {args.image_size} px, {args.backend} "
+              f"(median of {args.rounds} rounds):\n")
+        print(_table(training, ["model", "mode", "step_ms", "images_per_s", "peak_rss_mib",
+                                "trainable_parameters", "error"]))
     if inference:
         print(f"\nInference, batch {args.batch_size}:\n")
         print(_table(inference, ["model", "backend", "mode", "images_per_s", "peak_rss_mib", "error"]))
