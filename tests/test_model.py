@@ -1,5 +1,7 @@
 """build_model and the variant table: parameter counts, shapes, errors, training behaviour."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -109,7 +111,10 @@ def test_custom_config_builds_through_the_same_function():
 
 
 def test_unknown_variant_lists_the_known_ones():
-    with pytest.raises(ValueError, match=r"Unknown variant 'ViT-X/16'.*ViT-Ti/16, ViT-S/16"):
+    # Every variant of the table, in its order: a variant added to the table is listed too.
+    known = ", ".join(re.escape(name) for name in vit_keras.VARIANTS)
+    assert "ViT-Ti/16" in vit_keras.VARIANTS and "R50+ViT-B/16" in vit_keras.VARIANTS
+    with pytest.raises(ValueError, match=rf"Unknown variant 'ViT-X/16'; known variants: {known}\."):
         vit_keras.build_model("ViT-X/16")
 
 
