@@ -144,7 +144,8 @@ def main(argv):
     if images is not None:
         inputs = model_inputs(model, images)
         attentions = vit_keras.attention_scores(model, inputs, batch_size=FLAGS.batch_size)
-        rollout = analysis.attention_rollout(attentions, grid)
+        rollout = analysis.attention_rollout(
+            attentions, grid, class_token="class" in analysis.prefix_tokens(model))
         written.append(plots.rollout_figure(
             images, rollout, os.path.join(FLAGS.out, "rollout.png"),
             titles=image_titles(model, inputs, paths)))

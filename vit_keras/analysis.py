@@ -11,9 +11,10 @@ Pure NumPy on arrays, plus a few thin functions that pull those arrays out of a 
   (Fig. 7, left).
 
 Attention probabilities come from `vit_keras.attention_scores(model, images)`: a list with one
-`(batch, heads, tokens, tokens)` array per block. Tokens are any prefix tokens (the class
-token) followed by the patch tokens in row-major order on a `(rows, cols)` grid; the number of
-prefix tokens is `tokens - rows * cols`. The grid is the model's token grid (`token_grid(model)`),
+`(batch, heads, tokens, tokens)` array per block. Tokens are any prefix tokens (class,
+distillation, register tokens, in that order: `prefix_tokens(model)`) followed by the patch
+tokens in row-major order on a `(rows, cols)` grid; the number of prefix tokens is
+`tokens - rows * cols`. The grid is the model's token grid (`token_grid(model)`),
 which for hybrid models is the ResNet feature map's grid, not the raw image's.
 
 This module imports neither Keras' backends nor matplotlib; `vit_keras.tools.plots` draws the figures.
@@ -30,6 +31,7 @@ __all__ = [
     "patch_embedding_kernel",
     "position_embedding",
     "position_embedding_similarity",
+    "prefix_tokens",
     "token_grid",
     "token_size_pixels",
 ]
@@ -75,7 +77,7 @@ def _attention_layers(attentions):
     return attentions
 
 
-def attention_rollout(attentions, grid):
+def attention_rollout(attentions, grid, class_token=None):
     """Attention rollout (Abnar & Zuidema, 2020), the paper's Figure 6.
 
     For each layer the heads' attention matrices are averaged, the identity is added for the
@@ -90,24 +92,33 @@ def attention_rollout(attentions, grid):
         array.
       grid: the patch grid `(rows, cols)` (or one int for a square grid); `tokens - rows * cols`
         prefix tokens come first.
+      class_token: whether token 0 is a class token (`"class" in prefix_tokens(model)`). None
+        (the default) takes it to be one when there are prefix tokens, as in every vit_keras
+        model but one with registers and no class token.
 
     Returns:
-      A float array `(batch, rows, cols)`: with prefix tokens, the class token's (token 0's) row of
-      the rollout over the patch tokens; without them (GAP models), the rollout averaged over all
-      query tokens. Values are not rescaled (they sum to at most 1 per image); divide by the maximum
-      for display.
+      A float array `(batch, rows, cols)` over the patch tokens (prefix tokens left out as keys):
+      with a class token, its row of the rollout (for DeiT distilled too: the class token's, not
+      the distillation token's); without one (GAP and MAP models, whose pooling reads the patch
+      tokens), the rollout averaged over the patch tokens as queries. Values are not rescaled
+      (they sum to at most 1 per image); divide by the maximum for display.
     """
     grid = geometry.pair(grid, "token grid")
     attentions = _attention_layers(attentions)
     batch, _, tokens, _ = np.shape(attentions[0])
     prefix = _num_prefix_tokens(tokens, grid)
+    if class_token is None:
+        class_token = prefix > 0
+    elif class_token and not prefix:
+        raise ValueError(f"class_token=True, but the {tokens} tokens are a {grid[0]}x{grid[1]} "
+                         f"patch grid with no prefix token to be the class token.")
     identity = np.eye(tokens)
     rollout = np.broadcast_to(identity, (batch, tokens, tokens)).copy()
     for attention in attentions:
         layer = np.asarray(attention, dtype=np.float64).mean(axis=1) + identity
         layer /= layer.sum(axis=-1, keepdims=True)
         rollout = layer @ rollout
-    weights = rollout[:, 0, prefix:] if prefix else rollout.mean(axis=1)
+    weights = rollout[:, 0, prefix:] if class_token else rollout[:, prefix:, prefix:].mean(axis=1)
     return weights.reshape(-1, *grid)
 
 
@@ -234,16 +245,36 @@ def _to_numpy(variable):
     return np.asarray(variable.numpy())
 
 
+# The layers that put tokens before the patches (names of `build_model`), in token order.
+_PREFIX_LAYERS = (("cls", "class"), ("dist", "distillation"), ("reg", "register"))
+
+
+def prefix_tokens(model):
+    """The kinds of the model's tokens before the patch tokens, in the encoder's order: `"class"`,
+    `"distillation"`, then one `"register"` per register token. `[]` for GAP and MAP models
+    without registers; `["class", "register", "register", "register", "register"]` for
+    DINOv2-reg."""
+    names = {layer.name: layer for layer in model.layers}
+    kinds = []
+    for name, kind in _PREFIX_LAYERS:
+        if name in names:
+            kinds += [kind] * int(getattr(names[name], "num_tokens", 1))
+    return kinds
+
+
 def token_grid(model):
     """The model's patch-token grid `(rows, cols)` (`vit_keras.geometry.token_grid`), checked
-    against the position embedding's token count."""
+    against the position embedding's token count (the patches', plus the class and distillation
+    tokens' unless they take none, as in DeiT III and DINOv2; registers never take one)."""
     grid = geometry.token_grid(model)
     tokens = position_embedding(model).shape[0]
     _num_prefix_tokens(tokens, grid)
-    if tokens - grid[0] * grid[1] > 1:
+    covered = sum(kind != "register" for kind in prefix_tokens(model))
+    patches = grid[0] * grid[1]
+    if tokens - patches not in (0, covered):
         raise ValueError(f"Model {model.name!r} has {tokens} position embeddings for a "
-                         f"{grid[0]}x{grid[1]} patch grid; expected {grid[0] * grid[1]} or one "
-                         f"more.")
+                         f"{grid[0]}x{grid[1]} patch grid; expected {patches}"
+                         f"{f' or {patches + covered}' if covered else ''}.")
     return grid
 
 

@@ -17,7 +17,7 @@ import keras
 from keras import ops
 import numpy as np
 
-from vit_keras import geometry, layers
+from vit_keras import analysis, geometry, heads, layers
 from vit_keras import model as vit_model
 
 OUTPUTS = ("tokens", "grid", "pooled")
@@ -117,6 +117,28 @@ def _layer(model, kind, name, needed_for):
         f"`vit_keras.build_model` or a vit_keras .keras file.")
 
 
+def _has_layer(model, name):
+    return any(layer.name == name for layer in model.layers)
+
+
+def _pooling(model):
+    """The model's own pooling as a function `(batch, tokens, hidden)` → `(batch, hidden)`, made
+    of its layers: its `MAPHead`, DeiT's two token poolings averaged (timm's pre-logits), or its
+    `TokenPooling` (class token or mean of the patch tokens)."""
+    map_heads = [layer for layer in model.layers if isinstance(layer, heads.MAPHead)]
+    if map_heads:
+        return map_heads[0]
+    pooling = _layer(model, layers.TokenPooling, "pooling", 'output="pooled"')
+    if not _has_layer(model, "pooling_dist"):
+        return pooling
+    pooling_dist = model.get_layer("pooling_dist")
+
+    def distilled(x):
+        return keras.layers.Average(dtype=x.dtype)([pooling(x), pooling_dist(x)])
+
+    return distilled
+
+
 def build_feature_extractor(model, blocks=None, output="tokens", norm=True):
     """A `keras.Model` on `model.input` giving the chosen encoder blocks' activations.
 
@@ -125,15 +147,22 @@ def build_feature_extractor(model, blocks=None, output="tokens", norm=True):
       blocks: which encoder blocks: `None` for all; an int `n` for the last `n`; or a list of
         indices, negative ones counting from the end (`[-1]` is the last block, `[0, 5, 11]`
         three of ViT-B's twelve). Outputs come in the order given.
-      output: `"tokens"` gives `(batch, tokens, hidden)`, the prefix (class) token first, then the
-        patch tokens row-major; `"grid"` gives the patch tokens alone as `(batch, rows, cols,
-        hidden)` on the model's token grid (`vit_keras.token_grid(model)`; for hybrids the ResNet
-        feature map's; for a model of dynamic image size, the input image's); `"pooled"` gives
-        `(batch, hidden)`, pooled by the model's own `TokenPooling` (the class token, or the mean
-        over all tokens for GAP models). A representation layer (`pre_logits`) is not applied.
-      norm: apply the model's final LayerNorm (`encoder_norm`, its weights shared) to every chosen
-        block's output, as the model does to the last block's before pooling. With `norm=True` the
-        last block's `"pooled"` output is what the model's head (or `pre_logits`) takes in.
+      output: `"tokens"` gives `(batch, tokens, hidden)`, the prefix tokens first (class,
+        distillation, registers: `vit_keras.analysis.prefix_tokens(model)`), then the patch
+        tokens row-major; `"grid"` gives the patch tokens alone (no registers) as `(batch, rows,
+        cols, hidden)` on the model's token grid (`vit_keras.token_grid(model)`; for hybrids the
+        ResNet feature map's; for a model of dynamic image size, the input image's); `"pooled"`
+        gives `(batch, hidden)`, pooled by the model's own layers as its head's input is: the
+        class token (DINOv2, CLIP before its projection), the mean of the patch tokens (GAP,
+        MAE), the attention-pooling head's output (SigLIP's MAP), or for DeiT distilled the mean
+        of the class and distillation tokens (timm's pre-logits; each head reads one of them).
+        A representation layer (`pre_logits`) is not applied.
+      norm: apply the model's final LayerNorm, its weights shared: `encoder_norm` to every chosen
+        block's tokens, as the model does to the last block's before pooling; for a model with
+        `fc_norm` (MAE fine-tuning), which has no LayerNorm on its tokens (timm's `norm` is an
+        identity there), `fc_norm` after pooling, and tokens and grids come as the blocks give
+        them. With `norm=True` the last block's `"pooled"` output is what the model's head (or
+        `pre_logits`) takes in (`include_top=False`'s output).
 
     Returns:
       A functional `keras.Model` built from the model's own layers: its outputs are a list with one
@@ -142,7 +171,8 @@ def build_feature_extractor(model, blocks=None, output="tokens", norm=True):
 
     Raises:
       ValueError: for a block index out of range, an unknown `output`, or a model without the
-        layers an option needs (`encoder_norm` for `norm=True`, `TokenPooling` for `"pooled"`).
+        layers an option needs (`encoder_norm` or `fc_norm` for `norm=True`, a `TokenPooling` or
+        `MAPHead` for `"pooled"`).
     """
     if output not in OUTPUTS:
         raise ValueError(f"Unknown output {output!r}; expected one of {OUTPUTS}.")
@@ -150,16 +180,15 @@ def build_feature_extractor(model, blocks=None, output="tokens", norm=True):
     if not encoder:
         raise ValueError(f"Model {model.name!r} has no TransformerBlock layers.")
     selected = _select_blocks(blocks, len(encoder))
+    # A model has a LayerNorm on its tokens (encoder_norm) or one after pooling (fc_norm).
+    fc_norm = model.get_layer("fc_norm") if norm and _has_layer(model, "fc_norm") else None
     encoder_norm = (_layer(model, keras.layers.LayerNormalization, "encoder_norm", "norm=True")
-                    if norm else None)
+                    if norm and fc_norm is None else None)
     if output == "grid":
         position = next((layer for layer in model.layers if layer.name == "posembed_input"), None)
         if getattr(position, "grid_size", None) is not None:  # dynamic image size
             # Every prefix token: those with position embeddings and registers without.
-            grid, prefix = None, sum(
-                getattr(layer, "num_tokens", 1) for layer in model.layers
-                if isinstance(layer, (layers.ClassToken, layers.DistillationToken,
-                                      layers.RegisterTokens)))
+            grid, prefix = None, len(analysis.prefix_tokens(model))
             patch_grid = model.get_layer("embedding").output
         else:
             grid = geometry.token_grid(model)
@@ -169,7 +198,7 @@ def build_feature_extractor(model, blocks=None, output="tokens", norm=True):
                 raise ValueError(f"Model {model.name!r} has {tokens} tokens, fewer than its "
                                  f"{grid[0]}x{grid[1]} token grid.")
     if output == "pooled":
-        pooling = _layer(model, layers.TokenPooling, "pooling", 'output="pooled"')
+        pooling = _pooling(model)
 
     outputs = []
     for index in selected:
@@ -178,6 +207,8 @@ def build_feature_extractor(model, blocks=None, output="tokens", norm=True):
             x = encoder_norm(x)
         if output == "pooled":
             x = pooling(x)
+            if fc_norm is not None:
+                x = fc_norm(x)
         # Named outputs, in the dtype they come in (encoder_norm's float32 under mixed precision).
         name, dtype = f"{output}_{index}", x.dtype
         if output == "grid":

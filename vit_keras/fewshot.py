@@ -32,12 +32,16 @@ def feature_extractor(model):
     """A `keras.Model` on `model.input` giving its frozen pre-logits features `(batch, features)`.
 
     For a classifier, the input of its `head` (the pooled representation, after `pre_logits` if
-    the model has one); for a model without a head, its output; for a masked-patch-prediction
+    the model has one; for DeiT distilled, the mean of its two heads' inputs, what it gives
+    without its top); for a model without a head, its output; for a masked-patch-prediction
     pre-training model, its encoder's pooled output (`masked_patch_prediction.pretrained_encoder`).
     """
     if masked_patch_prediction.is_pretraining_model(model):
         return masked_patch_prediction.pretrained_encoder(model)
     names = {layer.name for layer in model.layers}
+    if "head_dist" in names:  # DeiT distilled: the mean of its two heads' inputs (timm's pre-logits)
+        return keras.Model(model.input, keras.layers.Average()(
+            [model.get_layer("head").input, model.get_layer("head_dist").input]))
     if "head" in names:
         return keras.Model(model.input, model.get_layer("head").input)
     if len(model.output.shape) != 2:

@@ -9,10 +9,14 @@ and of every published 1000-class head); each name is the synset's WordNet lemma
 import functools
 import os
 
-from vit_keras import download, releases
+from vit_keras import download, errors, releases
 
 _IMAGENET2012 = os.path.join(os.path.dirname(__file__), "data", "imagenet2012_classes.tsv")
 _SIZES = {"imagenet2012": 1000, "imagenet21k": 21843}
+
+
+class NoClassNamesError(errors.UserError, ValueError):
+    """`class_names` was asked for a dataset it does not know, or for a release without a head."""
 
 
 @functools.cache
@@ -60,19 +64,29 @@ def class_names(dataset):
       A list of strings, e.g. `"tench, Tinca tinca"`.
 
     Raises:
-      ValueError: for an unknown `dataset`.
+      NoClassNamesError (a `ValueError`): for an unknown `dataset`, or a release without a head
+        (a backbone such as `"dinov2"`).
       vit_keras.download.WeightsUnavailableError: when the ImageNet-21k list cannot be
         downloaded; its subclass `InvalidFileError` when the file (downloaded, cached or in a
         mirror folder) does not hold the 21843 names.
     """
     if isinstance(dataset, releases.Release):
-        dataset = dataset.class_names
+        release, dataset = dataset.name, dataset.class_names
     elif dataset in releases.RELEASE_NAMES:
-        (dataset,) = _release_lists()[dataset]
+        release, (dataset,) = dataset, _release_lists()[dataset]
+    else:
+        release = None
+    if release is not None and dataset is None:
+        # A backbone release (DINOv2, SigLIP, CLIP, MAE) ships no classifier head.
+        with_heads = [name for name, lists in _release_lists().items() if None not in lists]
+        raise NoClassNamesError(
+            f"Release {release!r} has no classifier head, so it has no class names: it is a "
+            f"backbone (build it with include_top=False, or fine-tune a head on your own "
+            f"classes). Releases with a head: {', '.join(with_heads)}.")
     if dataset not in releases.CLASS_NAME_FILES:
-        raise ValueError(f"No class names for {dataset!r}; known: "
-                         f"{', '.join(releases.CLASS_NAME_FILES)}, and the release names "
-                         f"{', '.join(releases.RELEASE_NAMES)}.")
+        raise NoClassNamesError(f"No class names for {dataset!r}; known: "
+                                f"{', '.join(releases.CLASS_NAME_FILES)}, and the release names "
+                                f"{', '.join(releases.RELEASE_NAMES)}.")
     path = releases.CLASS_NAME_FILES[dataset]
     if path is None:
         return _read_tsv()[1]
