@@ -314,6 +314,36 @@ def test_hybrid_model_exports_to_every_format(tmp_path):
             assert not _has_flex_ops(vit_export.litert_ops(path))
 
 
+# The ViT family's switches (issue 34): SigLIP's MAP head on tokens without a class token (tanh
+# GELU), and DINOv2 with registers, LayerScale and patch-only position embeddings, served at any
+# size as DINOv2 is used.
+FAMILY_EXPORTS = {
+    "siglip": ({**EXPORT_CONFIG, "name": "siglip-like", "gelu": "tanh"}, "map", False),
+    "dinov2_reg": ({**EXPORT_CONFIG, "name": "dinov2-reg-like", "layer_scale_init": 0.5,
+                    "num_registers": 4, "posemb_prefix": False}, "token", True),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILY_EXPORTS))
+def test_family_saved_model_verifies_both_signatures(family, tmp_path):
+    config, classifier, dynamic = FAMILY_EXPORTS[family]
+    model = randomize_weights(vit_keras.build_model(
+        config, image_size=IMAGE_SIZE, num_classes=NUM_CLASSES, classifier=classifier,
+        dynamic_image_size=dynamic), seed=5, scale=0.5)
+    path, verifications = vit_export.export(model, "saved_model", str(tmp_path), name=family,
+                                            class_names=CLASS_NAMES, top_k=3)
+    # Both signatures, at the built size (and two others for the dynamic model).
+    assert len(verifications) == (6 if dynamic else 2)
+    for verification in verifications:
+        assert verification.passed, verification.summary()
+        assert verification.max_rel_diff <= 1e-4 and verification.top1_agreement == 1.0
+    serving = tf.saved_model.load(path).signatures["serving_default"]
+    images = vit_export.verification_images(model, batch_size=2)
+    np.testing.assert_allclose(serving(images=tf.constant(images))["logits"].numpy(),
+                               keras.ops.convert_to_numpy(model(images)), rtol=1e-4, atol=1e-5)
+
+
 # --- models of dynamic image size -----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
