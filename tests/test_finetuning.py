@@ -188,7 +188,7 @@ def _loss_and_gradients(model, x, y):
             logits, _ = model.stateless_call(trainable, others, x, training=True)
             return loss_fn(y, logits)
 
-        loss, grads = jax.value_and_grad(compute)(trainable)
+        loss, grads = jax.jit(jax.value_and_grad(compute))(trainable)
     elif backend == "tensorflow":
         import tensorflow as tf
 
