@@ -249,3 +249,12 @@ def test_class_names_of_a_backbone_release_say_it_has_no_head():
     assert len(vit_keras.class_names("deit_in1k")) == 1000
     with pytest.raises(vit_keras.errors.UserError, match="No class names for 'imagenet3k'"):
         vit_keras.class_names("imagenet3k")
+
+
+def test_a_family_model_made_dynamic_gives_its_logits_at_the_built_size(family):
+    # with_dynamic_image_size: position embeddings resampled per input (prefix rows as the
+    # family has them: none for DeiT III and DINOv2-reg, two for DeiT distilled).
+    _, _, images, expected, model = family
+    dynamic = vit_keras.with_dynamic_image_size(model)
+    assert dynamic.input.shape[1:3] == (None, None)
+    assert relative_error(dynamic(images), expected["logits"]) <= RTOL

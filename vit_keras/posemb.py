@@ -130,7 +130,10 @@ def resample_position_embeddings(posemb, new_grid, *, num_prefix_tokens=1, old_g
         vit_jax, timm and Hugging Face).
       new_grid: the target patch grid, `int` or `(rows, cols)` (`image_size // patch_size`);
         rectangular grids are fine.
-      num_prefix_tokens: leading rows copied unchanged (1 with a class token, 0 for a GAP model).
+      num_prefix_tokens: leading rows copied unchanged: the tokens the position embeddings cover
+        before the patches (1 with a class token, 2 for DeiT distilled, 0 for a GAP model and
+        where they cover the patches only: DeiT III, DINOv2 with registers). Register tokens
+        never have a row.
       old_grid: the checkpoint's grid `(rows, cols)`; inferred when it is square.
       interpolation: `"vit_jax"` (default: `scipy.ndimage.zoom(order=1)`, corner-aligned linear,
         as the original release), `"bilinear"` or `"bicubic"` (PyTorch `align_corners=False`).
