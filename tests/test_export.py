@@ -344,6 +344,23 @@ def test_family_saved_model_verifies_both_signatures(family, tmp_path):
                                keras.ops.convert_to_numpy(model(images)), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILY_EXPORTS))
+def test_family_exports_to_litert_and_onnx_with_builtin_ops(family, tmp_path):
+    config, classifier, dynamic = FAMILY_EXPORTS[family]
+    model = randomize_weights(vit_keras.build_model(
+        config, image_size=IMAGE_SIZE, num_classes=NUM_CLASSES, classifier=classifier,
+        dynamic_image_size=dynamic), seed=6, scale=0.5)
+    for export_format in ("tflite", "onnx"):
+        path, verifications = vit_export.export(model, export_format, str(tmp_path), name=family)
+        assert len(verifications) == (3 if dynamic else 1)
+        for verification in verifications:
+            assert verification.passed and verification.max_rel_diff <= 1e-4, (
+                verification.summary())
+        if export_format == "tflite":
+            assert not _has_flex_ops(vit_export.litert_ops(path))
+
+
 # --- models of dynamic image size -----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
