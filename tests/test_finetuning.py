@@ -130,6 +130,18 @@ def test_adapters_refuse_a_base_of_another_shape(lora_run, tmp_path, tiny_config
         finetuning.apply_adapters(tiny_model(tiny_config, num_classes=5), path)
 
 
+def test_per_epoch_checkpoint_of_a_lora_run_is_the_merged_plain_model(lora_run, tmp_path):
+    model = _random_adapters(lora_run[2])
+    checkpoint = finetuning.MergedModelCheckpoint(str(tmp_path / "model.keras"))
+    checkpoint.set_model(model)
+    checkpoint.on_epoch_end(0)
+    saved = keras.saving.load_model(str(tmp_path / "model.keras"))
+    assert not any(layer.lora_enabled for layer in finetuning.lora_targets(saved))
+    x, _ = tiny_data(n=4)
+    np.testing.assert_allclose(saved.predict(x, verbose=0), model.predict(x, verbose=0),
+                               rtol=1e-4, atol=1e-5)
+
+
 SAVED_MERGED = """
 import keras, numpy as np
 import vit_keras
