@@ -75,9 +75,9 @@ def test_merged_projections_differ_from_the_base_by_rank_at_most_r(lora_run):
         difference = (merged[path] - before[path]).astype("float64")
         assert np.any(difference != 0), path
         if layer.name in ("query", "key", "value"):
-            # (hidden, heads, head_dim): Keras adapts the last axis, so each head's map has its
-            # own update of rank <= R (module docstring).
-            matrices = [difference[:, head] for head in range(difference.shape[1])]
+            # (hidden, heads, head_dim): the hidden -> hidden map, all heads together (Keras'
+            # own LoRA would give each head an update of rank R: heads * R in all).
+            matrices = [difference.reshape(difference.shape[0], -1)]
         else:  # out (heads, head_dim, hidden) and the MLP: the kernel as inputs x outputs
             matrices = [difference.reshape(-1, difference.shape[-1])]
         # The merged kernel is float32: the sum's rounding adds noise of about eps32 * |kernel|
@@ -86,6 +86,22 @@ def test_merged_projections_differ_from_the_base_by_rank_at_most_r(lora_run):
         ranks = [np.linalg.matrix_rank(matrix, tol=4 * noise) for matrix in matrices]
         assert max(ranks) <= RANK, (path, ranks)
         assert max(np.linalg.svd(matrix, compute_uv=False)[0] for matrix in matrices) > 100 * noise
+
+
+def test_a_lora_models_weights_file_keeps_its_adapters(lora_run, tmp_path):
+    """The run's backup is a weights file: read into the LoRA model rebuilt from the flags, it
+    gives back the frozen kernels and the adapters as they were (Keras' own saving writes merged
+    kernels and zeroes A and B on reading, where LoRA's gradients are zero)."""
+    _, _, model = lora_run
+    _random_adapters(model)
+    path = str(tmp_path / "backup.weights.h5")
+    model.save_weights(path)
+    rebuilt = finetuning.enable_lora(keras.Model.from_config(model.get_config()), RANK)
+    rebuilt.load_weights(path)
+    for saved, restored in zip(model.weights, rebuilt.weights):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(restored),
+                                      keras.ops.convert_to_numpy(saved), err_msg=saved.path)
+    assert any("lora_kernel_a" in weight.path for weight in rebuilt.weights)
 
 
 def test_merged_kernels_equal_base_plus_the_scaled_low_rank_product(lora_run):
@@ -299,6 +315,8 @@ def test_lora_run_resumes_saves_a_plain_model_and_adapters_and_reruns_complete(t
     assert f"({metrics['trainable_parameters']:,} trained)" in first.stdout + first.stderr
     stored = np.load(run_dir / "adapters.npz")
     assert int(stored["__lora_rank__"]) == 4
+    # The resumed run restored its adapters from the backup: what it trained is in them.
+    assert all(np.any(stored[key] != 0) for key in stored if "lora_kernel" in key)
     again = run_app("finetune.py", "--flagfile", str(run_dir / "flags.txt"))
     assert again.returncode == 0 and "is complete" in again.stdout + again.stderr
     check = run_on_backend(keras.backend.backend(), """

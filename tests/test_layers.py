@@ -212,7 +212,9 @@ def test_int8_quantized_vit_stays_close_to_the_float_model(tiny_config, fused, m
 def _lora_delta(projection):
     a, b = (keras.ops.convert_to_numpy(w) for w in (projection.lora_kernel_a,
                                                      projection.lora_kernel_b))
-    return projection.lora_alpha / projection.lora_rank * np.matmul(a, b)
+    # A's last axis against B's first: (hidden, R) x (R, heads, head_dim) for query/key/value,
+    # (heads, head_dim, R) x (R, hidden) for out.
+    return projection.lora_alpha / projection.lora_rank * np.tensordot(a, b, axes=1)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["explicit", "fused"])

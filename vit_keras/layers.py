@@ -275,6 +275,60 @@ class AddPositionEmbs(keras.layers.Layer):
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
+class HeadsProjection(keras.layers.EinsumDense):
+    """The query, key or value projection: `(batch, tokens, hidden)` → `(batch, tokens, heads,
+    head_dim)`, kernel `(hidden, heads, head_dim)`.
+
+    An `EinsumDense` whose LoRA (`enable_lora`) adapts the projection as the one `hidden → hidden`
+    map it is, as the LoRA paper adapts W_q: `A` `(hidden, rank)`, `B` `(rank, heads, head_dim)`,
+    an update of rank <= `rank`. Keras' own factors the kernel's last axis alone (`A` `(hidden,
+    heads, rank)`, `B` `(rank, head_dim)`): a separate update per head, of rank up to
+    `heads * rank` and `heads` times the parameters.
+    """
+
+    def enable_lora(self, rank, lora_alpha=None, a_initializer="he_uniform",
+                    b_initializer="zeros"):
+        if not self.built:
+            raise ValueError("Cannot enable LoRA on a layer that is not built.")
+        if self.lora_enabled:
+            raise ValueError("LoRA is already enabled on this layer; enable it once.")
+        if self.quantization_mode is not None:
+            raise NotImplementedError(
+                f"LoRA on the {self.quantization_mode}-quantized projection {self.name!r} is not "
+                f"supported: enable LoRA before quantizing, and merge it first.")
+        hidden, *head_axes = self._kernel.shape
+        self._tracker.unlock()
+        # float32, as Keras' adapters: a low-precision update would underflow.
+        self.lora_kernel_a = self.add_weight(
+            name="lora_kernel_a", shape=(hidden, rank),
+            initializer=keras.initializers.get(a_initializer), dtype="float32")
+        self.lora_kernel_b = self.add_weight(
+            name="lora_kernel_b", shape=(rank, *head_axes),
+            initializer=keras.initializers.get(b_initializer), dtype="float32")
+        self._kernel.trainable = False
+        self._tracker.lock()
+        self.lora_enabled = True
+        self.lora_rank = rank
+        self.lora_alpha = lora_alpha if lora_alpha is not None else rank
+
+    @property
+    def kernel(self):
+        if not self.lora_enabled:
+            return super().kernel
+        update = ops.tensordot(self.lora_kernel_a, self.lora_kernel_b, axes=1)
+        return ops.cast(ops.add(self._kernel, (self.lora_alpha / self.lora_rank) * update),
+                        self.compute_dtype)
+
+    def quantize(self, mode=None, type_check=True, config=None):
+        if self.lora_enabled:
+            raise NotImplementedError(
+                f"Quantizing the LoRA-enabled projection {self.name!r} is not supported: merge "
+                f"the adapters first (vit_keras.tools.finetuning.merge_lora).")
+        # Keras refuses subclasses unless told: this one's quantized arithmetic is EinsumDense's.
+        return super().quantize(mode, type_check=False, config=config)
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
 class MultiHeadDotProductAttention(keras.layers.Layer):
     """Multi-head self-attention with the vit_jax weight layout.
 
@@ -308,7 +362,7 @@ class MultiHeadDotProductAttention(keras.layers.Layer):
         head_dim = hidden // self.num_heads
         init = _xavier_uniform(hidden, hidden)
         for name in ("query", "key", "value"):
-            projection = keras.layers.EinsumDense(
+            projection = HeadsProjection(
                 "btd,dhk->bthk", output_shape=(None, self.num_heads, head_dim), bias_axes="hk",
                 kernel_initializer=init, dtype=self.dtype_policy, name=name)
             projection.build(input_shape)

@@ -10,11 +10,10 @@ model is compiled:
   beside it holds the trained weights alone (`save_adapters`; `apply_adapters` puts them on the
   base model again).
 
-  Keras adapts a kernel's last axis: `kernel + (alpha / R) * A @ B`, with `A` of the kernel's
-  shape but its last axis `R` and `B` of `(R, last axis)`. For `out` `(heads, head_dim, hidden)`
-  and the MLP's kernels that is the paper's update, of rank <= R. For `query`, `key` and `value`
-  `(hidden, heads, head_dim)`, `A` is `(hidden, heads, R)`: each head's `hidden → head_dim` map
-  gets its own update of rank <= R (the projection as a whole, up to `heads * R`).
+  Each update is `(alpha / R) * A @ B` of rank <= R, the paper's: for `out` `(heads, head_dim,
+  hidden)` and the MLP's kernels Keras' own (`A` the kernel's shape with its last axis `R`), for
+  `query`, `key` and `value` `(hidden, heads, head_dim)` that of `layers.HeadsProjection`
+  (`A` `(hidden, R)`, `B` `(R, heads, head_dim)`: one update of the `hidden -> hidden` map).
 - The linear probe (`linear_probe_model`, `--linear_probe`): the paper's linear evaluation on a
   whole dataset. The encoder is frozen and runs as at inference (its dropout and drop path rates
   set to 0, so `training=True` computes what `training=False` does); only `head` trains.
@@ -141,6 +140,7 @@ def enable_lora(model, rank, alpha=None, train_norms=False):
     Returns the model."""
     for layer in lora_targets(model):
         layer.enable_lora(int(rank), lora_alpha=None if alpha is None else float(alpha))
+        _keep_adapters_in_weights_files(layer)
     trained = {id(weight) for weight in _lora_weights(model)}
     trained |= {id(weight) for name in HEAD_LAYERS if _has_layer(model, name)
                 for weight in model.get_layer(name).weights}
@@ -149,6 +149,31 @@ def enable_lora(model, rank, alpha=None, train_norms=False):
     for weight in model.weights:
         weight.trainable = id(weight) in trained
     return model
+
+
+def _keep_adapters_in_weights_files(layer):
+    """Makes a LoRA-enabled layer write its weights as they are (frozen kernel, bias, `A`, `B`)
+    into weights files, and read them back so, in place.
+
+    Keras writes the merged kernel and, reading it back, sets `A` and `B` to zero: a resumed run
+    (its backup is a weights file) would then train adapters from `A = B = 0`, where both
+    gradients are zero, and `adapters.npz` would hold nothing. The run's `model.keras` is the
+    merged plain model (`merge_lora`), which this does not concern."""
+    def save_own_variables(store):
+        for index, weight in enumerate(layer.weights):
+            store[str(index)] = weight
+
+    def load_own_variables(store):
+        if len(store.keys()) != len(layer.weights):
+            raise ValueError(
+                f"{layer.path}: the weights file has {len(store.keys())} arrays where the "
+                f"LoRA-enabled layer has {len(layer.weights)} (kernel, bias, lora_kernel_a, "
+                f"lora_kernel_b); it was not written by a LoRA model of the same rank.")
+        for index, weight in enumerate(layer.weights):
+            weight.assign(store[str(index)])
+
+    layer.save_own_variables = save_own_variables
+    layer.load_own_variables = load_own_variables
 
 
 def merge_lora(model, into=None):
