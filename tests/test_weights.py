@@ -523,8 +523,10 @@ def _weights_list():
 @backend_independent
 @pytest.mark.parametrize("document, table", [
     ("README.md", _weights_matrix), ("docs/weights.md", _weights_list),
+    ("README.md", lambda: _weights_matrix(releases.FAMILY_RELEASE_NAMES)),
     ("docs/weights.md", lambda: _weights_matrix(releases.FAMILY_RELEASE_NAMES)),
-    ("docs/weights.md", _family_list)], ids=["readme", "weights", "family_matrix", "family_list"])
+    ("docs/weights.md", _family_list)],
+    ids=["readme", "weights", "readme_family", "family_matrix", "family_list"])
 def test_the_documented_weights_tables_are_the_release_table(document, table):
     from conftest import REPO_ROOT
 
