@@ -144,6 +144,28 @@ def _heads_out(weight, num_heads):
     return kernel.reshape(num_heads, -1, kernel.shape[1])
 
 
+def _stacked_projections(attention, names, kind, value, num_heads):
+    """torch `Linear` parameters of the projections `names` stacked along the output axis (one
+    projection, timm's fused `qkv`, torch's `in_proj`, the MAP head's `kv`) → the canonical
+    head-split kernels `(hidden, heads, head_dim)` or biases `(heads, head_dim)` under
+    `attention`; `kind` is `"weight"` or `"bias"`."""
+    parts = np.split(value, len(names), axis=0)
+    if kind == "weight":
+        return {f"{attention}{n}/kernel": _heads_in(p, num_heads) for n, p in zip(names, parts)}
+    return {f"{attention}{n}/bias": p.reshape(num_heads, -1) for n, p in zip(names, parts)}
+
+
+def _out_projection(attention, kind, value, num_heads):
+    """torch `Linear` parameters of an attention's output projection → `attention/out/kernel`
+    `(heads, head_dim, hidden)` or `.../bias`."""
+    if kind == "weight":
+        return {attention + "out/kernel": _heads_out(value, num_heads)}
+    return {attention + "out/bias": value}
+
+
+_QKV = ("query", "key", "value")
+
+
 def _check_heads(hidden, num_heads):
     if not num_heads or hidden % num_heads:
         raise errors.CheckpointError(
@@ -226,35 +248,22 @@ def from_timm(state_dict, num_heads):
     _check_heads(hidden, num_heads)
 
     def qkv(match, value):
-        block = BLOCK.format(match.group(1)) + ATTENTION
-        parts = np.split(value, 3, axis=0)
-        if match.group(2) == "weight":
-            return {f"{block}{n}/kernel": _heads_in(p, num_heads)
-                    for n, p in zip(("query", "key", "value"), parts)}
-        return {f"{block}{n}/bias": p.reshape(num_heads, -1)
-                for n, p in zip(("query", "key", "value"), parts)}
+        return _stacked_projections(BLOCK.format(match.group(1)) + ATTENTION, _QKV,
+                                    match.group(2), value, num_heads)
 
     def proj(match, value):
-        block = BLOCK.format(match.group(1)) + ATTENTION
-        if match.group(2) == "weight":
-            return {block + "out/kernel": _heads_out(value, num_heads)}
-        return {block + "out/bias": value}
+        return _out_projection(BLOCK.format(match.group(1)) + ATTENTION, match.group(2), value,
+                               num_heads)
 
     pool = MAP_HEAD + "MultiHeadDotProductAttention_0/"
 
     def pool_projection(names_):
         """`attn_pool.q` (query) or `attn_pool.kv` (key and value, stacked) of the MAP head."""
-        def convert(match, value):
-            parts = np.split(value, len(names_), axis=0)
-            if match.group(1) == "weight":
-                return {f"{pool}{n}/kernel": _heads_in(p, num_heads) for n, p in zip(names_, parts)}
-            return {f"{pool}{n}/bias": p.reshape(num_heads, -1) for n, p in zip(names_, parts)}
-        return convert
+        return lambda match, value: _stacked_projections(pool, names_, match.group(1), value,
+                                                         num_heads)
 
     def pool_out(match, value):
-        if match.group(1) == "weight":
-            return {pool + "out/kernel": _heads_out(value, num_heads)}
-        return {pool + "out/bias": value}
+        return _out_projection(pool, match.group(1), value, num_heads)
 
     return _convert(state_dict, _TIMM_RESNET + [
         (r"patch_embed\.proj\.weight", _to(EMBEDDING_KERNEL, _conv)),
@@ -324,31 +333,21 @@ def from_huggingface(state_dict, num_heads):
                    "k_proj": "key", "v_proj": "value"}
 
     def qkv(match, value):
-        block = BLOCK.format(match.group(1)) + ATTENTION + projections[match.group(2)] + "/"
-        if match.group(3) == "weight":
-            return {block + "kernel": _heads_in(value, num_heads)}
-        return {block + "bias": value.reshape(num_heads, -1)}
+        return _stacked_projections(BLOCK.format(match.group(1)) + ATTENTION,
+                                    (projections[match.group(2)],), match.group(3), value,
+                                    num_heads)
 
     def out(match, value):
-        block = BLOCK.format(match.group(1)) + ATTENTION
-        if match.group(2) == "weight":
-            return {block + "out/kernel": _heads_out(value, num_heads)}
-        return {block + "out/bias": value}
+        return _out_projection(BLOCK.format(match.group(1)) + ATTENTION, match.group(2), value,
+                               num_heads)
 
     map_attention = MAP_HEAD + "MultiHeadDotProductAttention_0/"
 
     def map_in(match, value):  # torch MultiheadAttention: in_proj stacks query, key, value
-        parts = np.split(value, 3, axis=0)
-        if match.group(1) == "weight":
-            return {f"{map_attention}{n}/kernel": _heads_in(p, num_heads)
-                    for n, p in zip(("query", "key", "value"), parts)}
-        return {f"{map_attention}{n}/bias": p.reshape(num_heads, -1)
-                for n, p in zip(("query", "key", "value"), parts)}
+        return _stacked_projections(map_attention, _QKV, match.group(1), value, num_heads)
 
     def map_out(match, value):
-        if match.group(1) == "weight":
-            return {map_attention + "out/kernel": _heads_out(value, num_heads)}
-        return {map_attention + "out/bias": value}
+        return _out_projection(map_attention, match.group(1), value, num_heads)
 
     return _convert(state_dict, [
         (r"embeddings\.patch_embeddings?\.(?:projection\.)?weight", _to(EMBEDDING_KERNEL, _conv)),
