@@ -23,14 +23,19 @@ from vit_keras.analysis import (
 from vit_keras.checkpoints import load_pretrained, save_npz
 from vit_keras.configs import VARIANTS, ViTConfig, get_config
 from vit_keras.features import build_feature_extractor, intermediate_features
+from vit_keras.heads import MAPHead
 from vit_keras.host_memory import keep_freed_host_memory
 from vit_keras.labels import class_names
 from vit_keras.layers import (
     AddPositionEmbs,
     ClassToken,
+    DistillationToken,
+    HeadsProjection,
+    LayerScale,
     MlpBlock,
     MultiHeadDotProductAttention,
     PatchEmbedding,
+    RegisterTokens,
     TokenPooling,
     TransformerBlock,
 )
@@ -63,6 +68,11 @@ __all__ = [
     "MlpBlock",
     "TransformerBlock",
     "TokenPooling",
+    "DistillationToken",
+    "RegisterTokens",
+    "LayerScale",
+    "HeadsProjection",
+    "MAPHead",
     "StdConv2D",
     "ResidualUnit",
     "ResNetStage",
