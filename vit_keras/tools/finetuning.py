@@ -182,7 +182,8 @@ def merge_lora(model, into=None):
     every other weight copied. `into`: a plain model of the same config to write into instead of
     building one (a checkpoint callback reuses its own). A model without LoRA is returned as is.
     """
-    targets = [layer for layer in _blocks_layers(model) if layer.lora_enabled]
+    targets = [layer for layer in (lora_targets(model) if _blocks(model) else [])
+               if layer.lora_enabled]
     if not targets:
         return model
     plain = into if into is not None else keras.Model.from_config(model.get_config())
@@ -258,11 +259,6 @@ def apply_adapters(base_model, path, merge=True):
                 f"image size and number of classes.")
         weights[name].assign(value)
     return merge_lora(model) if merge else model
-
-
-def model_to_save(model):
-    """The model a run writes as `model.keras`: LoRA merged into a plain model, else `model`."""
-    return merge_lora(model)
 
 
 class MergedModelCheckpoint(callbacks_lib.AtomicModelCheckpoint):
@@ -361,10 +357,6 @@ def _blocks(model):
 def _is_block(layer_config):
     registered = layer_config.get("registered_name") or layer_config["class_name"]
     return registered.endswith("TransformerBlock")
-
-
-def _blocks_layers(model):
-    return lora_targets(model) if _blocks(model) else []
 
 
 def _has_layer(model, name):

@@ -647,7 +647,7 @@ def _report(state, fit_seconds):
         results = state.objective.evaluate(state.model, state.splits, state.pipeline, history)
     if state.splits.skipped_files:
         state.log(state.splits.unreadable.summary())
-    state.writes.save_model(finetuning.model_to_save(state.model))  # LoRA: merged, plain
+    state.writes.save_model(finetuning.merge_lora(state.model))  # LoRA: merged, plain
     if finetuning.lora_on(state.config):
         finetuning.save_adapters(state.model, state.writes.adapters)
     if state.processes.is_chief:
