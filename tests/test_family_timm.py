@@ -17,7 +17,7 @@ import vit_keras
 from vit_keras import configs, heads, layers
 from vit_keras.checkpoints import timm as timm_format
 
-from conftest import BACKENDS, run_on_backend
+from conftest import BACKENDS, run_app, run_on_backend
 
 torch = pytest.importorskip("torch")
 timm = pytest.importorskip("timm")
@@ -180,13 +180,21 @@ def test_a_missing_switch_is_a_precise_strict_load_error():
         vit_keras.load_pretrained(plain, path)
 
 
-def test_timm_architecture_names_decide_epsilon_gelu_and_heads():
-    assert timm_format.architecture_hints("vit_base_patch16_clip_quickgelu_224.openai") == {
-        "layer_norm_epsilon": 1e-5, "gelu": "quick", "num_heads": 12}
-    assert timm_format.architecture_hints("vit_large_patch16_clip_224.laion2b") == {
-        "layer_norm_epsilon": 1e-5, "gelu": "exact", "num_heads": 16}
-    assert timm_format.architecture_hints("deit3_small_patch16_224") == {
-        "layer_norm_epsilon": 1e-6, "gelu": "exact", "num_heads": 6}
+def test_timm_architecture_names_decide_epsilon_gelu_heads_and_normalization():
+    def hints(name):
+        found = timm_format.architecture_hints(name)
+        normalization = found.pop("normalization", None)
+        found.pop("normalization_source", None)
+        return found, normalization and normalization.name
+
+    assert hints("vit_base_patch16_clip_quickgelu_224.openai") == (
+        {"layer_norm_epsilon": 1e-5, "gelu": "quick", "num_heads": 12}, "clip")
+    assert hints("vit_large_patch16_clip_224.laion2b") == (
+        {"layer_norm_epsilon": 1e-5, "gelu": "exact", "num_heads": 16}, "clip")
+    assert hints("deit3_small_patch16_224") == (
+        {"layer_norm_epsilon": 1e-6, "gelu": "exact", "num_heads": 6}, "imagenet")
+    assert hints("vit_base_patch16_224") == (
+        {"layer_norm_epsilon": 1e-6, "gelu": "exact", "num_heads": 12}, None)
 
 
 def test_timm_config_json_beside_the_file_names_the_architecture(tmp_path):
@@ -277,3 +285,37 @@ def test_feature_grid_of_a_dynamic_size_model_leaves_out_registers():
     assert grid.shape == (1, 3, 4, 32)
     grid, tokens = keras.ops.convert_to_numpy(grid), keras.ops.convert_to_numpy(tokens)
     np.testing.assert_allclose(grid.reshape(1, 12, 32), tokens[:, 5:])
+
+
+UNSUPPORTED = {  # timm model → its overrides, and what the one-line error must name
+    "vit_small_patch16_224": ({"img_size": 32, "patch_size": 8, "qk_norm": True}, "qk-norm"),
+    "eva02_tiny_patch14_224": ({"img_size": 28}, "a gated MLP"),
+}
+
+
+@pytest.mark.parametrize("architecture", list(UNSUPPORTED))
+def test_a_timm_variant_vit_keras_cannot_hold_is_named_in_one_line(architecture, tmp_path):
+    overrides, named = UNSUPPORTED[architecture]
+    torch.manual_seed(0)
+    model = timm.create_model(architecture, pretrained=False, **overrides)
+    path = tmp_path / "model.pth"
+    torch.save(model.state_dict(), path)
+    with pytest.raises(vit_keras.errors.CheckpointError) as error:
+        vit_keras.build_model_from_checkpoint(str(path))
+    message = str(error.value)
+    assert named in message and "does not support" in message and "\n" not in message
+    assert "strict=False" not in message  # no advice that cannot help
+
+
+@pytest.mark.slow
+def test_convert_names_an_unsupported_timm_variant_in_one_line(tmp_path):
+    torch.manual_seed(0)
+    model = timm.create_model("vit_small_patch16_224", pretrained=False, img_size=32,
+                              patch_size=8, qk_norm=True)
+    path = tmp_path / "qknorm.pth"
+    torch.save(model.state_dict(), path)
+    result = run_app("convert.py", "--weights", str(path), "--out", str(tmp_path / "out.keras"))
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "qk-norm" in errors[0] and "does not support" in errors[0]
+    assert "Traceback" not in result.stderr and "difference" not in result.stderr

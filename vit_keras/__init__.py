@@ -41,6 +41,7 @@ from vit_keras.layers import (
 )
 from vit_keras.masked_patch_prediction import build_pretraining_model, pretrained_encoder
 from vit_keras.model import attention_scores, with_dynamic_image_size
+from vit_keras.normalization import NORMALIZATIONS, Normalization, PixelNormalization
 from vit_keras.patch_resize import resample_patch_embedding
 from vit_keras.posemb import resample_position_embeddings
 from vit_keras.pretrained import build_model, build_model_from_checkpoint
@@ -73,6 +74,9 @@ __all__ = [
     "LayerScale",
     "HeadsProjection",
     "MAPHead",
+    "PixelNormalization",
+    "Normalization",
+    "NORMALIZATIONS",
     "StdConv2D",
     "ResidualUnit",
     "ResNetStage",

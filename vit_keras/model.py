@@ -10,19 +10,21 @@ import keras
 import numpy as np
 
 from vit_keras import configs, geometry, heads, layers, resnet
+from vit_keras import normalization as normalization_lib
 
 CLASSIFIERS = ("token", "gap", "map")
 """Poolings: the class token, the mean of the patch tokens, SigLIP's attention pooling (MAP)."""
 
 
 def build_vit(variant, *, image_size=None, num_classes=None, include_top=True,
-              include_preprocessing=True, classifier="token", representation_size=None,
-              dropout=0.0, attention_dropout=0.0, drop_path_rate=0.0, channels=3,
-              layer_norm_epsilon=None, approximate_gelu=None, hybrid_numerics="vit_jax",
-              dynamic_image_size=False, name=None):
+              include_preprocessing=True, normalization=None, classifier="token",
+              representation_size=None, dropout=0.0, attention_dropout=0.0, drop_path_rate=0.0,
+              channels=3, layer_norm_epsilon=None, approximate_gelu=None,
+              hybrid_numerics="vit_jax", dynamic_image_size=False, name=None):
     """The architecture half of `vit_keras.build_model`: every argument but `weights`, documented
     there. `layer_norm_epsilon` and `approximate_gelu` (True: `gelu="tanh"`, False: `"exact"`)
-    override the config's fields when given. Returns the freshly initialised `keras.Model`."""
+    override the config's fields when given; `normalization` None is the paper's. Returns the
+    freshly initialised `keras.Model`."""
     config = _with_overrides(configs.get_config(variant), layer_norm_epsilon, approximate_gelu)
     height, width = geometry.pair(224 if image_size is None else image_size, "image size")
     num_classes = 1000 if num_classes is None else num_classes
@@ -36,7 +38,13 @@ def build_vit(variant, *, image_size=None, num_classes=None, include_top=True,
     images = keras.Input((*input_size, channels), name="images")
     x = images
     if include_preprocessing:
-        x = keras.layers.Rescaling(1 / 127.5, offset=-1.0, dtype="float32", name="rescale")(x)
+        pixels = normalization_lib.get_normalization(
+            normalization_lib.PAPER if normalization is None else normalization)
+        x = normalization_lib.PixelNormalization(*pixels.for_channels(channels), dtype="float32",
+                                                 name="rescale")(x)
+    elif normalization is not None:
+        raise ValueError(f"normalization={normalization!r} needs include_preprocessing=True "
+                         f"(without it the model takes pixels already normalised).")
     feature_map = (height, width)  # what the patch embedding sees at the built size
     if config.is_hybrid:
         stem = resnet.ResNetStem(config.resnet_layers, config.resnet_width, name="resnet",

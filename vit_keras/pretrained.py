@@ -7,11 +7,15 @@ The model builder (`model.py`) knows nothing of checkpoints and the checkpoint l
 """
 
 import dataclasses
+import logging
 import os
 
 from vit_keras import configs, download, errors, geometry, releases
+from vit_keras import normalization as normalization_lib
 from vit_keras import model as model_lib
 from vit_keras.checkpoints import huggingface, loader
+
+logger = logging.getLogger("vit_keras")
 
 HUB_PREFIX = "hf-hub:"
 _CHECKPOINT_SUFFIXES = (".npz", ".pth", ".pt", ".bin", ".safetensors", ".keras", ".h5")
@@ -148,7 +152,8 @@ def _fields(config, fields):
 
 
 def build_model(variant, *, weights=None, image_size=None, num_classes=None, include_top=True,
-                include_preprocessing=True, classifier="token", representation_size=None,
+                include_preprocessing=True, normalization=None, classifier="token",
+                representation_size=None,
                 dropout=0.0, attention_dropout=0.0, drop_path_rate=0.0, channels=3,
                 layer_norm_epsilon=None, approximate_gelu=None, hybrid_numerics="vit_jax",
                 dynamic_image_size=False, name=None):
@@ -171,8 +176,15 @@ def build_model(variant, *, weights=None, image_size=None, num_classes=None, inc
         else 1000.
       include_top: with `False` the model ends at the pooled `(batch, features)` representation
         (after the final LayerNorm and the representation layer, if any) and has no head.
-      include_preprocessing: `True`: inputs are RGB pixels in [0, 255], rescaled in the graph to
-        [-1, 1] (the original weights' convention); `False`: inputs are already normalised.
+      include_preprocessing: `True`: inputs are RGB pixels in [0, 255], normalised in the graph
+        as `normalization` says (`vit_keras.normalization.PixelNormalization`, the layer named
+        `rescale`); `False`: inputs are already normalised.
+      normalization: how the graph normalises pixels, `(x / 255 - mean) / std` per channel: a
+        name (`"inception"`: the original weights' `(x - 127.5) / 127.5`; `"imagenet"`: DeiT,
+        DINOv2, MAE; `"clip"`), a `(mean, std)` pair in the [0, 1] scale, or None: the weights'
+        own (the release table's, timm's pretrained config, the Hugging Face image processor,
+        what a checkpoint's keys identify; see `build_model_from_checkpoint`), else
+        `"inception"`. Saved with the model and its exports.
       classifier: `"token"` (class token), `"gap"` (global average pooling of the patch tokens;
         no class token unless the config's `class_token` says so) or `"map"` (SigLIP's attention
         pooling, `vit_keras.heads.MAPHead`).
@@ -202,7 +214,7 @@ def build_model(variant, *, weights=None, image_size=None, num_classes=None, inc
     """
     checkpoint, release = resolve_weights(weights, variant, image_size)
     given = {"include_top": include_top, "include_preprocessing": include_preprocessing,
-             "classifier": classifier, "dropout": dropout, "attention_dropout": attention_dropout,
+             "normalization": normalization, "classifier": classifier, "dropout": dropout, "attention_dropout": attention_dropout,
              "drop_path_rate": drop_path_rate, "channels": channels,
              "layer_norm_epsilon": layer_norm_epsilon, "approximate_gelu": approximate_gelu,
              "hybrid_numerics": hybrid_numerics, "dynamic_image_size": dynamic_image_size,
@@ -211,11 +223,39 @@ def build_model(variant, *, weights=None, image_size=None, num_classes=None, inc
         return build_model_from_checkpoint(
             checkpoint, variant=variant, image_size=image_size, num_classes=num_classes, **given,
             **({} if representation_size is None else {"representation_size": representation_size}))
+    if checkpoint is not None:
+        checkpoint = loader.read_checkpoint(checkpoint,
+                                            num_heads=configs.get_config(variant).num_heads)
+        given["normalization"] = input_normalization(normalization, checkpoint,
+                                                     include_preprocessing)
     model = model_lib.build_vit(variant, image_size=image_size, num_classes=num_classes,
                                 representation_size=representation_size, **given)
     if checkpoint is not None:
-        loader.load_pretrained(model, checkpoint)
+        loader.load_pretrained(model, checkpoint, check_normalization=False)
     return model
+
+
+def input_normalization(normalization, checkpoint, include_preprocessing=True, release=None):
+    """The normalisation a model built from `checkpoint` gets: `normalization` when given, else
+    `release`'s, else the checkpoint's own (see `build_model_from_checkpoint`), else the paper's,
+    with a warning that says it was assumed and how to choose. None without preprocessing."""
+    if not include_preprocessing:
+        return normalization  # build_vit refuses a normalization without preprocessing
+    if normalization is not None:
+        return normalization_lib.get_normalization(normalization)
+    if release is not None:
+        return release.normalization
+    found = checkpoint.hints.get("normalization")
+    if found is not None:
+        logger.info("Input normalisation %s, from %s.", found,
+                    checkpoint.hints.get("normalization_source", "the checkpoint"))
+        return found
+    logger.warning(
+        "%r does not say how its pixels were normalised in training: the model assumes the "
+        "original ViT weights' (x - 127.5) / 127.5 ('inception'). If it was trained otherwise, "
+        "pass normalization='imagenet' (DeiT, DINOv2, MAE), 'clip' or (mean, std) (apps: "
+        "--normalization).", checkpoint.path)
+    return normalization_lib.PAPER
 
 
 def _variant_for(fields, variant, path):
@@ -243,6 +283,13 @@ def build_model_from_checkpoint(path, *, variant=None, image_size=None, num_clas
 
     The file determines patch size, width, depth, MLP size, heads, class token or GAP, the
     representation layer, channels and (for Hugging Face) LayerNorm epsilon and GELU variant.
+    The model's input normalisation (with `include_preprocessing`, the default) is the
+    checkpoint's own: a release's from the release table; an `.npz`'s the original weights'
+    `(x - 127.5) / 127.5` (or the one `save_npz` stored in it); a timm file's from timm's
+    `config.json` beside it (`pretrained_cfg` mean and std), else its architecture name, else
+    the keys where they identify the family (CLIP, distilled DeiT); a Hugging Face folder's
+    from its `preprocessor_config.json`, else its family's published processors. When none of
+    these says, the paper's is assumed, with a warning. `normalization=` overrides it.
 
     Args:
       path: any checkpoint `read_checkpoint` accepts (a `Checkpoint` too, as `resolve_weights`
@@ -275,7 +322,7 @@ def build_model_from_checkpoint(path, *, variant=None, image_size=None, num_clas
     """
     if variant is not None and num_heads is None:
         num_heads = configs.get_config(variant).num_heads
-    path, _ = resolve_weights(path, variant, image_size)
+    path, release = resolve_weights(path, variant, image_size)
     checkpoint = loader.read_checkpoint(path, num_heads=num_heads,
                                         timm_architecture=timm_architecture)
     arch = loader.architecture(checkpoint)
@@ -298,6 +345,10 @@ def build_model_from_checkpoint(path, *, variant=None, image_size=None, num_clas
               "include_top": include_top, "classifier": arch["classifier"],
               "representation_size": arch["representation_size"], "channels": arch["channels"],
               **build_kwargs}
+    kwargs["normalization"] = input_normalization(
+        kwargs.get("normalization"), checkpoint, kwargs.get("include_preprocessing", True),
+        release)
     model = model_lib.build_vit(config, **kwargs)
     return loader.load_pretrained(model, checkpoint, strict=strict, interpolation=interpolation,
-                                  antialias=antialias, allow_non_finite=allow_non_finite)
+                                  antialias=antialias, allow_non_finite=allow_non_finite,
+                                  check_normalization=False)

@@ -14,7 +14,7 @@ Face hub ids are listed where the hub holds the same weights with the same head.
 
 import dataclasses
 
-from vit_keras import configs, errors
+from vit_keras import configs, errors, normalization
 
 OFFICIAL_BASE_URL = "https://storage.googleapis.com/"
 """The bucket the paper's `Release.path`s are relative to (`VIT_KERAS_WEIGHTS_MIRROR` replaces it)."""
@@ -65,6 +65,12 @@ class Release:
     base_url: str = OFFICIAL_BASE_URL
     config_path: str | None = None
     other_hub_ids: tuple = ()
+
+    @property
+    def normalization(self):
+        """How the release's pixels were normalised in training (a `vit_keras.normalization.
+        Normalization`): the model built from it normalises its input the same way."""
+        return normalization.NORMALIZATIONS[_NORMALIZATION.get(self.name, "inception")]
 
     @property
     def url(self):
@@ -178,6 +184,12 @@ _FAMILY = (  # (variant, release, files' repository, other repository, image siz
      "token"),
 )
 _HUB_WEIGHTS = "model.safetensors"
+# The family's input normalisation by release (timm's pretrained configs and the hub's image
+# processors say the same); every other release, the paper's and AugReg's and SigLIP's, has the
+# original (x - 127.5) / 127.5 ("inception").
+_NORMALIZATION = {"deit_in1k": "imagenet", "deit_distilled_in1k": "imagenet",
+                  "deit3_in22k_ft_in1k": "imagenet", "dinov2": "imagenet",
+                  "dinov2_reg4": "imagenet", "mae": "imagenet", "clip_openai": "clip"}
 
 
 def _hub_file(repo, name):

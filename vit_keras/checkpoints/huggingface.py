@@ -16,11 +16,13 @@ import os
 import re
 
 from vit_keras import errors
+from vit_keras import normalization as normalization_lib
 from vit_keras.checkpoints import names, timm
 
 logger = logging.getLogger("vit_keras")
 
 CONFIG = "config.json"
+PREPROCESSOR_CONFIG = "preprocessor_config.json"
 # The patch embedding of every family: ViT/DeiT/DINOv2/MAE `embeddings.patch_embeddings.projection`,
 # CLIP/SigLIP `embeddings.patch_embedding`; under `vit.`, `deit.` or `vision_model.` (full CLIP).
 _ANCHOR = re.compile(r"(?:^|\.)embeddings\.patch_embeddings?\.(?:projection\.)?weight$")
@@ -37,6 +39,14 @@ _DEFAULTS = {
     "clip_vision_model": {"layer_norm_eps": 1e-5, "hidden_act": "quick_gelu"},
     "siglip_vision_model": {"layer_norm_eps": 1e-6, "hidden_act": "gelu_pytorch_tanh"},
 }
+# The normalisation of each family's published image processors (`preprocessor_config.json` of
+# facebook/deit-*, facebook/dinov2-*, openai/clip-*, google/siglip-*, facebook/vit-mae-*), used when
+# a folder has none. Not transformers' class defaults: `DeiTImageProcessor()` has 0.5, the DeiT
+# weights were trained on ImageNet's mean and std. `vit` folders differ (Google's ViTs 0.5,
+# DINO's ImageNet's), so a `vit` folder without the file has no known normalisation.
+_FAMILY_NORMALIZATION = {"deit": "imagenet", "dinov2": "imagenet",
+                         "dinov2_with_registers": "imagenet", "vit_mae": "imagenet",
+                         "clip_vision_model": "clip", "siglip_vision_model": "inception"}
 FAMILIES = tuple(_DEFAULTS)
 """The `model_type`s vit_keras reads (`clip` and `siglip` folders: their `vision_config`)."""
 _VISION_TOWERS = {"clip": "clip_vision_model", "siglip": "siglip_vision_model"}
@@ -150,6 +160,40 @@ def read_config(folder):
     return config
 
 
+def read_normalization(folder, model_type):
+    """`(Normalization, where it comes from)` of a folder's pixels: its image processor's
+    `preprocessor_config.json` (`image_mean`, `image_std`, `rescale_factor`, `do_normalize`), else
+    the published processors of its family `model_type`; `(None, None)` when neither says."""
+    path = os.path.join(folder, PREPROCESSOR_CONFIG)
+    if os.path.isfile(path):
+        config = read_json(path)
+        try:
+            scale = float(config.get("rescale_factor", 1 / 255)) if config.get(
+                "do_rescale", True) else 1.0
+            if not config.get("do_normalize", True):
+                mean, std = (0.0,), (1.0,)
+            else:
+                mean, std = config["image_mean"], config["image_std"]
+            # (x * scale - mean) / std in the [0, 1] scale that `Normalization` takes.
+            mean = [float(m) / (255 * scale) for m in _as_list(mean)]
+            std = [float(s) / (255 * scale) for s in _as_list(std)]
+            return (normalization_lib.get_normalization((mean, std)),
+                    f"{PREPROCESSOR_CONFIG} (image_mean, image_std)")
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:
+            raise errors.CheckpointError(
+                f"{path!r} does not say how pixels are normalised ({type(error).__name__}: "
+                f"{error}); expected image_mean and image_std.") from None
+    name = _FAMILY_NORMALIZATION.get(model_type)
+    if name is None:
+        return None, None
+    return (normalization_lib.NORMALIZATIONS[name],
+            f"the published image processors of the {model_type} family")
+
+
+def _as_list(value):
+    return value if isinstance(value, (list, tuple)) else [value]
+
+
 def matches(state_dict):
     return any(_ANCHOR.search(key) for key in state_dict)
 
@@ -208,14 +252,19 @@ def _encoder_and_heads(state_dict, model_type):
     return state_dict
 
 
-def convert(state_dict, config=None, num_heads=None):
+def convert(state_dict, config=None, num_heads=None, folder=None):
     """`(canonical params, info)`. The heads come from `config.json`, else from `num_heads`, else
     from the paper's variant of that width; LayerNorm epsilon and GELU variant from `config.json`,
-    else the family's defaults (ViT's epsilon is 1e-12, CLIP's GELU the quick one, ...)."""
+    else the family's defaults (ViT's epsilon is 1e-12, CLIP's GELU the quick one, ...); the
+    input normalisation from `folder`'s image processor (see `read_normalization`)."""
     model_type = family(state_dict, config)
     state_dict = _encoder_and_heads(state_dict, model_type)
     info = {"format": "huggingface", "interpolation": "bicubic", "antialias": False,
             **hints(config, model_type)}
+    if folder is not None:
+        normalization, source = read_normalization(folder, model_type)
+        if normalization is not None:
+            info.update(normalization=normalization, normalization_source=source)
     if num_heads and "num_heads" not in info:  # config.json knows better than the caller
         info["num_heads"] = num_heads
     if "num_heads" not in info:

@@ -11,7 +11,7 @@ import os
 import keras
 import numpy as np
 
-from vit_keras import configs, errors, geometry, patch_resize, posemb
+from vit_keras import configs, errors, geometry, normalization, patch_resize, posemb
 from vit_keras.checkpoints import files, huggingface, names, npz, timm
 
 logger = logging.getLogger("vit_keras")
@@ -76,10 +76,17 @@ def read_checkpoint(path, *, num_heads=None, timm_architecture=None):
         else:
             state_dict = {k: v for p in paths for k, v in files.read_torch(p).items()}
         if timm.matches(state_dict):
-            params, info = timm.convert(
-                state_dict, num_heads, timm_architecture or timm.architecture_beside(paths[0]))
+            unsupported = timm.unsupported_features(state_dict)
+            if unsupported:
+                raise errors.CheckpointError(
+                    f"{path!r} is a timm ViT with {', '.join(unsupported)}, which vit_keras does "
+                    f"not support: its model holds the paper's ViT and DeiT, DeiT III, DINOv2, "
+                    f"SigLIP, CLIP and MAE (docs/checkpoints.md).")
+            params, info = timm.convert(state_dict, num_heads, timm_architecture,
+                                        timm.config_beside(paths[0]))
         elif huggingface.matches(state_dict):
-            params, info = huggingface.convert(state_dict, huggingface.read_config(folder), num_heads)
+            params, info = huggingface.convert(state_dict, huggingface.read_config(folder),
+                                               num_heads, folder)
         else:
             raise errors.CheckpointError(
                 f"{path!r} is a state dict but neither a timm nor a Hugging Face ViT (no "
@@ -263,7 +270,8 @@ def _architecture_hint(checkpoint, weights):
 
 
 def load_pretrained(model, path, *, strict=True, interpolation=None, antialias=None,
-                    checkpoint_grid=None, allow_non_finite=False, timm_architecture=None):
+                    checkpoint_grid=None, allow_non_finite=False, timm_architecture=None,
+                    check_normalization=True):
     """Loads a checkpoint of any supported format into a vit_keras model, in place.
 
     Args:
@@ -283,6 +291,9 @@ def load_pretrained(model, path, *, strict=True, interpolation=None, antialias=N
       allow_non_finite: `False`: an array to be loaded that holds NaN or Inf raises a `CheckpointError`
         naming the arrays, before anything is assigned. `True`: such arrays are loaded.
       timm_architecture: as in `read_checkpoint` (here it matters only for the heads).
+      check_normalization: `True`: a warning when the model normalises its input pixels
+        otherwise than the checkpoint's weights were trained with (build it with
+        `normalization=`, or with `build_model_from_checkpoint`, which reads it from the file).
 
     Returns:
       The model. A head with another class count (or none in the file) is zero-initialised, and a
@@ -297,6 +308,8 @@ def load_pretrained(model, path, *, strict=True, interpolation=None, antialias=N
         checkpoint = read_checkpoint(
             path, num_heads=weights[query].shape[1] if query in weights else None,
             timm_architecture=timm_architecture)
+    if check_normalization:
+        _check_normalization(model, checkpoint)
     params = dict(checkpoint.params)
     _fit_position_embeddings(checkpoint, params, weights, geometry.token_grid(model), interpolation,
                              antialias, checkpoint_grid)
@@ -348,6 +361,18 @@ def load_pretrained(model, path, *, strict=True, interpolation=None, antialias=N
     return model
 
 
+def _check_normalization(model, checkpoint):
+    """Warns when `model` normalises its pixels otherwise than `checkpoint` was trained with."""
+    used, trained = normalization.of_model(model), checkpoint.hints.get("normalization")
+    if used is not None and trained is not None and not used.matches(trained):
+        logger.warning(
+            "Model %r normalises its input as %s, but %s was trained on pixels normalised as %s "
+            "(%s): its outputs will be wrong. Build the model with normalization=%s, or with "
+            "vit_keras.build_model_from_checkpoint.", model.name, used, checkpoint.path,
+            trained, checkpoint.hints.get("normalization_source", "the checkpoint"),
+            repr(trained.name) if trained.name else (trained.mean, trained.std))
+
+
 def save_npz(model, path):
     """Writes a vit_keras model's weights as an official vit_jax `.npz` (loadable by vit_jax and by
     timm's `_load_weights`). Returns `path`."""
@@ -358,7 +383,7 @@ def save_npz(model, path):
             raise ValueError(f"Two weights of {model.name!r} map to {key!r}; save_npz expects a "
                              f"model from vit_keras.build_model.")
         params[key] = np.asarray(keras.ops.convert_to_numpy(weight), dtype=np.float32)
-    npz.write(path, params)
+    npz.write(path, params, normalization.of_model(model))
     return path
 
 
@@ -367,7 +392,8 @@ def architecture(checkpoint):
     its switch fields (`switches`, every field of `configs.SWITCHES`: from the keys, and from the
     checkpoint's hints where the keys cannot tell, e.g. epsilon and GELU) and the `build_model`
     arguments the file determines (`classifier`, `representation_size`, `num_classes`,
-    `channels`, `grid`; `layer_norm_epsilon` and `approximate_gelu` repeat the switches)."""
+    `channels`, `grid`, `normalization` (None where the file does not say);
+    `layer_norm_epsilon` and `approximate_gelu` repeat the switches)."""
     params = checkpoint.params
     kernel = params.get(names.EMBEDDING_KERNEL)
     if kernel is None or kernel.ndim != 4 or kernel.shape[0] != kernel.shape[1]:
@@ -421,6 +447,7 @@ def architecture(checkpoint):
     pre_logits = params.get(names.PRE_LOGITS + "kernel")
     return {
         "config": config,
+        "normalization": checkpoint.hints.get("normalization"),
         "classifier": classifier,
         "representation_size": None if pre_logits is None else int(pre_logits.shape[1]),
         "num_classes": None if head is None else int(head.shape[1]),

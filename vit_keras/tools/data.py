@@ -3,8 +3,8 @@
 Every pipeline is `tf.data` and feeds `model.fit` on all three Keras backends. Images come out as
 float32 RGB pixels in [0, 255], shape `(batch, image_size, image_size, 3)`, and labels as one-hot
 float32 `(batch, num_classes)`. Models from `vit_keras.build_model(..., include_preprocessing=True)`
-rescale pixels to [-1, 1] (`(x - 127.5) / 127.5`, the original ViT weights' convention) in the graph,
-so the pipeline never normalises.
+normalise pixels in the graph as their weights were trained (`vit_keras.normalization`), so the
+pipeline never normalises.
 
 This module imports TensorFlow; `vit_keras/__init__.py` does not import it (use `vit_keras.tools.data`).
 

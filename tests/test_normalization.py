@@ -1,0 +1,379 @@
+"""Input normalisation (issue 40): each checkpoint brings its own, and a model built from it with
+the default preprocessing takes raw pixels in [0, 255] and gives what the reference gives when it
+is called as its users call it: timm with its own data config (`resolve_data_config`), transformers
+with the image processor saved beside the weights.
+
+The models are small and random (every parameter randomised, as in test_family_timm.py and
+test_family_hf.py), so a wrong mean or std moves the outputs by far more than the tolerance: a
+relative error of 1e-4 (max |difference| / max |reference|), float32 on both sides.
+"""
+
+import json
+import logging
+
+import keras
+import numpy as np
+import pytest
+
+import vit_keras
+from vit_keras import normalization, releases
+from vit_keras.checkpoints import timm as timm_format
+
+torch = pytest.importorskip("torch")
+timm = pytest.importorskip("timm")
+transformers = pytest.importorskip("transformers")
+
+RTOL = 1e-4
+WIDTH = {"embed_dim": 64, "depth": 2, "num_heads": 2, "num_classes": 7}
+# timm model (with the pretrained tag whose data config it carries) → small-model overrides.
+TIMM_FAMILY = {
+    "deit_tiny_distilled_patch16_224.fb_in1k": {"img_size": 32, "patch_size": 8},
+    "deit3_small_patch16_224.fb_in22k_ft_in1k": {"img_size": 32, "patch_size": 8},
+    "vit_small_patch14_dinov2.lvd142m": {"img_size": 28},
+    "vit_small_patch14_reg4_dinov2.lvd142m": {"img_size": 28},
+    "vit_base_patch16_siglip_224.webli": {"img_size": 32, "patch_size": 8},
+    "vit_base_patch16_clip_224.openai": {"img_size": 32, "patch_size": 8},
+    "vit_base_patch16_clip_quickgelu_224.openai": {"img_size": 32, "patch_size": 8},
+    "vit_base_patch16_224.mae": {"img_size": 32, "patch_size": 8},
+    "vit_base_patch16_224.augreg_in21k_ft_in1k": {"img_size": 32, "patch_size": 8},
+}
+
+
+def relative_error(actual, expected):
+    actual = keras.ops.convert_to_numpy(actual)
+    assert np.std(expected) > 0.05, "reference outputs are too flat to compare meaningfully"
+    return float(np.abs(actual - expected).max() / np.abs(expected).max())
+
+
+def raw_pixels(size, batch=2, seed=0):
+    """Whole-number RGB pixels in [0, 255], `(batch, size, size, 3)` uint8."""
+    return np.random.default_rng(seed).integers(0, 256, (batch, size, size, 3), dtype=np.uint8)
+
+
+def randomised_timm_model(name, overrides, seed=0):
+    torch.manual_seed(seed)
+    model = timm.create_model(name, pretrained=False, **WIDTH, **overrides)
+    with torch.no_grad():
+        for key, parameter in model.named_parameters():
+            is_norm_scale = "norm" in key and key.endswith("weight")
+            parameter.copy_(torch.randn_like(parameter) * 0.1 + float(is_norm_scale))
+    return model.eval()
+
+
+def timm_logits(model, pixels):
+    """timm as its users call it: pixels scaled to [0, 1] and normalised with the model's own
+    data config."""
+    config = timm.data.resolve_data_config({}, model=model)
+    mean = np.asarray(config["mean"], np.float32)
+    std = np.asarray(config["std"], np.float32)
+    x = (pixels.astype(np.float32) / 255 - mean) / std
+    with torch.no_grad():
+        return model(torch.from_numpy(x.transpose(0, 3, 1, 2))).numpy()
+
+
+def hub_folder(model, path):
+    """The folder timm writes for the hub (`save_for_hf`): model.safetensors and a config.json
+    with the architecture, its model arguments and the pretrained config's mean and std."""
+    from timm.models import _hub
+
+    _hub.save_for_hf(model, str(path), safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module", params=list(TIMM_FAMILY))
+def timm_family(request, tmp_path_factory):
+    name = request.param
+    model = randomised_timm_model(name, TIMM_FAMILY[name])
+    folder = hub_folder(model, tmp_path_factory.mktemp("timm_hub"))
+    pixels = raw_pixels(TIMM_FAMILY[name]["img_size"])
+    return name, model, folder, pixels, timm_logits(model, pixels)
+
+
+def test_a_timm_hub_folder_equals_timm_with_its_data_config_on_raw_pixels(timm_family):
+    _, _, folder, pixels, expected = timm_family
+    model = vit_keras.build_model_from_checkpoint(str(folder))  # every argument at its default
+    assert relative_error(model.predict(pixels, verbose=0), expected) <= RTOL
+
+
+def test_a_timm_state_dict_with_its_architecture_name_equals_timm_on_raw_pixels(timm_family,
+                                                                                tmp_path):
+    name, model, _, pixels, expected = timm_family
+    path = tmp_path / "model.pth"
+    torch.save(model.state_dict(), path)
+    built = vit_keras.build_model_from_checkpoint(str(path), timm_architecture=name,
+                                                  num_heads=WIDTH["num_heads"])
+    assert relative_error(built.predict(pixels, verbose=0), expected) <= RTOL
+
+
+@pytest.mark.parametrize("name", ["vit_base_patch16_clip_224.openai",
+                                  "deit_tiny_distilled_patch16_224.fb_in1k"])
+def test_keys_that_identify_the_family_decide_its_normalization(name, tmp_path, caplog):
+    model = randomised_timm_model(name, TIMM_FAMILY[name])
+    path = tmp_path / "model.pth"
+    torch.save(model.state_dict(), path)  # no architecture name, no config.json
+    pixels = raw_pixels(TIMM_FAMILY[name]["img_size"])
+    with caplog.at_level(logging.WARNING, logger="vit_keras"):
+        built = vit_keras.build_model_from_checkpoint(str(path), num_heads=WIDTH["num_heads"])
+    assert relative_error(built.predict(pixels, verbose=0), timm_logits(model, pixels)) <= RTOL
+    assert "does not say how its pixels were normalised" not in caplog.text
+
+
+def test_clip_keys_decide_the_epsilon_and_say_the_gelu_is_assumed(tmp_path, caplog):
+    """A timm CLIP state dict alone: its keys (norm_pre, no patch bias) say CLIP, so LayerNorm
+    epsilon 1e-5 (1e-6 gave a 2.1e-3 relative error, silently); they cannot say quick or exact
+    GELU, which one warning says, naming the argument and the app flag."""
+    name = "vit_base_patch16_clip_224.openai"
+    model = randomised_timm_model(name, TIMM_FAMILY[name])
+    path = tmp_path / "clip.pth"
+    torch.save(model.state_dict(), path)
+    with caplog.at_level(logging.WARNING, logger="vit_keras"):
+        checkpoint = vit_keras.checkpoints.read_checkpoint(str(path), num_heads=2)
+    assert checkpoint.hints["layer_norm_epsilon"] == 1e-5
+    assert "GELU cannot be told from the keys" in caplog.text
+    assert "--timm_architecture" in caplog.text
+    # The architecture name decides the GELU: OpenAI's quick GELU equals timm's quickgelu model.
+    quick = randomised_timm_model("vit_base_patch16_clip_quickgelu_224.openai", TIMM_FAMILY[name])
+    torch.save(quick.state_dict(), path)
+    pixels = raw_pixels(32)
+    built = vit_keras.build_model_from_checkpoint(
+        str(path), num_heads=2, timm_architecture="vit_base_patch16_clip_quickgelu_224")
+    assert relative_error(built.predict(pixels, verbose=0), timm_logits(quick, pixels)) <= RTOL
+
+
+def test_a_checkpoint_that_does_not_say_is_built_with_the_papers_and_a_warning(tmp_path, caplog):
+    model = randomised_timm_model("vit_base_patch16_224.augreg_in21k_ft_in1k",
+                                  {"img_size": 32, "patch_size": 8})
+    path = tmp_path / "plain.pth"
+    torch.save(model.state_dict(), path)  # plain ViT keys: AugReg (0.5), DINO, MAE (ImageNet) ...
+    with caplog.at_level(logging.WARNING, logger="vit_keras"):
+        built = vit_keras.build_model_from_checkpoint(str(path), num_heads=2)
+    assert built.get_layer("rescale").normalization.name == "inception"
+    assert "does not say how its pixels were normalised" in caplog.text
+    assert "normalization=" in caplog.text and "--normalization" in caplog.text
+    chosen = vit_keras.build_model_from_checkpoint(str(path), num_heads=2,
+                                                   normalization="imagenet")
+    assert chosen.get_layer("rescale").normalization.name == "imagenet"
+
+
+def test_timm_name_rules_agree_with_every_timm_pretrained_config_they_claim():
+    """The architecture-name table against timm's own pretrained configs (the oracle): every
+    tagged name, and every untagged architecture (all of whose tags must agree), that the table
+    claims normalises as timm says."""
+    import re
+
+    claimed, wrong, by_architecture = 0, [], {}
+    for name in timm.list_pretrained():
+        if not re.match(r"^(vit_|deit)", name):
+            continue
+        config = timm.models.get_pretrained_cfg(name)
+        expected = normalization.get_normalization((config.mean, config.std))
+        by_architecture.setdefault(name.split(".")[0], []).append(expected)
+        found = timm_format.normalization_for_name(name)
+        if found:
+            claimed += 1
+            wrong += [] if normalization.NORMALIZATIONS[found].matches(expected) else [name]
+    for architecture, expected in by_architecture.items():
+        found = timm_format.normalization_for_name(architecture)
+        if found and not all(normalization.NORMALIZATIONS[found].matches(e) for e in expected):
+            wrong.append(architecture)
+    assert not wrong
+    assert claimed > 200  # the table covers the family (DeiT, DINOv2, CLIP, SigLIP, AugReg, MAE)
+
+
+@pytest.mark.parametrize("release", [r for r in releases.RELEASES
+                                     if any(i.startswith("timm/") for i in
+                                            (r.hf_hub_id or "", *r.other_hub_ids))],
+                         ids=lambda r: f"{r.variant}-{r.name}-{r.image_size}")
+def test_each_release_normalises_as_timms_pretrained_config_of_the_same_weights(release):
+    hub_id = next(i for i in (release.hf_hub_id or "", *release.other_hub_ids)
+                  if i.startswith("timm/"))
+    config = timm.models.get_pretrained_cfg(hub_id[len("timm/"):])
+    assert release.normalization.matches(normalization.get_normalization((config.mean,
+                                                                         config.std)))
+
+
+# --- Hugging Face: the folder's image processor, as transformers' users call it -------------------
+SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+         "intermediate_size": 128, "image_size": 28, "patch_size": 14}
+IMAGENET = {"image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}
+
+
+def _hf_families():
+    """family → (model, the processor its published hub folders hold, what the model outputs)."""
+    t = transformers
+    return {
+        "deit": (lambda: t.DeiTModel(t.DeiTConfig(**SMALL), add_pooling_layer=False),
+                 lambda: t.DeiTImageProcessor(**IMAGENET), "deit"),
+        "dinov2": (lambda: t.Dinov2Model(t.Dinov2Config(**SMALL, layerscale_value=0.1)),
+                   lambda: t.BitImageProcessor(**IMAGENET), "pooled"),
+        "clip": (lambda: t.CLIPVisionModel(t.CLIPVisionConfig(**SMALL)),
+                 lambda: t.CLIPImageProcessor(), "pooled"),
+        "siglip": (lambda: t.SiglipVisionModel(t.SiglipVisionConfig(**SMALL)),
+                   lambda: t.SiglipImageProcessor(), "pooled"),
+        "vit_mae": (lambda: t.ViTMAEModel(t.ViTMAEConfig(**SMALL, mask_ratio=0.0)),
+                    lambda: t.ViTImageProcessor(**IMAGENET), "mae"),
+        "vit": (lambda: t.ViTModel(t.ViTConfig(**SMALL), add_pooling_layer=False),
+                lambda: t.ViTImageProcessor(), "cls"),
+    }
+
+
+def _randomize(module, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for key, parameter in module.named_parameters():
+            if ("norm" in key or "lambda1" in key) and key.endswith(("weight", "lambda1")):
+                value = 1 + 0.1 * torch.randn(parameter.shape, generator=generator)
+            elif parameter.ndim >= 2 and "embed" not in key and "token" not in key:
+                value = torch.randn(parameter.shape, generator=generator) * parameter[0].numel() ** -0.5
+            else:
+                value = 0.1 * torch.randn(parameter.shape, generator=generator)
+            parameter.copy_(value)
+    return module.eval()
+
+
+def _transformers_features(model, kind, pixel_values):
+    with torch.no_grad():
+        if kind == "mae":  # increasing noise keeps the patches in order; the class token's output
+            noise = torch.arange(4, dtype=torch.float32).expand(len(pixel_values), -1)
+            return model(pixel_values, noise=noise).last_hidden_state[:, 0].numpy()
+        out = model(pixel_values)
+        if kind == "pooled":
+            return out.pooler_output.numpy()
+        tokens = out.last_hidden_state
+        if kind == "deit":  # the mean of the class and distillation tokens, as DeiT pools
+            return ((tokens[:, 0] + tokens[:, 1]) / 2).numpy()
+        return tokens[:, 0].numpy()
+
+
+@pytest.fixture(scope="module", params=list(_hf_families()))
+def hf_family(request, tmp_path_factory):
+    make_model, make_processor, kind = _hf_families()[request.param]
+    torch.manual_seed(0)
+    model = _randomize(make_model())
+    processor = make_processor()
+    folder = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(folder)
+    pixels = raw_pixels(SMALL["image_size"])
+    inputs = processor(images=list(pixels), do_resize=False, do_center_crop=False,
+                       return_tensors="pt")
+    expected = _transformers_features(model, kind, inputs["pixel_values"])
+    return request.param, folder, processor, pixels, expected
+
+
+def test_a_hugging_face_folder_with_its_image_processor_equals_transformers(hf_family, tmp_path):
+    family, folder, processor, pixels, expected = hf_family
+    with_processor = tmp_path / family
+    with_processor.mkdir()
+    for item in folder.iterdir():
+        (with_processor / item.name).write_bytes(item.read_bytes())
+    processor.save_pretrained(with_processor)
+    model = vit_keras.build_model_from_checkpoint(str(with_processor), include_top=False)
+    assert relative_error(model.predict(pixels, verbose=0), expected) <= RTOL
+
+
+def test_a_hugging_face_folder_without_a_processor_normalises_as_its_family_publishes(
+        hf_family, caplog):
+    family, folder, _, pixels, expected = hf_family
+    with caplog.at_level(logging.WARNING, logger="vit_keras"):
+        model = vit_keras.build_model_from_checkpoint(str(folder), include_top=False)
+    if family == "vit":  # Google's ViTs take 0.5, DINO's ImageNet's: the folder must say
+        assert "does not say how its pixels were normalised" in caplog.text
+    else:
+        assert "does not say how its pixels were normalised" not in caplog.text
+    assert relative_error(model.predict(pixels, verbose=0), expected) <= RTOL
+
+
+# --- The normalisation travels with the model -----------------------------------------------------
+def test_the_layer_computes_x_over_255_minus_mean_over_std_per_channel():
+    layer = normalization.PixelNormalization(*normalization.NORMALIZATIONS["clip"].for_channels(3))
+    pixels = raw_pixels(4).astype("float32")
+    clip = normalization.NORMALIZATIONS["clip"]
+    expected = (pixels / 255 - np.asarray(clip.mean)) / np.asarray(clip.std)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(layer(pixels)), expected, rtol=1e-5,
+                               atol=1e-5)
+    assert type(layer).from_config(layer.get_config()).get_config() == layer.get_config()
+
+
+def test_the_papers_normalization_is_exactly_the_former_rescaling():
+    pixels = raw_pixels(4).astype("float32")
+    rescaled = keras.layers.Rescaling(1 / 127.5, offset=-1.0)(pixels)
+    normalised = normalization.PixelNormalization()(pixels)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(normalised),
+                                  keras.ops.convert_to_numpy(rescaled))
+
+
+def test_the_normalization_is_saved_in_keras_files_and_npz(tmp_path, tiny_config):
+    model = vit_keras.build_model(tiny_config, image_size=8, num_classes=3, normalization="clip")
+    model.save(tmp_path / "model.keras")
+    loaded = keras.saving.load_model(tmp_path / "model.keras")
+    assert loaded.get_layer("rescale").normalization.name == "clip"
+    vit_keras.save_npz(model, tmp_path / "model.npz")
+    rebuilt = vit_keras.build_model_from_checkpoint(str(tmp_path / "model.npz"))
+    assert normalization.of_model(rebuilt).name == "clip"
+    pixels = raw_pixels(8).astype("float32")
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(rebuilt(pixels)),
+                               keras.ops.convert_to_numpy(model(pixels)), rtol=1e-5, atol=1e-6)
+
+
+def test_an_official_npz_gets_the_original_normalization_without_a_warning(tmp_path, tiny_config,
+                                                                           caplog):
+    vit_keras.save_npz(vit_keras.build_model(tiny_config, image_size=8, num_classes=3),
+                       tmp_path / "paper.npz")
+    with caplog.at_level(logging.WARNING, logger="vit_keras"):
+        model = vit_keras.build_model_from_checkpoint(str(tmp_path / "paper.npz"))
+    assert normalization.of_model(model).name == "inception"
+    assert "normalised" not in caplog.text
+
+
+def test_build_model_with_a_checkpoint_file_takes_its_normalization(tmp_path):
+    name = "vit_small_patch14_dinov2.lvd142m"
+    model = randomised_timm_model(name, {"img_size": 28})
+    folder = hub_folder(model, tmp_path / "hub")
+    built = vit_keras.build_model(
+        {"name": "small", "patch_size": 14, "hidden_size": 64, "mlp_dim": 256, "num_heads": 2,
+         "num_layers": 2, "layer_scale_init": 1e-5},
+        weights=str(folder / "model.safetensors"), image_size=28, num_classes=7)
+    assert normalization.of_model(built).name == "imagenet"
+    pixels = raw_pixels(28)
+    assert relative_error(built.predict(pixels, verbose=0), timm_logits(model, pixels)) <= RTOL
+
+
+def test_loading_into_a_model_built_for_other_pixels_warns(tmp_path, caplog):
+    model = randomised_timm_model("vit_small_patch14_dinov2.lvd142m", {"img_size": 28})
+    folder = hub_folder(model, tmp_path / "hub")
+    plain = vit_keras.build_model(
+        {"name": "small", "patch_size": 14, "hidden_size": 64, "mlp_dim": 256, "num_heads": 2,
+         "num_layers": 2, "layer_scale_init": 1e-5}, image_size=28, num_classes=7)
+    with caplog.at_level(logging.WARNING, logger="vit_keras"):
+        vit_keras.load_pretrained(plain, str(folder / "model.safetensors"))
+    assert "normalization='imagenet'" in caplog.text
+
+
+def test_a_normalization_without_preprocessing_is_refused(tiny_config):
+    with pytest.raises(ValueError, match="needs include_preprocessing=True"):
+        vit_keras.build_model(tiny_config, image_size=8, include_preprocessing=False,
+                              normalization="imagenet")
+
+
+@pytest.mark.parametrize("value", ["imagenett", ((0.4, 0.5), (0.5, 0.5)), ((0.5,), (0.0,)),
+                                   ((0.5, 0.5), (0.5, 0.5, 0.5))])
+def test_a_malformed_normalization_is_refused_with_what_was_expected(value, tiny_config):
+    with pytest.raises(ValueError, match="ormali"):
+        vit_keras.build_model(tiny_config, image_size=8, normalization=value)
+
+
+def test_old_models_with_a_rescaling_layer_still_say_their_normalization(tiny_config):
+    images = keras.Input((8, 8, 3))
+    x = keras.layers.Rescaling(1 / 127.5, offset=-1.0, name="rescale")(images)
+    old = keras.Model(images, keras.layers.Flatten()(x))
+    assert normalization.of_model(old).name == "inception"
+
+
+def test_timm_config_json_is_read_as_timm_writes_it(tmp_path):
+    model = randomised_timm_model("vit_small_patch14_reg4_dinov2.lvd142m", {"img_size": 28})
+    folder = hub_folder(model, tmp_path / "hub")
+    found = timm_format.config_beside(str(folder / "model.safetensors"))
+    assert found["architecture"] == "vit_small_patch14_reg4_dinov2.lvd142m"
+    assert found["num_heads"] == 2 and found["normalization"].name == "imagenet"
+    (folder / "config.json").write_text(json.dumps({"architecture": 3, "pretrained_cfg": []}))
+    assert timm_format.config_beside(str(folder / "model.safetensors")) == {}
