@@ -426,3 +426,41 @@ def test_a_model_without_a_fixed_size_or_a_built_grid_is_refused():
     flat = keras.Model(images, keras.layers.GlobalAveragePooling2D()(images))
     with pytest.raises(ValueError, match="dynamic_image_size=True"):
         vit_export.image_shape(flat)
+
+
+@pytest.mark.slow
+def test_exports_of_a_dinov2_checkpoint_equal_timm_with_its_data_config_on_raw_pixels(tmp_path):
+    """The checkpoint's own normalisation (ImageNet's mean and std for DINOv2, read from timm's
+    config.json) travels into the exports: `serving_bytes` on the PNG of some pixels and LiteRT on
+    the pixels give timm's logits with its data config (issue 40: before, every export rescaled
+    to [-1, 1])."""
+    torch = pytest.importorskip("torch")
+    timm = pytest.importorskip("timm")
+    from timm.models import _hub
+
+    torch.manual_seed(0)
+    reference = timm.create_model("vit_small_patch14_reg4_dinov2.lvd142m", pretrained=False,
+                                  embed_dim=64, depth=2, num_heads=2, num_classes=7, img_size=28)
+    with torch.no_grad():
+        for key, parameter in reference.named_parameters():
+            parameter.copy_(torch.randn_like(parameter) * 0.1 + float(
+                "norm" in key and key.endswith("weight")))
+    reference.eval()
+    _hub.save_for_hf(reference, str(tmp_path / "hub"), safe_serialization=True)
+    model = vit_keras.build_model_from_checkpoint(str(tmp_path / "hub"))
+    pixels = np.random.default_rng(0).integers(0, 256, (2, 28, 28, 3), dtype=np.uint8)
+    config = timm.data.resolve_data_config({}, model=reference)
+    x = (pixels / 255 - np.asarray(config["mean"])) / np.asarray(config["std"])
+    with torch.no_grad():
+        expected = reference(torch.from_numpy(x.transpose(0, 3, 1, 2)).float()).numpy()
+
+    def relative(got):
+        return float(np.abs(got - expected).max() / np.abs(expected).max())
+
+    path, _ = vit_export.export(model, "saved_model", str(tmp_path / "serving"), name="dinov2")
+    serving = tf.saved_model.load(path).signatures["serving_bytes"]
+    logits = serving(image_bytes=tf.stack([tf.io.encode_png(p) for p in pixels]))["logits"]
+    assert relative(logits.numpy()) <= 1e-4
+    path, _ = vit_export.export(model, "tflite", str(tmp_path / "litert"), name="dinov2")
+    runner = vit_export.litert_interpreter(path).get_signature_runner("serving_default")
+    assert relative(runner(images=pixels.astype("float32"))["logits"]) <= 1e-4

@@ -69,6 +69,25 @@ def test_a_family_release_is_fetched_config_first_cached_and_loaded_by_name(from
 
 
 @pytest.mark.slow
+def test_a_family_release_normalises_raw_pixels_as_its_weights_were_trained(from_hub_mirror):
+    """weights="dinov2" normalises with ImageNet's mean and std, as the hub's image processor for
+    DINOv2 does (before, it took (x - 127.5) / 127.5: features off by 0.1 relative)."""
+    _, folder = from_hub_mirror
+    model = vit_keras.build_model("ViT-S/14", weights="dinov2", include_top=False)
+    assert model.get_layer("rescale").normalization.name == "imagenet"
+    pixels = np.random.default_rng(0).integers(0, 256, (1, 518, 518, 3), dtype=np.uint8)
+    processor = transformers.BitImageProcessor(image_mean=[0.485, 0.456, 0.406],
+                                               image_std=[0.229, 0.224, 0.225])
+    inputs = processor(images=list(pixels), do_resize=False, do_center_crop=False,
+                       return_tensors="pt")
+    reference = transformers.Dinov2Model.from_pretrained(folder).eval()
+    with torch.no_grad():
+        expected = reference(inputs["pixel_values"]).pooler_output.numpy()
+    got = model.predict(pixels, verbose=0)
+    assert np.abs(got - expected).max() / np.abs(expected).max() <= 1e-4
+
+
+@pytest.mark.slow
 def test_finetune_takes_a_family_release_name(from_hub_mirror, tmp_path):
     server, _ = from_hub_mirror
     result = run_app("finetune.py", "--weights", "dinov2", "--model", "ViT-S/14",
