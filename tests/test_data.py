@@ -490,6 +490,29 @@ def test_a_record_of_the_earlier_tab_separated_format_still_resumes(tmp_path):
         np.testing.assert_array_equal(y, y2)
 
 
+@pytest.mark.slow
+def test_predict_reads_an_rgba_webp_and_names_a_file_whose_name_is_not_utf8(tmp_path,
+                                                                           tiny_config):
+    """One `ERROR:` line naming the file as it can be printed, where TensorFlow's conversion of
+    the name ended the app with a traceback naming no file; the WebP is not among the files it
+    cannot read."""
+    from conftest import run_app, tiny_model
+
+    model = str(tmp_path / "model.keras")
+    tiny_model(tiny_config, num_classes=3, size=8).save(model)
+    pixels = np.random.default_rng(0).integers(0, 255, (9, 7, 4), dtype=np.uint8)
+    webp = str(tmp_path / "alpha.webp")
+    Image.fromarray(pixels, "RGBA").save(webp, lossless=True)
+    latin1 = os.fsencode(tmp_path) + b"/caf\xe9.png"
+    with open(latin1, "wb") as f:
+        Image.new("RGB", (8, 8)).save(f, format="PNG")
+    result = run_app("predict.py", "--model", model, webp, os.fsdecode(latin1))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"ERROR: Cannot read 1 of the 2 image files: {tmp_path}/caf\\xe9.png (its name is not "
+        f"UTF-8, which TensorFlow's file names are; rename it)."]
+
+
 def _forbid_downloads(monkeypatch):
     """Fails the test if tfds starts downloading: the fast failure must come before any fetch."""
     import tensorflow_datasets as tfds
