@@ -270,20 +270,17 @@ def _shown(path):
                    else repr(char)[1:-1] for char in path)
 
 
-# The RGB channels of a decoded image, by its number of channels: grey, grey and alpha, RGB,
-# RGBA. Alpha is dropped, as `tf.io.decode_png(..., channels=3)` does.
-_RGB_CHANNELS = ((0, 0, 0), (0, 0, 0), (0, 1, 2), (0, 1, 2))
-
-
 def decode_image_file(path):
     """Reads and decodes one image file with `tf.io.decode_image`, the decoder of every folder
     pipeline (JPEG, PNG, GIF's first frame, BMP, WebP): uint8 `(height, width, 3)`.
 
-    Decoded with the file's own channels, then made RGB (grey repeated, alpha dropped): asked
-    for 3 channels, the WebP decoder refuses an image with alpha."""
+    Decoded with the file's own channels, then made RGB (grey repeated, alpha dropped, as
+    `tf.io.decode_png(..., channels=3)` does): asked for 3 channels, the WebP decoder refuses an
+    image with alpha."""
     image = tf.io.decode_image(tf.io.read_file(path), expand_animations=False)
-    channels = tf.gather(tf.constant(_RGB_CHANNELS), tf.shape(image)[-1] - 1)
-    return tf.gather(image, channels, axis=-1)
+    rgb = tf.cond(tf.shape(image)[-1] >= 3, lambda: image[..., :3],
+                  lambda: tf.image.grayscale_to_rgb(image[..., :1]))
+    return tf.ensure_shape(rgb, (None, None, 3))
 
 
 def decode_error(path):
