@@ -20,7 +20,7 @@ it, and one format for every warning.
 """
 
 import importlib.abc
-import importlib.util
+import importlib.machinery
 import logging
 import os
 import re
@@ -81,8 +81,9 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):
 
 class _QuietImport(importlib.abc.MetaPathFinder):
     """Imports the module `name` with its writes to the standard error held back, then writes
-    them out but the C++ log lines below `level` (with their continuation lines). Removes itself
-    at the first import."""
+    them out but the C++ log lines below `level` (with their continuation lines). Leaves
+    `sys.meta_path` once the module is loaded: a probe (`importlib.util.find_spec`, which Keras
+    and the training loop make) loads nothing."""
 
     def __init__(self, name, level):
         self.name, self.level = name, level
@@ -90,12 +91,13 @@ class _QuietImport(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
         if fullname != self.name:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is not None and spec.loader is not None:
             load = spec.loader.exec_module
 
             def exec_module(module):
+                if self in sys.meta_path:
+                    sys.meta_path.remove(self)
                 with _HeldBackStderr(self.level):
                     load(module)
 
