@@ -403,7 +403,17 @@ def test_an_rgba_webp_is_read_as_its_rgb_pixels(tmp_path):
 def test_a_folder_of_one_class_is_refused_naming_it(tmp_path):
     _write_folder(str(tmp_path), classes=("cat",))
     os.makedirs(tmp_path / "dog")  # an empty class folder is no second class
-    with pytest.raises(data.TooFewClassesError, match="only 'cat' has image files"):
+    with pytest.raises(data.TooFewClassesError,
+                       match=r"train split's usable image files are of class 'cat' only \(class "
+                             r"folders: cat, dog\)"):
+        data.load_splits(f"folder:{tmp_path}", log=lambda _: None)
+
+
+def test_a_val_folder_of_one_class_is_refused_before_any_training(tmp_path):
+    _write_folder(str(tmp_path / "train"))
+    _write_folder(str(tmp_path / "val"), classes=("dog",))
+    with pytest.raises(data.TooFewClassesError,
+                       match="val split's usable image files are of class 'dog' only"):
         data.load_splits(f"folder:{tmp_path}", log=lambda _: None)
 
 

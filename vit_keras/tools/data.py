@@ -101,16 +101,11 @@ class Splits:
             return
         skipped = set(self.unreadable.paths())
         for split, (files, labels) in self.files.items():
-            readable = sorted({label for file, label in zip(files, labels) if file not in skipped})
-            if len(readable) < 2:
-                found = (f"of class {self.class_names[readable[0]]!r} only" if readable
-                         else "none")
-                raise TooFewClassesError(
-                    f"Image folder {_shown(self.name[len('folder:'):])}: of the {split} split's "
-                    f"images, those not skipped as unreadable are {found} "
-                    f"({len(self.unreadable)} files skipped, named above); a classifier needs "
-                    f"images of at least two classes. Replace or remove the unreadable files, "
-                    f"then start the run over (--overwrite).")
+            _require_two_classes(
+                self.name[len("folder:"):], split, self.class_names,
+                [label for file, label in zip(files, labels) if file not in skipped],
+                f" ({len(skipped)} files skipped as unreadable, named above); replace or remove "
+                f"the unreadable files, then start the run over (--overwrite)")
 
 
 def load_splits(dataset=DIGITS, *, data_dir=None, val_fraction=None, download=True, seed=0,
@@ -512,7 +507,6 @@ def folder_splits(path, val_fraction=0.1, seed=0, log=print):
         split_files["train"], split_files["val"] = _hold_out(files, labels, val_fraction, seed)
         notes.append(f"{path}: no train/ and val/ folders; holding out {val_fraction:.0%} of the "
                      f"images (stratified, seed {seed}) as val.")
-    _check_classes(path, class_names, labels, skipped)
     if "test" not in split_files:
         split_files["test"] = split_files["val"]
         notes.append(f"{path}: no test split; test metrics are computed on val.")
@@ -520,6 +514,7 @@ def folder_splits(path, val_fraction=0.1, seed=0, log=print):
         if not files:
             raise ValueError(f"Image folder {path!r} has no image files ({', '.join(IMAGE_EXTENSIONS)}) "
                              f"for the {split} split.")
+    _check_classes(path, class_names, split_files)
     notes.append(f"{path}: {len(class_names)} classes, "
                  + ", ".join(f"{len(files)} {split}" for split, (files, _) in split_files.items())
                  + " image files (decoded as they are read; unreadable ones are skipped and named).")
@@ -539,22 +534,32 @@ def folder_splits(path, val_fraction=0.1, seed=0, log=print):
     return splits
 
 
-def _check_classes(path, class_names, labels, skipped):
-    """Refuses training images of fewer than two classes; warns of a class without any."""
-    counts = np.bincount(np.asarray(labels, dtype="int64"), minlength=len(class_names))
-    used = [name for name, count in zip(class_names, counts) if count]
-    if len(used) < 2:
-        found = f"only {_shown(used[0])!r} has image files" if used else "none has image files"
-        raise TooFewClassesError(
-            f"Image folder {_shown(path)!r}: of its {len(class_names)} class sub-folder(s) "
-            f"({', '.join(map(_shown, class_names))}), {found}"
-            + (f" ({len(skipped)} other files skipped)" if skipped else "")
-            + "; a classifier needs images of at least two classes, one sub-folder each.")
+def _check_classes(path, class_names, split_files):
+    """Refuses a split whose image files are of fewer than two classes; warns of a class without
+    training images."""
+    for split, (_, labels) in split_files.items():
+        _require_two_classes(path, split, class_names, labels,
+                             f" (class folders: {', '.join(map(_shown, class_names))})")
+    counts = np.bincount(np.asarray(split_files["train"][1], dtype="int64"),
+                         minlength=len(class_names))
     for index, (name, count) in enumerate(zip(class_names, counts)):
         if not count:
             logger.warning("%s has no image files: it stays class %d of %d, but no training "
                            "image is of it.", _shown(os.path.join(path, name)), index,
                            len(class_names))
+
+
+def _require_two_classes(path, split, class_names, labels, more):
+    """Raises `TooFewClassesError` when `labels` (a split's usable images) hold fewer than two
+    classes; `more` ends the error's first sentence."""
+    present = sorted(set(int(label) for label in labels))
+    if len(present) >= 2:
+        return
+    found = f"of class {_shown(class_names[present[0]])!r} only" if present else "of no class"
+    raise TooFewClassesError(
+        f"Image folder {_shown(path)!r}: the {split} split's usable image files are {found}"
+        f"{more}. A classifier needs images of at least two classes in every split (a class "
+        f"per sub-folder), or it scores 100% whatever it learnt.")
 
 
 def _hold_out(files, labels, fraction, seed):
