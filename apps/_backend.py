@@ -12,6 +12,8 @@ import importlib.util
 import os
 import sys
 
+import _app_output
+
 # Run from a checkout without installing the package.
 _CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _CHECKOUT not in sys.path:
@@ -107,7 +109,8 @@ def start_app(only=None, help_text=None):
     """Reads `--backend`, defines its absl flag and sets the apps' runtime defaults.
 
     Call before importing keras or vit_keras. An unknown backend ends the app with one line,
-    `ERROR: ...`, and status 2. On JAX it also calls
+    `ERROR: ...`, and status 2. It silences the libraries' start-up noise and prints warnings as
+    `WARNING: ...` (`_app_output`). On JAX it also calls
     `vit_keras.keep_freed_host_memory()` before JAX starts its CPU client (the app's first array),
     unless `VIT_KERAS_KEEP_HOST_MEMORY=0`: see `vit_keras.xla_cpu`.
 
@@ -124,7 +127,6 @@ def start_app(only=None, help_text=None):
     except ValueError as error:
         print(f"ERROR: {error}", file=sys.stderr)
         sys.exit(2)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ info and warning logs
     # torch's OpenMP threads spin while waiting; beside tf.data's threads on a small CPU that made
     # training steps 5-10x slower here. Passive waiting costs nothing measurable on an idle machine.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -133,6 +135,7 @@ def start_app(only=None, help_text=None):
         # XLA:CPU mallocs each step's scratch buffer; without this every step page-faults it in
         # again. Importing keras on JAX starts no CPU client yet, so this still comes first.
         keep_freed_host_memory()
+    _app_output.set_up()  # before TensorFlow, JAX or torch loads: their noise, one warning format
     from absl import flags  # pylint: disable=import-outside-toplevel
 
     # Filed under the calling app's module: an app's `--help` lists only its own flags.

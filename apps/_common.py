@@ -1,5 +1,6 @@
 """What several apps share, once. Import after `_backend.start_app()` (Keras comes in lazily)."""
 
+import dataclasses
 import os
 import sys
 
@@ -139,6 +140,16 @@ def run_flags_text(module_name, leave_out=("overwrite",)):
     return "".join(line + "\n" for line in lines)
 
 
+PROGRESS_HELP = ("Keras fit verbosity: 1 progress bars, 2 one line per epoch (default: 1 when "
+                 "the standard output is a terminal, else 2, fit for a log file).")
+
+
+def progress_verbosity():
+    """Keras' `verbose` for the apps' `fit`: progress bars (1) on a terminal; elsewhere (a log
+    file, a pipe) one line per epoch (2), since a bar redrawn after every step fills a log."""
+    return 1 if sys.stdout.isatty() else 2
+
+
 def training_app(name, started, recipe="auto", recipe_help=None, objective=None):
     """Defines the training flags under the calling app and returns its absl main, which runs
     `training.run` with the objective and prints the objective's summary.
@@ -161,6 +172,7 @@ def training_app(name, started, recipe="auto", recipe_help=None, objective=None)
     overrides = {field: dict(settings) for field, settings in objective.flag_overrides.items()}
     overrides.setdefault("recipe", {}).update(
         default=recipe, **({"help": recipe_help} if recipe_help else {}))
+    overrides.setdefault("verbose", {}).update(default=None, help=PROGRESS_HELP)
     module_name = _backend.flag_module()
     config_flags.define_flags(training.RunConfig, module_name=module_name,
                               leave_out=objective.left_out_flags, **overrides)
@@ -177,6 +189,8 @@ def training_app(name, started, recipe="auto", recipe_help=None, objective=None)
         check_weights(FLAGS.weights, FLAGS.model)  # now, not after the data has loaded
         config = config_flags.from_flags(training.RunConfig, leave_out=objective.left_out_flags,
                                          flags_text=run_flags_text(module_name))
+        if config.verbose is None:  # after flags.txt: a replay decides for its own output
+            config = dataclasses.replace(config, verbose=progress_verbosity())
         run_objective = config_flags.from_flags(objective)
         metrics = training.run(config, app=name, started=started, objective=run_objective)
         print()

@@ -3,10 +3,12 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import keras
+import numpy as np
 import pytest
 
 from conftest import REPO_ROOT
@@ -14,6 +16,7 @@ from conftest import REPO_ROOT
 sys.path.insert(0, os.path.join(REPO_ROOT, "apps"))
 from absl import app  # noqa: E402
 
+import _app_output  # noqa: E402
 import _backend  # noqa: E402
 import _common  # noqa: E402
 
@@ -67,10 +70,13 @@ def test_start_app_defines_the_backend_flag_once_and_sets_defaults(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["app", "--backend", keras.backend.backend()])
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.setenv(_backend.KEEP_HOST_MEMORY, "0")  # leave this test process's malloc alone
+    set_up = []  # and its logging and warnings (test_an_app_prints_only_its_own_lines checks them)
+    monkeypatch.setattr(_backend._app_output, "set_up", lambda: set_up.append(True))
     assert _backend.start_app() == keras.backend.backend()
     assert _backend.start_app() == keras.backend.backend()  # a second app module: no duplicate flag
     assert "backend" in flags.FLAGS
     assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert set_up == [True, True]
 
 
 # Runs apps/predict.py --help with ctypes' mallopt replaced by a recorder that also notes whether
@@ -233,3 +239,61 @@ def test_run_splits_come_from_the_run_that_trained_the_model(tmp_path, monkeypat
         ("folder:/photos", {"data_dir": "/tfds", "val_fraction": 0.25, "seed": 3}),
         ("folder:/photos", {"data_dir": "/other", "val_fraction": 0.5, "seed": 5}),
         ("digits", {"data_dir": None, "val_fraction": None, "seed": 0})]
+
+
+# What a machine without a GPU printed before an app's first line, and absl's prefix of a Python
+# log record (`W1126 10:15:42.380702 140145418603392 loader.py:189] `) or a C++ one.
+_NOISE = ("oneDNN", "cuInit", "cuda drivers", "absl::InitializeLog", "Unable to initialize backend",
+          "rebuild TensorFlow")
+_LOG_PREFIX = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ \S+:\d+\]")
+
+
+@pytest.mark.slow
+def test_an_app_prints_only_its_own_lines_and_one_per_epoch_into_a_log(tmp_path):
+    """finetune.py as a user starts it (no TF_CPP_MIN_LOG_LEVEL), its output into pipes: none of
+    TensorFlow's or JAX's start-up lines, every warning as `WARNING: ...`, and one line per
+    epoch instead of a progress bar redrawn after every step."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for name in ("cat", "dog"):
+        os.makedirs(tmp_path / "images" / name)
+        for index in range(6):
+            Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(
+                tmp_path / "images" / name / f"{index}.png")
+    os.makedirs(tmp_path / "images" / "emu")  # an empty class: a warning
+    environment = {name: value for name, value in os.environ.items()
+                   if name != _app_output.TF_LOG_LEVEL}
+    environment["KERAS_BACKEND"] = keras.backend.backend()
+    result = subprocess.run(
+        [sys.executable, os.path.join("apps", "finetune.py"), "--model=ViT-digits",
+         f"--dataset=folder:{tmp_path / 'images'}", "--image_size=8", "--batch_size=4",
+         "--epochs=3", f"--output_dir={tmp_path / 'runs'}", "--run_name=run"],
+        cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines() + result.stderr.splitlines()
+    assert not [line for line in lines if _LOG_PREFIX.match(line)
+                or any(noise in line for noise in _NOISE)], result.stderr
+    warnings = result.stderr.splitlines()
+    assert warnings and all(line.startswith("WARNING: ") for line in warnings), result.stderr
+    assert f"WARNING: {tmp_path / 'images' / 'emu'} has no image files" in result.stderr
+    assert "\r" not in result.stdout and "\x1b" not in result.stdout  # no progress bar
+    assert len(re.findall(r"^Epoch \d/3\n\d+/\d+ - .*loss.*\n", result.stdout, re.M)) == 3
+    assert len(result.stdout) < 4000  # progress bars: a line per step, 191 KB for the digits
+
+
+@pytest.mark.backend_independent
+def test_import_noise_is_dropped_below_the_level_in_force():
+    """TensorFlow's lines written while it loads, before its logging reads
+    TF_CPP_MIN_LOG_LEVEL: those below the level are dropped, with their continuation lines."""
+    lines = [
+        "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n",
+        "I0000 00:00:1795692066.059027    4633 port.cc:153] oneDNN custom operations are on.\n",
+        "I0000 00:00:1795692066.105642    4633 cpu_feature_guard.cc:227] This TensorFlow binary\n",
+        "To enable the following instructions: AVX2 AVX512F, rebuild TensorFlow.\n",
+        "E0000 00:00:1795692096.367309    4803 cuda_platform.cc:52] failed call to cuInit\n",
+        "WARNING: a Python warning (UserWarning, x.py:1)\n",
+    ]
+    assert _app_output._HeldBackStderr(3)._kept(lines) == lines[-1:]
+    assert _app_output._HeldBackStderr(1)._kept(lines) == lines[4:]
+    assert _app_output._HeldBackStderr(0)._kept(lines) == lines

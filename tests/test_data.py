@@ -346,6 +346,183 @@ def test_missing_folder_error_says_what_layout_is_expected(tmp_path):
         data.load_splits(f"folder:{tmp_path / 'nope'}")
 
 
+# Files no pipeline can read, known by their name: each plants some in a class folder and
+# returns `{path: (the reason given, the name as the output shows it)}`.
+def _loop(folder):
+    os.symlink("b.png", os.path.join(folder, "a.png"))
+    os.symlink("a.png", os.path.join(folder, "b.png"))
+    return {os.path.join(folder, name): ("Too many levels of symbolic links",
+                                         os.path.join(folder, name)) for name in ("a.png", "b.png")}
+
+
+def _dangling_link(folder):
+    os.symlink("gone.png", os.path.join(folder, "moved.png"))
+    return {os.path.join(folder, "moved.png"): ("a symbolic link to nothing",
+                                                os.path.join(folder, "moved.png"))}
+
+
+def _name_not_utf8(folder):
+    path = os.fsencode(folder) + b"/caf\xe9.png"  # a Latin-1 name: not UTF-8
+    with open(path, "wb") as f:
+        Image.new("RGB", (4, 4)).save(f, format="PNG")
+    return {os.fsdecode(path): ("its name is not UTF-8", os.path.join(folder, "caf\\xe9.png"))}
+
+
+@pytest.mark.parametrize("plant", [_loop, _dangling_link, _name_not_utf8])
+def test_a_file_unreadable_by_its_name_is_skipped_and_named_and_the_rest_trains(tmp_path, plant):
+    _write_folder(str(tmp_path), per_class=3)
+    planted = plant(str(tmp_path / "cat"))
+    logged = []
+    splits = data.load_splits(f"folder:{tmp_path}", val_fraction=0.34, log=logged.append)
+    reasons = dict(splits.skipped_files)
+    assert sorted(reasons) == sorted(planted)
+    for path, (reason, shown) in planted.items():
+        assert reason in reasons[path]
+        assert f"Skipped {shown}: {reasons[path].rstrip('.')}." in logged
+    train = data.make_pipeline(splits, "train", image_size=8, batch_size=2, repeat=False,
+                               drop_remainder=False, training=True)
+    assert sum(int(x.shape[0]) for x, _ in train) == splits.num_examples["train"] == 4
+
+
+def test_an_rgba_webp_is_read_as_its_rgb_pixels(tmp_path):
+    """WebP's decoder refuses to give 3 channels of a 4-channel image: read as stored, then made
+    RGB, alpha dropped, as PNG's own decoder does."""
+    _write_folder(str(tmp_path), per_class=2)
+    pixels = np.random.default_rng(0).integers(0, 255, (6, 5, 4), dtype=np.uint8)
+    Image.fromarray(pixels, "RGBA").save(tmp_path / "cat" / "alpha.webp", lossless=True)
+    Image.fromarray(pixels, "RGBA").save(tmp_path / "dog" / "alpha.png")
+    splits = data.load_splits(f"folder:{tmp_path}", val_fraction=0.01, log=lambda _: None)
+    images = {path.decode(): image for split in ("train", "val") for (path, _), (image, _) in zip(
+        splits.encoded_source(split).as_numpy_iterator(),
+        splits.source(split).as_numpy_iterator(), strict=True)}
+    assert splits.skipped_files == []
+    np.testing.assert_array_equal(images[str(tmp_path / "cat" / "alpha.webp")], pixels[..., :3])
+    np.testing.assert_array_equal(images[str(tmp_path / "dog" / "alpha.png")], pixels[..., :3])
+
+
+def test_a_folder_of_one_class_is_refused_naming_it(tmp_path):
+    _write_folder(str(tmp_path), classes=("cat",))
+    os.makedirs(tmp_path / "dog")  # an empty class folder is no second class
+    with pytest.raises(data.TooFewClassesError,
+                       match=r"train split's usable image files are of class 'cat' only \(class "
+                             r"folders: cat, dog\)"):
+        data.load_splits(f"folder:{tmp_path}", log=lambda _: None)
+
+
+def test_a_val_folder_of_one_class_is_refused_before_any_training(tmp_path):
+    _write_folder(str(tmp_path / "train"))
+    _write_folder(str(tmp_path / "val"), classes=("dog",))
+    with pytest.raises(data.TooFewClassesError,
+                       match="val split's usable image files are of class 'dog' only"):
+        data.load_splits(f"folder:{tmp_path}", log=lambda _: None)
+
+
+def test_an_empty_class_folder_stays_a_class_with_a_warning(tmp_path, caplog):
+    _write_folder(str(tmp_path), classes=("cat", "dog"))
+    os.makedirs(tmp_path / "emu")
+    with caplog.at_level("WARNING", logger="vit_keras"):
+        splits = data.load_splits(f"folder:{tmp_path}", log=lambda _: None)
+    assert splits.class_names == ["cat", "dog", "emu"]
+    assert [record.getMessage() for record in caplog.records] == [
+        f"{tmp_path / 'emu'} has no image files: it stays class 2 of 3, but no training image is "
+        f"of it."]
+
+
+def test_a_class_whose_files_all_turn_out_unreadable_is_refused_once_they_are_read(tmp_path):
+    _write_folder(str(tmp_path), classes=("cat",), per_class=4)
+    os.makedirs(tmp_path / "dog")
+    for index in range(4):
+        (tmp_path / "dog" / f"{index}.png").write_text("not an image")
+    splits = data.load_splits(f"folder:{tmp_path}", val_fraction=0.25, log=lambda _: None)
+    splits.check_readable_classes()  # nothing read yet: every file may be an image
+    for _ in splits.source("train"):
+        pass
+    with pytest.raises(data.TooFewClassesError, match="of class 'cat' only"):
+        splits.check_readable_classes()
+
+
+@pytest.mark.slow
+def test_a_run_on_a_class_of_unreadable_files_ends_in_one_error_and_is_not_kept(tmp_path):
+    """Trained on one class, a run would score 100%: it stops before metrics.json is written."""
+    from conftest import run_app
+
+    _write_folder(str(tmp_path / "images"), classes=("cat",), per_class=6)
+    os.makedirs(tmp_path / "images" / "dog")
+    for index in range(4):
+        (tmp_path / "images" / "dog" / f"{index}.jpg").write_bytes(b"")
+    result = run_app("finetune.py", f"--dataset=folder:{tmp_path / 'images'}",
+                     "--model=ViT-digits", "--image_size=8", "--batch_size=4", "--epochs=1",
+                     f"--output_dir={tmp_path / 'runs'}", "--run_name=run")
+    assert result.returncode == 2, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR")]
+    assert len(errors) == 1 and "of class 'cat' only" in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "runs" / "run" / "metrics.json").exists()
+
+
+def test_resume_is_exact_when_unreadable_file_names_hold_a_newline_or_a_tab(tmp_path):
+    """The record names each file in JSON: a name with a newline, a tab or a byte that is not
+    UTF-8 reads back as it is, so a resumed run leaves out the same files."""
+    images = tmp_path / "images"
+    _folder_with_splits(str(images))
+    odd = [str(images / "train" / "cat" / "two\nlines.png"),
+           str(images / "train" / "dog" / "tab\tbed.jpg"),
+           str(images / "train" / "dog" / "tab\tand\nnewline.png")]
+    for path in odd:
+        open(path, "wb").close()
+    latin1 = os.fsencode(images / "train" / "cat") + b"/\xe9t\xe9.png"
+    open(latin1, "wb").close()
+    record = tmp_path / "skipped_files.txt"
+    stream = _folder_batches(images, record, 12)
+    recorded = dict(data.read_unreadable_record(str(record)))
+    assert set(odd) | {os.fsdecode(latin1)} <= set(recorded)
+    assert len(recorded) == 7  # and the three of _folder_with_splits
+    for start in (5, 9):
+        resumed = _folder_batches(images, record, 12 - start, start, resume=True)
+        for (x, y), (x2, y2) in zip(stream[start:], resumed, strict=True):
+            np.testing.assert_array_equal(x, x2)
+            np.testing.assert_array_equal(y, y2)
+
+
+def test_a_record_of_the_earlier_tab_separated_format_still_resumes(tmp_path):
+    _folder_with_splits(str(tmp_path / "images"))
+    stream = _folder_batches(tmp_path / "images", tmp_path / "new.txt", 8)
+    old = tmp_path / "old.txt"  # what the version before JSON lines wrote
+    old.write_text("# Files of the image folder that were skipped, one per line: path<TAB>reason. "
+                   "A resumed run skips the same ones.\n" + "".join(
+                       f"{path}\t{reason}\n" for path, reason in
+                       data.read_unreadable_record(str(tmp_path / "new.txt"))))
+    assert data.read_unreadable_record(str(old)) == data.read_unreadable_record(
+        str(tmp_path / "new.txt"))
+    for (x, y), (x2, y2) in zip(stream[5:], _folder_batches(tmp_path / "images", old, 3, 5,
+                                                             resume=True), strict=True):
+        np.testing.assert_array_equal(x, x2)
+        np.testing.assert_array_equal(y, y2)
+
+
+@pytest.mark.slow
+def test_predict_reads_an_rgba_webp_and_names_a_file_whose_name_is_not_utf8(tmp_path,
+                                                                           tiny_config):
+    """One `ERROR:` line naming the file as it can be printed, where TensorFlow's conversion of
+    the name ended the app with a traceback naming no file; the WebP is not among the files it
+    cannot read."""
+    from conftest import run_app, tiny_model
+
+    model = str(tmp_path / "model.keras")
+    tiny_model(tiny_config, num_classes=3, size=8).save(model)
+    pixels = np.random.default_rng(0).integers(0, 255, (9, 7, 4), dtype=np.uint8)
+    webp = str(tmp_path / "alpha.webp")
+    Image.fromarray(pixels, "RGBA").save(webp, lossless=True)
+    latin1 = os.fsencode(tmp_path) + b"/caf\xe9.png"
+    with open(latin1, "wb") as f:
+        Image.new("RGB", (8, 8)).save(f, format="PNG")
+    result = run_app("predict.py", "--model", model, webp, os.fsdecode(latin1))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"ERROR: Cannot read 1 of the 2 image files: {tmp_path}/caf\\xe9.png (its name is not "
+        f"UTF-8, which TensorFlow's file names are; rename it)."]
+
+
 def _forbid_downloads(monkeypatch):
     """Fails the test if tfds starts downloading: the fast failure must come before any fetch."""
     import tensorflow_datasets as tfds

@@ -14,7 +14,10 @@ This module imports TensorFlow; `vit_keras/__init__.py` does not import it (use 
 """
 
 import dataclasses
+import json
+import logging
 import os
+import re
 import socket
 import threading
 
@@ -28,8 +31,16 @@ DIGITS = "digits"
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif")
 
 
+logger = logging.getLogger("vit_keras")
+
+
 class DatasetNotPreparedError(errors.UserError, RuntimeError):
     """A tfds dataset is not in `data_dir` and cannot be downloaded (no network or not allowed)."""
+
+
+class TooFewClassesError(errors.UserError, ValueError):
+    """An image folder whose usable images are of fewer than two classes: a classifier trained or
+    scored on one class reports 100% accuracy whatever it learnt."""
 
 
 @dataclasses.dataclass
@@ -48,6 +59,7 @@ class Splits:
     sources: dict                 # split -> callable returning the undecoded tf.data.Dataset
     notes: list = dataclasses.field(default_factory=list)  # what the loader decided
     unreadable: "UnreadableFiles" = None  # image folders: the files skipped, by name
+    files: dict = None            # image folders: split -> (paths, labels) as listed
 
     @property
     def num_classes(self):
@@ -76,6 +88,24 @@ class Splits:
         datasets that are not image folders."""
         if self.unreadable is not None:
             self.unreadable.record_to(path, resume=resume, write=write)
+
+    def check_readable_classes(self):
+        """Raises `TooFewClassesError` when the images of a split not skipped so far are of
+        fewer than two classes (image folders; nothing for other datasets).
+
+        A class whose files all turned out unreadable is known only once they are read: call it
+        after a split has been read through (a run's final evaluation), before its result is
+        kept. Files not read yet count as readable.
+        """
+        if self.files is None:
+            return
+        skipped = set(self.unreadable.paths())
+        for split, (files, labels) in self.files.items():
+            _require_two_classes(
+                self.name[len("folder:"):], split, self.class_names,
+                [label for file, label in zip(files, labels) if file not in skipped],
+                f" ({len(skipped)} files skipped as unreadable, named above); replace or remove "
+                f"the unreadable files, then start the run over (--overwrite)")
 
 
 def load_splits(dataset=DIGITS, *, data_dir=None, val_fraction=None, download=True, seed=0,
@@ -144,10 +174,11 @@ def digits_splits(seed=0):
 # The file names listed as images: what `tf.io.decode_image`, the one decoder of folder datasets,
 # reads. Whether a listed file really is a readable image is known only when it is decoded.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".gif", ".bmp", ".webp")
-# The record of a run's unreadable files (`UnreadableFiles.record_to`): a header, then one
-# `path<TAB>reason` line per file.
-_RECORD_HEADER = ("# Files of the image folder that were skipped, one per line: path<TAB>reason. "
-                  "A resumed run skips the same ones.\n")
+# The record of a run's unreadable files (`UnreadableFiles.record_to`): a header, then one JSON
+# object per file and line, so that any name (a tab, a newline, a byte that is not UTF-8) reads
+# back exactly. Records of earlier versions hold `path<TAB>reason` lines; they are still read.
+_RECORD_HEADER = ('# Files of the image folder that were skipped, one JSON object per line: '
+                  '{"path": ..., "reason": ...}. A resumed run skips the same ones.\n')
 # Files named individually in the log; after that only the count and the record name them.
 _LOGGED_FILES = 20
 # Files decoded one after another in each of the decoder's parallel tasks: enough to make the cost
@@ -160,38 +191,91 @@ def list_image_files(path, class_names=None):
 
     Returns `(files, labels, class_names, skipped)`: `files` the paths with an image extension
     (`IMAGE_EXTENSIONS`, any case), sorted within each class; `labels` their class indices;
-    `skipped` a list of `(path, reason)` for the other files. Hidden files (`.name`) are ignored.
+    `skipped` a list of `(path, reason)` for the files no pipeline can read, known from their
+    name alone: another extension, a name that is not UTF-8 (TensorFlow's file names are UTF-8),
+    a symbolic link that leads nowhere or in a loop, something that is not a regular file.
+    Hidden files (`.name`) and sub-folders of a class folder are ignored.
     """
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"Image folder {path!r} does not exist; expected one sub-folder per "
-                                f"class, e.g. {path}/cat/*.jpg, {path}/dog/*.jpg.")
-    found = sorted(entry.name for entry in os.scandir(path) if entry.is_dir())
+        raise FileNotFoundError(f"Image folder {_shown(path)!r} does not exist; expected one "
+                                f"sub-folder per class, e.g. {_shown(path)}/cat/*.jpg, "
+                                f"{_shown(path)}/dog/*.jpg.")
+    found = sorted(entry.name for entry in os.scandir(path) if _is_folder(entry))
     class_names = class_names or found
     if not class_names:
-        raise ValueError(f"Image folder {path!r} has no class sub-folders; expected "
-                         f"{path}/<class name>/<image files>.")
+        raise TooFewClassesError(f"Image folder {_shown(path)!r} has no class sub-folders; "
+                                 f"expected {_shown(path)}/<class name>/<image files>.")
     files, labels, skipped = [], [], []
     for label, name in enumerate(class_names):
         folder = os.path.join(path, name)
         if not os.path.isdir(folder):
             continue
-        names = sorted(entry.name for entry in os.scandir(folder)
-                       if not entry.name.startswith(".") and entry.is_file())
-        for file in names:
-            full = os.path.join(folder, file)
-            if file.lower().endswith(IMAGE_EXTENSIONS):
-                files.append(full)
+        for entry in sorted(os.scandir(folder), key=lambda entry: entry.name):
+            if entry.name.startswith("."):
+                continue
+            problem = _listing_problem(entry)
+            if problem is None:
+                files.append(entry.path)
                 labels.append(label)
-            else:
-                skipped.append((full, f"not an image file name (expected "
-                                      f"{', '.join(IMAGE_EXTENSIONS)})"))
+            elif problem is not _IGNORED:
+                skipped.append((entry.path, problem))
     return files, labels, list(class_names), skipped
+
+
+# `_listing_problem` of a class folder's entry that is left alone without a word: a sub-folder.
+_IGNORED = "ignored"
+
+
+def _is_folder(entry):
+    """Whether a `os.scandir` entry is a folder; False for a link that loops or leads nowhere."""
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
+
+
+def _listing_problem(entry):
+    """Why the `os.scandir` entry of a class folder cannot be an image of it, seen without
+    opening it (`None`: it is listed as one; `_IGNORED`: a sub-folder)."""
+    try:
+        if not entry.is_file():  # follows links: a link to a file is that file
+            if entry.is_dir():
+                return _IGNORED
+            if entry.is_symlink():
+                return "a symbolic link to nothing (its target does not exist)"
+            return "not a regular file"
+    except OSError as error:  # a link in a loop (ELOOP), ...
+        return f"cannot be opened: {error.strerror or error}"
+    try:
+        entry.path.encode("utf-8")
+    except UnicodeEncodeError:
+        return ("its name is not UTF-8 (TensorFlow reads UTF-8 file names only); rename it")
+    if not entry.name.lower().endswith(IMAGE_EXTENSIONS):
+        return f"not an image file name (expected {', '.join(IMAGE_EXTENSIONS)})"
+    return None
+
+
+def _shown(path):
+    """`path` as one line of text: a character that is not printable (a newline, a tab) as its
+    Python escape (`\\n`, `\\t`), a byte that is not UTF-8 (kept by `os.fsdecode`) as `\\xNN`."""
+    if path.isprintable():
+        return path
+    return "".join(char if char.isprintable()
+                   else f"\\x{ord(char) - 0xDC00:02x}" if 0xDC80 <= ord(char) <= 0xDCFF
+                   else repr(char)[1:-1] for char in path)
 
 
 def decode_image_file(path):
     """Reads and decodes one image file with `tf.io.decode_image`, the decoder of every folder
-    pipeline (JPEG, PNG, GIF's first frame, BMP, WebP): uint8 `(height, width, 3)`."""
-    return tf.io.decode_image(tf.io.read_file(path), channels=3, expand_animations=False)
+    pipeline (JPEG, PNG, GIF's first frame, BMP, WebP): uint8 `(height, width, 3)`.
+
+    Decoded with the file's own channels, then made RGB (grey repeated, alpha dropped, as
+    `tf.io.decode_png(..., channels=3)` does): asked for 3 channels, the WebP decoder refuses an
+    image with alpha."""
+    image = tf.io.decode_image(tf.io.read_file(path), expand_animations=False)
+    rgb = tf.cond(tf.shape(image)[-1] >= 3, lambda: image[..., :3],
+                  lambda: tf.image.grayscale_to_rgb(image[..., :1]))
+    return tf.ensure_shape(rgb, (None, None, 3))
 
 
 def decode_error(path):
@@ -247,9 +331,9 @@ class UnreadableFiles:
             count = len(self._reasons)
             if self._record:
                 with open(self._record, "a", encoding="utf-8") as f:
-                    f.write(f"{path}\t{reason}\n")
+                    f.write(_record_line(path, reason))
         if count <= _LOGGED_FILES:
-            self._log(f"Skipped {path}: {reason.rstrip('.')}.")
+            self._log(f"Skipped {_shown(path)}: {reason.rstrip('.')}.")
         elif count == _LOGGED_FILES + 1:
             self._log(f"Skipped more than {_LOGGED_FILES} files; the others are counted, not "
                       f"logged" + (f", and listed in {self._record}." if self._record else "."))
@@ -273,7 +357,7 @@ class UnreadableFiles:
                 temporary = f"{path}.tmp-{os.getpid()}"
                 with open(temporary, "w", encoding="utf-8") as f:
                     f.write(_RECORD_HEADER)
-                    f.writelines(f"{file}\t{reason}\n" for file, reason in
+                    f.writelines(_record_line(file, reason) for file, reason in
                                  sorted(self._reasons.items()))
                 os.replace(temporary, path)
 
@@ -282,7 +366,7 @@ class UnreadableFiles:
         count = len(self)
         if not count:
             return None
-        names = ", ".join(self.paths()[:3]) + (", ..." if count > 3 else "")
+        names = ", ".join(map(_shown, self.paths()[:3])) + (", ..." if count > 3 else "")
         where = f"; the list is in {self._record}" if self._record else ""
         return f"Skipped {count} unreadable file(s): {names}{where}."
 
@@ -290,7 +374,7 @@ class UnreadableFiles:
         """The failure path of `decode`: names the files the decoder refused, each with the
         decoder's own error (decoding it again here). Returns True."""
         for path in paths.numpy() if hasattr(paths, "numpy") else paths:
-            path = path.decode("utf-8", "replace") if isinstance(path, bytes) else str(path)
+            path = path.decode("utf-8") if isinstance(path, bytes) else str(path)  # listed: UTF-8
             try:
                 reason = decode_error(path) or "refused by the decoder while reading"
             except Exception as error:  # naming a file must never stop the run
@@ -348,7 +432,7 @@ class UnreadableFiles:
         """Drops the keyed `(key, (path, label))` elements whose file is already known to be
         unreadable, without reading them; returns `(dataset, True)`, or `(dataset, False)` when
         none is known."""
-        known = self.paths()
+        known = [path for path in self.paths() if _is_utf8(path)]  # others were never listed
         if not known:
             return dataset, False
         table = tf.lookup.StaticHashTable(tf.lookup.KeyValueTensorInitializer(
@@ -356,18 +440,39 @@ class UnreadableFiles:
         return dataset.filter(lambda key, example: table.lookup(example[0]) == 0), True
 
 
+def _is_utf8(path):
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _record_line(path, reason):
+    """One line of the record: `{"path": ..., "reason": ...}` in JSON. A byte of a name that is
+    not UTF-8 (a lone surrogate, from `os.fsdecode`) is written as its `\\uDCxx` escape, which
+    `json.loads` reads back as the same character."""
+    line = json.dumps({"path": path, "reason": reason}, ensure_ascii=False)
+    return re.sub("[\ud800-\udfff]", lambda match: f"\\u{ord(match.group()):04x}", line) + "\n"
+
+
 def read_unreadable_record(path):
     """`[(path, reason)]` from a record written by `UnreadableFiles.record_to` (empty when the
-    file does not exist)."""
+    file does not exist), or by an earlier version (`path<TAB>reason` lines)."""
     if not os.path.exists(path):
         return []
     entries = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", newline="\n") as f:
         for line in f:
-            if line.startswith("#") or "\t" not in line:
-                continue  # the header, or a line cut short by a killed run
-            file, reason = line.rstrip("\n").split("\t", 1)
-            entries.append((file, reason))
+            line = line[:-1] if line.endswith("\n") else line
+            if line.startswith("{"):
+                try:
+                    entry = json.loads(line)
+                    entries.append((entry["path"], entry["reason"]))
+                except (ValueError, KeyError, TypeError):
+                    pass  # a line cut short by a killed run
+            elif not line.startswith("#") and "\t" in line:  # an earlier version's record
+                entries.append(tuple(line.split("\t", 1)))
     return entries
 
 
@@ -376,8 +481,12 @@ def folder_splits(path, val_fraction=0.1, seed=0, log=print):
 
     Only lists the files: nothing is opened until a pipeline reads it. Files the decoder refuses
     are skipped where they are read and named in `Splits.unreadable` (and by `log`), as are files
-    without an image extension. Without a test split, test metrics are computed on val (said in
-    the notes).
+    no pipeline can read by their name (`list_image_files`). Without a test split, test metrics
+    are computed on val (said in the notes).
+
+    Raises `TooFewClassesError` when the training images are of fewer than two classes; a class
+    folder without image files is kept as a class (its index stays), with a warning on the
+    `vit_keras` logger. `Splits.check_readable_classes` checks the same once files have been read.
     """
     path = os.path.abspath(os.path.expanduser(path))
     notes, split_files = [], {}
@@ -405,6 +514,7 @@ def folder_splits(path, val_fraction=0.1, seed=0, log=print):
         if not files:
             raise ValueError(f"Image folder {path!r} has no image files ({', '.join(IMAGE_EXTENSIONS)}) "
                              f"for the {split} split.")
+    _check_classes(path, class_names, split_files)
     notes.append(f"{path}: {len(class_names)} classes, "
                  + ", ".join(f"{len(files)} {split}" for split, (files, _) in split_files.items())
                  + " image files (decoded as they are read; unreadable ones are skipped and named).")
@@ -417,10 +527,39 @@ def folder_splits(path, val_fraction=0.1, seed=0, log=print):
 
     splits = Splits(f"folder:{path}", class_names,
                     {split: len(files) for split, (files, _) in split_files.items()},
-                    {split: source(split) for split in split_files}, notes, unreadable=unreadable)
+                    {split: source(split) for split in split_files}, notes, unreadable=unreadable,
+                    files=split_files)
     for file, reason in skipped:
         unreadable.add(file, reason)
     return splits
+
+
+def _check_classes(path, class_names, split_files):
+    """Refuses a split whose image files are of fewer than two classes; warns of a class without
+    training images."""
+    for split, (_, labels) in split_files.items():
+        _require_two_classes(path, split, class_names, labels,
+                             f" (class folders: {', '.join(map(_shown, class_names))})")
+    counts = np.bincount(np.asarray(split_files["train"][1], dtype="int64"),
+                         minlength=len(class_names))
+    for index, (name, count) in enumerate(zip(class_names, counts)):
+        if not count:
+            logger.warning("%s has no image files: it stays class %d of %d, but no training "
+                           "image is of it.", _shown(os.path.join(path, name)), index,
+                           len(class_names))
+
+
+def _require_two_classes(path, split, class_names, labels, more):
+    """Raises `TooFewClassesError` when `labels` (a split's usable images) hold fewer than two
+    classes; `more` ends the error's first sentence."""
+    present = sorted(set(int(label) for label in labels))
+    if len(present) >= 2:
+        return
+    found = f"of class {_shown(class_names[present[0]])!r} only" if present else "of no class"
+    raise TooFewClassesError(
+        f"Image folder {_shown(path)!r}: the {split} split's usable image files are {found}"
+        f"{more}. A classifier needs images of at least two classes in every split (a class "
+        f"per sub-folder), or it scores 100% whatever it learnt.")
 
 
 def _hold_out(files, labels, fraction, seed):
@@ -714,14 +853,19 @@ def load_image_files(paths, image_size):
     """Reads image files for prediction: float32 `(n, image_size, image_size, 3)` in [0, 255].
 
     Decodes with `decode_image_file`, the decoder of the folder pipelines. Raises `ValueError`
-    naming every file that does not decode.
+    naming every file that does not decode (a name that is not UTF-8 is named with `\\xNN`
+    escapes, and refused as in image folders).
     """
     images, bad = [], []
     for path in paths:
+        if not _is_utf8(path):
+            bad.append(f"{_shown(path)} (its name is not UTF-8, which TensorFlow's file names "
+                       f"are; rename it)")
+            continue
         try:
             images.append(resize(decode_image_file(path), image_size))
         except tf.errors.OpError as error:
-            bad.append(f"{path} ({_op_error_message(error)})")
+            bad.append(f"{_shown(path)} ({_op_error_message(error)})")
     if bad:
         raise ValueError(f"Cannot read {len(bad)} of the {len(paths)} image files: "
                          + "; ".join(bad) + ".")

@@ -645,6 +645,7 @@ def _report(state, fit_seconds):
             state.log(f"EMA: the run's model has the {ema_choice['weights']} weights "
                       f"(validation: {ema_choice}).")
         results = state.objective.evaluate(state.model, state.splits, state.pipeline, history)
+    state.splits.check_readable_classes()  # one class left readable: no result to keep
     if state.splits.skipped_files:
         state.log(state.splits.unreadable.summary())
     state.writes.save_model(finetuning.merge_lora(state.model))  # LoRA: merged, plain
