@@ -4,6 +4,7 @@
 import concurrent.futures
 import os
 import re
+import zipfile
 
 import pytest
 
@@ -94,9 +95,10 @@ CASES = {
     "evaluate_not_keras_model": (
         "evaluate.py", ["--model={tmp}/damaged.keras"],
         ["--model", "damaged.keras is not a Keras model file", "damaged"]),
-    "fewshot_not_keras_model": (
-        "fewshot.py", ["--model={tmp}/notes.txt"],
-        ["--model", "notes.txt is not a .keras file"]),
+    "fewshot_not_keras_model": (  # a Keras archive of a layer no library registers
+        "fewshot.py", ["--model={tmp}/unknown_layer.keras"],
+        ["--model", "unknown_layer.keras could not be loaded as a Keras model",
+         "Could not locate class 'NoSuchLayer'"]),
     # --weights of a .keras file holding another architecture than --model names: refused before
     # the data loads (the missing folder would fail later), as a checkpoint file's is.
     "finetune_keras_weights_of_another_variant": (
@@ -115,6 +117,8 @@ def results(tmp_path_factory):
     for name, text in (("notes.txt", "not a model"), ("damaged.keras", "not a zip archive")):
         with open(os.path.join(tmp, name), "w") as f:
             f.write(text)
+    with zipfile.ZipFile(os.path.join(tmp, "unknown_layer.keras"), "w") as archive:
+        archive.writestr("config.json", '{"class_name": "NoSuchLayer", "config": {}}')
 
     def run(case):
         app, args, _ = CASES[case]
