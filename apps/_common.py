@@ -1,8 +1,10 @@
 """What several apps share, once. Import after `_backend.start_app()` (Keras comes in lazily)."""
 
 import dataclasses
+import json
 import os
 import sys
+import zipfile
 
 from absl import app, flags
 import numpy as np
@@ -39,7 +41,8 @@ def read_class_names(path, model_path):
 def check_weights(weights, variant, image_size=None):
     """`--weights` checked by the library's one check (`vit_keras.pretrained.release_of`) before
     anything slow loads: the `Release` it names for `--model`'s variant, or None for a file, a
-    folder, a hub id or no `--weights`. Reads and downloads nothing.
+    folder, a hub id or no `--weights`. Downloads nothing; of a `.keras` file it reads only the
+    architecture (`check_keras_weights`).
 
     Raises the library's user errors; a release name without a variant names the flag to pass,
     `--model`, in the library's sentence.
@@ -48,10 +51,120 @@ def check_weights(weights, variant, image_size=None):
 
     if not weights:  # `--weights=` as no --weights
         return None
+    if weights.endswith(".keras"):
+        check_keras_weights(weights, variant)
+        return None
     try:
         return pretrained.release_of(weights, variant, image_size)
     except errors.ReleaseNeedsVariantError as error:
         raise errors.ReleaseNeedsVariantError(error.release, variant_flag="--model") from None
+
+
+# The architecture fields a `.keras` file's layers state, and the `ViTConfig` fields they are.
+_ARCHITECTURE_FIELDS = ("patch_size", "hidden_size", "mlp_dim", "num_heads", "num_layers",
+                        "resnet_layers", "resnet_width")
+
+
+def check_keras_file(path, flag="--model"):
+    """Refuses, in one line and before anything loads, a `path` that is missing, a folder, not
+    named `.keras`, or not a Keras model archive (a zip holding `config.json`)."""
+    if not os.path.exists(path):
+        raise app.UsageError(f"{flag} {path}: no such file.")
+    if not os.path.isfile(path):
+        raise app.UsageError(f"{flag} {path} is a folder; give a .keras model file.")
+    if not path.endswith(".keras"):
+        raise app.UsageError(f"{flag} {path} is not a .keras file; give a model saved by "
+                             f"model.save (a run's model.keras, or apps/convert.py's output).")
+    if not (zipfile.is_zipfile(path) and _holds_config(path)):
+        raise app.UsageError(f"{flag} {path} is not a Keras model file (a zip archive holding "
+                             f"config.json): it is damaged or of another format.")
+
+
+def _holds_config(path):
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return "config.json" in archive.namelist()
+    except (zipfile.BadZipFile, OSError):
+        return False
+
+
+def load_keras_model(path, flag="--model"):
+    """The model in the `.keras` file at `path`, without its training state, on the app's
+    backend; a file that is not one (`check_keras_file`), or that Keras cannot rebuild, is a
+    one-line error naming `flag`."""
+    check_keras_file(path, flag)
+    import keras
+
+    import vit_keras  # noqa: F401  (registers the layers for loading)
+
+    try:
+        return keras.saving.load_model(path, compile=False)
+    except (ValueError, TypeError, KeyError, OSError, zipfile.BadZipFile) as error:
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise app.UsageError(f"{flag} {path} could not be loaded as a Keras model: {reason}") \
+            from None
+
+
+def keras_file_architecture(path):
+    """The ViT architecture a `.keras` file's config states, `{field: value}` of
+    `_ARCHITECTURE_FIELDS` (a masked patch prediction model's encoder included), read from its
+    `config.json` alone; `None` when it holds no vit_keras ViT."""
+    with zipfile.ZipFile(path) as archive:
+        config = json.loads(archive.read("config.json"))
+    found = {"num_layers": 0, "resnet_layers": None, "resnet_width": 1}
+
+    def walk(node):
+        if isinstance(node, list):
+            for item in node:
+                walk(item)
+            return
+        if not isinstance(node, dict):
+            return
+        kind, settings = node.get("class_name"), node.get("config")
+        if isinstance(settings, dict):
+            if kind == "PatchEmbedding":
+                found.update(patch_size=settings.get("patch_size"),
+                             hidden_size=settings.get("hidden_size"))
+            elif kind == "TransformerBlock":
+                found["num_layers"] += 1
+                found.update(num_heads=settings.get("num_heads"),
+                             mlp_dim=settings.get("mlp_dim"))
+            elif kind == "ResNetStem":
+                found.update(resnet_layers=tuple(settings.get("num_layers") or ()),
+                             resnet_width=settings.get("width_factor", 1))
+        for value in node.values():
+            walk(value)
+
+    walk(config)
+    return found if found["num_layers"] and "hidden_size" in found else None
+
+
+def check_keras_weights(path, variant):
+    """`--weights` as a `.keras` file: refused in one line when it is not one, or when `--model`
+    names another architecture than the file holds (the run would train the file's and record
+    `--model`'s). Reads the file's `config.json` only."""
+    from vit_keras import configs
+    from vit_keras.tools import recipes
+
+    check_keras_file(path, "--weights")
+    if not variant:
+        return
+    try:
+        architecture = keras_file_architecture(path)
+    except (ValueError, KeyError, zipfile.BadZipFile) as error:
+        raise app.UsageError(f"--weights {path}: its config.json cannot be read ({error}).") \
+            from None
+    if architecture is None:
+        raise app.UsageError(f"--weights {path} holds no vit_keras ViT, so it cannot be the "
+                             f"--model {variant} asked for; leave --model out or give a ViT.")
+    config = configs.get_config(recipes.DIGITS_VIT if variant == recipes.DIGITS_VIT["name"]
+                                else variant)
+    differ = [f"{name} {architecture[name]} (--model {variant}: {getattr(config, name)})"
+              for name in _ARCHITECTURE_FIELDS if architecture[name] != getattr(config, name)]
+    if differ:
+        raise app.UsageError(
+            f"--weights {path} does not hold a {variant}: {', '.join(differ)}. Leave --model "
+            f"out to fine-tune the file's own architecture, or give the variant it holds.")
 
 
 class ReloadMismatchError(Exception):

@@ -46,9 +46,10 @@ def main(argv):
     import vit_keras  # noqa: F401  (registers the layers for loading)
     from vit_keras.tools import data, evaluation, run_folder
 
+    _common.check_keras_file(FLAGS.model)  # before the data loads
     dataset, splits = _common.load_run_splits(FLAGS.model, FLAGS.dataset, FLAGS.data_dir,
                                               FLAGS.seed, FLAGS.val_fraction)
-    model = keras.saving.load_model(FLAGS.model, compile=False)
+    model = _common.load_keras_model(FLAGS.model)
     image_size = _common.model_image_size(model)
     if model.output_shape[-1] != splits.num_classes:
         raise app.UsageError(f"{FLAGS.model} predicts {model.output_shape[-1]} classes but "

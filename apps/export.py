@@ -19,7 +19,12 @@ is given: then the new export replaces it once it is verified.
 
 `--dynamic_image_size` exports a model trained at one size so that it takes any image size
 (`vit_keras.with_dynamic_image_size`): inputs `(batch, None, None, 3)`, position embeddings
-resampled in the graph; the export is then verified at three sizes.
+resampled in the graph; the export is then verified at three sizes. Its SavedModel refuses sides
+that are not whole multiples of the patch size, and sides over `--max_image_size` pixels (default:
+4 times the trained size); LiteRT and ONNX cannot check either, their callers must.
+
+A model without head (`include_top=False`) is exported as a backbone: its artifacts return
+`features`, verified as such, and take no class names.
 
 The export always runs on the TensorFlow backend, whatever backend trained the model: the weights in
 a `.keras` file are backend-independent. Class names come from `--class_names` or from a
@@ -65,6 +70,10 @@ flags.DEFINE_bool("overwrite", False,
 flags.DEFINE_bool("dynamic_image_size", False,
                   "Export a model that takes images of any size (sides multiples of the patch "
                   "size): position embeddings resampled in the graph, exact at the trained size.")
+flags.DEFINE_integer("max_image_size", None,
+                     "With a model of dynamic image size: the largest side, in pixels, its "
+                     "SavedModel serves (larger images are refused, so that no request asks the "
+                     "server for unbounded memory). Default: 4 times the trained size.")
 FLAGS = flags.FLAGS
 
 
@@ -77,8 +86,7 @@ def main(argv):
         raise app.UsageError("--version applies to --format saved_model only.")
     if FLAGS.quantize != "none" and formats != ["tflite"]:
         raise app.UsageError("--quantize applies to --format tflite only.")
-    if not os.path.isfile(FLAGS.model):
-        raise app.UsageError(f"--model {FLAGS.model} is not a file.")
+    _common.check_keras_file(FLAGS.model)
     name = FLAGS.name or os.path.basename(os.path.dirname(os.path.abspath(FLAGS.model)))
     class_names = _common.read_class_names(FLAGS.class_names, FLAGS.model)
     if os.path.exists(FLAGS.out) and not os.path.isdir(FLAGS.out):
@@ -93,17 +101,25 @@ def main(argv):
             f"--overwrite to replace {'it' if len(existing) == 1 else 'them'}, or choose another "
             f"--out or --name" + (" (or leave out --version for the next SavedModel version)"
                                   if FLAGS.version is not None else "") + ".")
-    model = vit_export.load_model(FLAGS.model)
+    model = _common.load_keras_model(FLAGS.model)
     if FLAGS.dynamic_image_size:
         import vit_keras
 
         model = vit_keras.with_dynamic_image_size(model)
+    if FLAGS.max_image_size is not None and not vit_export.is_dynamic(model):
+        raise app.UsageError("--max_image_size applies to a model of dynamic image size "
+                             "(--dynamic_image_size); this one takes its one size only.")
+    if not vit_export.is_classifier(model):
+        if FLAGS.class_names:
+            raise app.UsageError(f"{FLAGS.model} has no classification head (it outputs "
+                                 f"features): --class_names does not apply.")
+        class_names = None  # a class_names.json beside a backbone names no output of it
     for export_format in formats:
         try:
             path, verifications = vit_export.export(
                 model, export_format, FLAGS.out, name=name, version=FLAGS.version,
                 quantize=FLAGS.quantize, class_names=class_names, top_k=FLAGS.top_k,
-                overwrite=FLAGS.overwrite)
+                overwrite=FLAGS.overwrite, max_image_size=FLAGS.max_image_size)
         except vit_export.ExportVerificationError as error:
             print(f"Export verification failed ({export_format}).\n{error}", file=sys.stderr)
             return 1

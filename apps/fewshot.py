@@ -76,13 +76,15 @@ def main(argv):
                              f"{','.join(FLAGS.shots)!r}.") from None
     if FLAGS.weights:  # checked before the data loads
         _common.check_weights(FLAGS.weights, FLAGS.model, FLAGS.image_size)
+    else:
+        _common.check_keras_file(FLAGS.model)
     dataset, splits = _common.load_run_splits(FLAGS.model, FLAGS.dataset, FLAGS.data_dir,
                                               FLAGS.split_seed, FLAGS.val_fraction)
     if FLAGS.weights:
         model = vit_keras.build_model_from_checkpoint(
             FLAGS.weights, variant=FLAGS.model, image_size=FLAGS.image_size, include_top=False)
     else:
-        model = keras.saving.load_model(FLAGS.model, compile=False)
+        model = _common.load_keras_model(FLAGS.model)
     image_size = _common.model_image_size(model)
     features = {split: fewshot.dataset_features(model, data.make_pipeline(
         splits, split, image_size=image_size, batch_size=FLAGS.batch_size).as_numpy_iterator())

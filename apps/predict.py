@@ -80,8 +80,9 @@ def main(argv):
                                  f"--model ViT-B/16 --weights augreg_in21k_ft_in1k).")
         if FLAGS.image_size is not None:
             raise app.UsageError("--image_size goes with --weights; a .keras model has its own.")
+        _common.check_keras_file(FLAGS.model)
         class_names = _common.read_class_names(FLAGS.class_names, FLAGS.model) or []
-        model = keras.saving.load_model(FLAGS.model, compile=False)
+        model = _common.load_keras_model(FLAGS.model)
     elif is_keras_file:
         raise app.UsageError(f"--weights goes with a variant in --model (e.g. --model ViT-B/16 "
                              f"--weights augreg_in21k_ft_in1k), not with the model file "

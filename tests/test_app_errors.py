@@ -4,6 +4,7 @@
 import concurrent.futures
 import os
 import re
+import zipfile
 
 import pytest
 
@@ -34,7 +35,7 @@ CASES = {
         "finetune.py", ["--dataset=folder:{tmp}/no_such_folder", "--output_dir={tmp}/runs"],
         ["no_such_folder", "does not exist", "one sub-folder per class"]),
     "evaluate_missing_folder": (
-        "evaluate.py", ["--model={tmp}/model.keras", "--dataset=folder:{tmp}/no_such_folder"],
+        "evaluate.py", ["--model={tmp}/three_classes.keras", "--dataset=folder:{tmp}/no_such_folder"],
         ["no_such_folder", "does not exist"]),
     "finetune_image_size_not_divisible": (
         "finetune.py", ["--model=ViT-Ti/16", "--image_size=30", "--epochs=1",
@@ -52,7 +53,7 @@ CASES = {
         ["three_classes.keras predicts 3 classes but digits has 10",
          "evaluate on the dataset the model was trained for"]),
     "fewshot_missing_folder": (
-        "fewshot.py", ["--model={tmp}/model.keras", "--dataset=folder:{tmp}/no_such_folder"],
+        "fewshot.py", ["--model={tmp}/three_classes.keras", "--dataset=folder:{tmp}/no_such_folder"],
         ["no_such_folder", "does not exist"]),
     "build_hybrid_unknown_variant": (
         "build_hybrid.py", ["--model=R50+ViT-X/16", "--out={tmp}/hybrid.keras"],
@@ -78,6 +79,33 @@ CASES = {
     "convert_release_without_model": (
         "convert.py", ["--weights=augreg_in21k_ft_in1k", "--out={tmp}/release.keras"],
         ["'augreg_in21k_ft_in1k' is a release name", "(--model ViT-B/16, for example)"]),
+    # --model of the apps that read a .keras file: missing, or not a Keras model.
+    "predict_missing_model": (
+        "predict.py", ["--model={tmp}/no_such_run/model.keras", "{tmp}/image.png"],
+        ["--model", "no_such_run/model.keras: no such file"]),
+    "evaluate_missing_model": (
+        "evaluate.py", ["--model={tmp}/no_such_run/model.keras"],
+        ["--model", "no_such_run/model.keras: no such file"]),
+    "fewshot_missing_model": (
+        "fewshot.py", ["--model={tmp}/no_such_run/model.keras"],
+        ["--model", "no_such_run/model.keras: no such file"]),
+    "predict_not_keras_model": (
+        "predict.py", ["--model={tmp}/notes.txt", "{tmp}/image.png"],
+        ["--model", "notes.txt is not a .keras file"]),
+    "evaluate_not_keras_model": (
+        "evaluate.py", ["--model={tmp}/damaged.keras"],
+        ["--model", "damaged.keras is not a Keras model file", "damaged"]),
+    "fewshot_not_keras_model": (  # a Keras archive of a layer no library registers
+        "fewshot.py", ["--model={tmp}/unknown_layer.keras"],
+        ["--model", "unknown_layer.keras could not be loaded as a Keras model",
+         "Could not locate class 'NoSuchLayer'"]),
+    # --weights of a .keras file holding another architecture than --model names: refused before
+    # the data loads (the missing folder would fail later), as a checkpoint file's is.
+    "finetune_keras_weights_of_another_variant": (
+        "finetune.py", ["--weights={tmp}/three_classes.keras", "--model=ViT-B/16",
+                        "--dataset=folder:{tmp}/no_such_folder", "--output_dir={tmp}/runs"],
+        ["three_classes.keras does not hold a ViT-B/16", "hidden_size 32 (--model ViT-B/16: 768)",
+         "Leave --model out"]),
 }
 
 
@@ -86,6 +114,11 @@ def results(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("app_errors"))
     vit_keras.build_model(TINY_CONFIG, image_size=16, num_classes=3).save(
         os.path.join(tmp, "three_classes.keras"))
+    for name, text in (("notes.txt", "not a model"), ("damaged.keras", "not a zip archive")):
+        with open(os.path.join(tmp, name), "w") as f:
+            f.write(text)
+    with zipfile.ZipFile(os.path.join(tmp, "unknown_layer.keras"), "w") as archive:
+        archive.writestr("config.json", '{"class_name": "NoSuchLayer", "config": {}}')
 
     def run(case):
         app, args, _ = CASES[case]
@@ -122,4 +155,16 @@ def test_a_release_without_its_variant_is_a_one_line_error_before_the_data_loads
 @pytest.mark.slow
 def test_a_model_of_other_classes_than_the_dataset_is_a_one_line_error(results):
     case = "evaluate_model_of_other_classes"
+    _assert_one_line_error(results[case], *CASES[case][2])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [case for case in CASES if "_not_keras_" in case])
+def test_a_model_that_is_not_a_keras_file_is_a_one_line_error(results, case):
+    _assert_one_line_error(results[case], *CASES[case][2])
+
+
+@pytest.mark.slow
+def test_keras_weights_of_another_architecture_than_model_is_a_one_line_error(results):
+    case = "finetune_keras_weights_of_another_variant"
     _assert_one_line_error(results[case], *CASES[case][2])

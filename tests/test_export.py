@@ -287,6 +287,51 @@ def test_class_names_load_from_json_beside_the_model_or_a_text_file(tmp_path):
     assert vit_export.find_class_names(str(tmp_path / "elsewhere" / "model.keras")) is None
 
 
+# --- a backbone without head ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def backbone():
+    model = vit_keras.build_model(EXPORT_CONFIG, image_size=IMAGE_SIZE, include_top=False)
+    return randomize_weights(model, seed=5, scale=0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("export_format", vit_export.FORMATS)
+def test_a_backbone_without_head_exports_features_verified_as_features(backbone, tmp_path,
+                                                                       export_format):
+    path, verifications = vit_export.export(backbone, export_format, str(tmp_path),
+                                            name="backbone")
+    assert verifications
+    for verification in verifications:
+        assert verification.passed and verification.output == "features"
+        assert verification.top1_agreement is None  # features have no classes to agree on
+        summary = verification.summary()
+        assert "diff to Keras features" in summary and "top-1" not in summary, summary
+    images = vit_export.verification_images(backbone, batch_size=2)
+    expected = keras.ops.convert_to_numpy(backbone(images))
+    if export_format == "saved_model":
+        outputs = tf.saved_model.load(path).signatures["serving_default"](
+            images=tf.constant(images))
+    elif export_format == "tflite":
+        outputs = vit_export.litert_interpreter(path).get_signature_runner(
+            "serving_default")(images=images)
+    else:
+        import onnxruntime
+
+        session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+        outputs = dict(zip([o.name for o in session.get_outputs()],
+                           session.run(None, {"images": images})))
+    assert set(outputs) == {"features"}  # no logits, no softmax over features
+    np.testing.assert_allclose(np.asarray(outputs["features"]), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_class_names_for_a_backbone_without_head_are_refused(backbone, tmp_path):
+    with pytest.raises(ValueError, match="no classification head"):
+        vit_export.export(backbone, "saved_model", str(tmp_path), name="backbone",
+                          class_names=[f"c{i}" for i in range(32)])
+    assert not os.listdir(tmp_path)
+
+
 @pytest.mark.slow
 def test_mixed_precision_model_exports_in_float32_with_builtin_ops(tmp_path):
     keras.config.set_dtype_policy("mixed_float16")
@@ -370,10 +415,15 @@ def dynamic_model():
     return randomize_weights(model, seed=4, scale=0.5)
 
 
+# Room for a 300x451 photo rounded to 304x448 (the default cap is 4 x 32 = 128 pixels a side).
+DYNAMIC_MAX_IMAGE_SIZE = 512
+
+
 @pytest.fixture(scope="module")
 def dynamic_saved_model(dynamic_model, tmp_path_factory):
     return vit_export.export(dynamic_model, "saved_model", str(tmp_path_factory.mktemp("dynamic")),
-                             name="dynamic", class_names=CLASS_NAMES, top_k=3)
+                             name="dynamic", class_names=CLASS_NAMES, top_k=3,
+                             max_image_size=DYNAMIC_MAX_IMAGE_SIZE)
 
 
 @pytest.mark.slow
@@ -419,6 +469,47 @@ def test_dynamic_size_litert_and_onnx_serve_three_sizes(dynamic_model, tmp_path,
         assert verification.passed and verification.max_rel_diff <= 1e-4, verification.summary()
     if export_format == "tflite":
         assert not _has_flex_ops(vit_export.litert_ops(path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("height, width", [
+    (17, 17),  # not a multiple of the patch: its 16x16 crop's logits, silently
+    (40, 20),  # a side of 2.5 patches
+    (0, 0),  # an empty image: NaN
+    (4, 8),  # less than one patch high
+    (DYNAMIC_MAX_IMAGE_SIZE + 8, 8),  # beyond the export's max_image_size
+], ids=["17x17", "40x20", "0x0", "4x8", "over_the_cap"])
+def test_dynamic_size_saved_model_refuses_a_size_it_cannot_serve(dynamic_saved_model, height,
+                                                                 width):
+    serving = tf.saved_model.load(dynamic_saved_model[0]).signatures["serving_default"]
+    images = tf.zeros((1, height, width, 3))
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=f"multiples of 8 pixels from 8 to {DYNAMIC_MAX_IMAGE_SIZE}"):
+        serving(images=images)
+
+
+@pytest.mark.slow
+def test_dynamic_size_serving_bytes_refuses_a_small_file_of_a_large_image(dynamic_saved_model):
+    # 1024x1024 of one colour: a few KB of PNG that would ask for 16,384 tokens, and attention
+    # scores of 4 heads x 16,384^2 floats (4 GiB) per image per block.
+    png = tf.io.encode_png(tf.zeros((1024, 1024, 3), tf.uint8))
+    assert len(png.numpy()) < 10_000
+    by_bytes = tf.saved_model.load(dynamic_saved_model[0]).signatures["serving_bytes"]
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=f"more than {DYNAMIC_MAX_IMAGE_SIZE} pixels a side"):
+        by_bytes(image_bytes=tf.stack([png]))
+
+
+def test_dynamic_size_exports_cap_the_image_size_at_four_times_the_built_one(dynamic_model,
+                                                                             tmp_path):
+    assert vit_export.default_max_image_size(dynamic_model) == 4 * IMAGE_SIZE
+    with pytest.raises(ValueError, match="no smaller than the size the model was built for"):
+        vit_export.export(dynamic_model, "saved_model", str(tmp_path), name="dynamic",
+                          max_image_size=IMAGE_SIZE - 8)
+    assert not os.listdir(tmp_path)
+    # Verification stays within a cap that is given.
+    assert vit_export.verification_sizes(dynamic_model, max_image_size=IMAGE_SIZE) == [
+        (32, 32), (32, 24), (16, 32)]
 
 
 def test_a_model_without_a_fixed_size_or_a_built_grid_is_refused():

@@ -91,8 +91,8 @@ def app_runs(trained_runs, broken_model, tmp_path_factory):
         "broken": ["--model", broken_model, "--format", "onnx", "--out", out["broken"],
                    "--name", "broken"],
         "dynamic": ["--model", os.path.join(trained_runs["jax"], "model.keras"),
-                    "--format", "saved_model", "--dynamic_image_size", "--out", out["dynamic"],
-                    "--name", "any_size"],
+                    "--format", "saved_model", "--dynamic_image_size", "--max_image_size", "64",
+                    "--out", out["dynamic"], "--name", "any_size"],
     }
     with concurrent.futures.ThreadPoolExecutor(len(command_lines)) as pool:
         results = dict(zip(command_lines, pool.map(lambda a: run_app(*a), command_lines.values())))
@@ -177,6 +177,17 @@ def test_app_exports_a_fixed_size_model_to_serve_any_size(trained_runs, app_runs
     wide = np.tile(images[:4], (1, 1, 2, 1))[:, :24, :40]  # 24x40 pixels, 3x5 patches
     np.testing.assert_allclose(serving(images=tf.constant(wide))["logits"].numpy(),
                                keras.ops.convert_to_numpy(model(wide)), rtol=1e-4, atol=1e-5)
+
+
+def test_app_max_image_size_caps_the_sizes_the_saved_model_serves(app_runs):
+    result, out = app_runs["dynamic"]
+    assert result.returncode == 0, result.stderr
+    serving = tf.saved_model.load(os.path.join(out, "any_size", "1")).signatures["serving_default"]
+    assert serving(images=tf.zeros((1, 64, 64, 3)))["logits"].shape == (1, 3)
+    for height, width in ((72, 8), (8, 72), (20, 20)):  # over the cap, or not whole patches
+        with pytest.raises(tf.errors.InvalidArgumentError, match="multiples of 8 pixels from 8 to "
+                                                                 "64"):
+            serving(images=tf.zeros((1, height, width, 3)))
 
 
 # --- an export that exists already --------------------------------------------------------------

@@ -8,17 +8,26 @@ import keras
 import numpy as np
 import pytest
 
+from vit_keras import errors
 from vit_keras.tools import finetuning, objectives
 from vit_keras.tools.training import KILL_AFTER_TRAINING, RunConfig
 
-from conftest import BACKENDS, randomize_weights, run_app, run_on_backend, tiny_data, tiny_model
+from conftest import (
+    BACKENDS,
+    TINY_CONFIG,
+    randomize_weights,
+    run_app,
+    run_on_backend,
+    tiny_data,
+    tiny_model,
+)
 
 RANK = 2
 
 
 def _trained(model, steps=3, learning_rate=0.05):
     """`model` after a few SGD steps on random data (every trainable weight moves)."""
-    x, y = tiny_data(n=16)
+    x, y = tiny_data(n=16, size=model.input_shape[1])
     model.compile(optimizer=keras.optimizers.SGD(learning_rate),
                   loss=keras.losses.CategoricalCrossentropy(from_logits=True))
     model.fit(x, y, batch_size=8, epochs=steps // 2 + 1, verbose=0)
@@ -146,6 +155,95 @@ def test_adapters_refuse_a_base_of_another_shape(lora_run, tmp_path, tiny_config
         finetuning.apply_adapters(tiny_model(tiny_config, num_classes=5), path)
 
 
+# A hostile or damaged adapters.npz: each is refused with one AdaptersError line, before any
+# weight is applied. Each case edits the arrays of a whole file the run wrote.
+def _set(key, value):
+    def edit(arrays):
+        arrays[key] = value
+    return edit
+
+
+def _first_adapter(arrays):
+    return next(key for key in arrays if key.endswith("lora_kernel_b"))
+
+
+def _nan_adapter(arrays):
+    key = _first_adapter(arrays)
+    arrays[key] = np.full_like(arrays[key], np.nan)
+
+
+def _keep_only_rank_and_alpha(arrays):
+    for key in [key for key in arrays if not key.startswith("__")]:
+        del arrays[key]
+
+
+def _drop_half(arrays):
+    for key in [key for key in arrays if not key.startswith("__")][::2]:
+        del arrays[key]
+
+
+def _strings_for_an_adapter(arrays):
+    key = _first_adapter(arrays)
+    arrays[key] = np.full(arrays[key].shape, "x")
+
+
+HOSTILE_ADAPTERS = {
+    "nan_adapter": (_nan_adapter, "NaN or infinite"),
+    "nan_alpha": (_set("__lora_alpha__", np.asarray(np.nan)), "alpha nan is not a finite"),
+    "inf_alpha": (_set("__lora_alpha__", np.asarray(np.inf)), "alpha inf is not a finite"),
+    "only_rank_and_alpha": (_keep_only_rank_and_alpha, "is incomplete"),
+    "half_the_file": (_drop_half, "is incomplete"),
+    "no_alpha": (lambda arrays: arrays.pop("__lora_alpha__"), "no __lora_alpha__ in it"),
+    "rank_not_one_number": (_set("__lora_rank__", np.asarray([2, 2])), "not one whole number"),
+    "rank_zero": (_set("__lora_rank__", np.asarray(0)), "rank 0 is not a positive rank"),
+    # The arrays are of rank 2: refused from their headers, before LoRA of rank 10^9 (256 GB of
+    # adapters for this tiny model) is allocated.
+    "rank_of_a_billion": (_set("__lora_rank__", np.asarray(10 ** 9)), "at the file's LoRA rank"),
+    "strings_for_an_adapter": (_strings_for_an_adapter, "not floating point"),
+}
+
+
+@pytest.fixture(scope="module")
+def adapters_file(tmp_path_factory):
+    """A randomised tiny ViT, its weights, and the adapters.npz of a LoRA copy of it (random
+    adapters and head: no training needed to be refused)."""
+    base = randomize_weights(tiny_model(dict(TINY_CONFIG)))
+    model = keras.Model.from_config(base.get_config())
+    model.set_weights(base.get_weights())
+    _random_adapters(finetuning.enable_lora(model, RANK))
+    path = str(tmp_path_factory.mktemp("adapters") / "adapters.npz")
+    return base, _values(base), finetuning.save_adapters(model, path)
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_ADAPTERS))
+def test_a_hostile_adapters_file_is_refused_in_one_line(adapters_file, tmp_path, case):
+    base, before, saved = adapters_file
+    with np.load(saved) as stored:
+        arrays = dict(stored)
+    path = str(tmp_path / "adapters.npz")
+    edit, message = HOSTILE_ADAPTERS[case]
+    edit(arrays)
+    np.savez(path, **arrays)
+    with pytest.raises(errors.AdaptersError, match=message) as raised:
+        finetuning.apply_adapters(base, path)
+    assert "\n" not in str(raised.value) and "adapters.npz" in str(raised.value)
+    assert isinstance(raised.value, errors.UserError)
+    assert _values(base).keys() == before.keys()  # the base model is left as it was
+    for key, value in _values(base).items():
+        np.testing.assert_array_equal(value, before[key])
+
+
+@pytest.mark.parametrize("content", [None, b"not an archive", b"PK\x03\x04 truncated"])
+def test_a_missing_or_unreadable_adapters_file_is_refused_in_one_line(adapters_file, tmp_path,
+                                                                      content):
+    path = tmp_path / "adapters.npz"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(errors.AdaptersError) as raised:
+        finetuning.apply_adapters(adapters_file[0], str(path))
+    assert "\n" not in str(raised.value) and "adapters.npz" in str(raised.value)
+
+
 def test_per_epoch_checkpoint_of_a_lora_run_is_the_merged_plain_model(lora_run, tmp_path):
     model = _random_adapters(lora_run[2])
     checkpoint = finetuning.MergedModelCheckpoint(str(tmp_path / "model.keras"))
@@ -200,6 +298,97 @@ def test_linear_probe_encoder_computes_as_at_inference(tiny_config):
                                keras.ops.convert_to_numpy(model(x, training=False)),
                                rtol=1e-5, atol=1e-6)
     assert finetuning.trainable_parameters(probe) == 32 * 3 + 3
+
+
+@pytest.fixture(scope="module")
+def distilled_deit(tmp_path_factory):
+    """A DeiT distilled timm checkpoint of 7 classes (random, every parameter non-zero) at 32 px:
+    `build_model_from_checkpoint` of it with 3 classes gives two new zero-initialised heads that
+    the model averages, as fine-tuning a published DeiT on a new dataset does."""
+    torch = pytest.importorskip("torch")
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    deit = timm.create_model("deit_tiny_distilled_patch16_224", pretrained=False, img_size=32,
+                             patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=7)
+    with torch.no_grad():
+        for parameter in deit.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.1)
+    path = str(tmp_path_factory.mktemp("deit") / "deit_distilled.pth")
+    torch.save(deit.state_dict(), path)
+    return path
+
+
+def _distilled_run_model(path, **flags):
+    from vit_keras import build_model_from_checkpoint
+
+    vit = build_model_from_checkpoint(path, num_classes=3, num_heads=2,
+                                      timm_architecture="deit_tiny_distilled_patch16_224")
+    assert [layer.name for layer in vit.layers][-3:] == ["head", "head_dist", "distilled_average"]
+    config = dataclasses.replace(RunConfig(), weights=path, **flags)
+    return finetuning.prepare_run_model(vit, config, log=lambda _: None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [{"linear_probe": True}, {"lora_rank": RANK}],
+                         ids=["linear_probe", "lora"])
+def test_fine_tuning_a_distilled_deit_trains_both_of_its_heads(distilled_deit, flags):
+    """The model averages `head` and `head_dist`: a new head_dist left frozen at zero would halve
+    every logit of the saved model for good."""
+    model = _distilled_run_model(distilled_deit, **flags)
+    trained = {weight.path for weight in model.trainable_weights}
+    assert {"head/kernel", "head_dist/kernel"} <= trained
+    before = _values(model)
+    after = _values(_trained(model))
+    for head in ("head", "head_dist"):
+        assert np.any(after[f"{head}/kernel"] != 0), head  # both learnt from their zero start
+        assert not np.array_equal(after[f"{head}/bias"], before[f"{head}/bias"]), head
+
+
+@pytest.mark.slow
+def test_adapters_of_a_distilled_deit_carry_both_heads(distilled_deit, tmp_path):
+    model = _trained(_distilled_run_model(distilled_deit, lora_rank=RANK))
+    path = finetuning.save_adapters(model, str(tmp_path / "adapters.npz"))
+    with np.load(path) as stored:
+        assert {"head/kernel", "head_dist/kernel"} <= set(stored.files)
+    from vit_keras import build_model_from_checkpoint
+
+    base = build_model_from_checkpoint(distilled_deit, num_classes=3, num_heads=2,
+                                       timm_architecture="deit_tiny_distilled_patch16_224")
+    x, _ = tiny_data(n=4, size=32)
+    np.testing.assert_allclose(finetuning.apply_adapters(base, path).predict(x, verbose=0),
+                               model.predict(x, verbose=0), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("flags", [{"linear_probe": True}, {"lora_rank": RANK}],
+                         ids=["linear_probe", "lora"])
+def test_lora_or_a_linear_probe_of_a_random_encoder_warns(tiny_config, flags):
+    lines = []
+    finetuning.prepare_run_model(tiny_model(tiny_config),
+                                 dataclasses.replace(RunConfig(), **flags), log=lines.append)
+    warnings = [line for line in lines if line.startswith("Warning:")]
+    assert len(warnings) == 1 and "without --weights" in warnings[0], lines
+    assert "randomly initialised" in warnings[0]
+    lines.clear()
+    finetuning.prepare_run_model(tiny_model(tiny_config), dataclasses.replace(
+        RunConfig(), weights="pretrained.npz", **flags), log=lines.append)
+    assert not [line for line in lines if line.startswith("Warning:")], lines
+
+
+def test_a_lora_rank_whose_adapters_outnumber_the_kernels_they_adapt_warns(tiny_config):
+    # The tiny ViT's adapted kernels hold 16,384 weights; each rank adds 896 adapter weights, so
+    # from rank 19 up LoRA trains more than full fine-tuning of them would. Rank 32 trains 28,672,
+    # more than the whole model's 19,011.
+    def warnings(rank):
+        lines = []
+        finetuning.prepare_run_model(tiny_model(tiny_config), dataclasses.replace(
+            RunConfig(), weights="pretrained.npz", lora_rank=rank), log=lines.append)
+        return [line for line in lines if line.startswith("Warning:")]
+
+    (warning,) = warnings(32)
+    assert "rank 32 trains 28,672 adapter weights" in warning
+    assert "16,384 weights of the kernels they adapt" in warning and "19,011" in warning
+    assert "a rank below 19" in warning
+    assert not warnings(18)
 
 
 def _loss_and_gradients(model, x, y):

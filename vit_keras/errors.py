@@ -43,3 +43,9 @@ class CheckpointError(UserError, ValueError):
 
 class CheckpointNotFoundError(UserError, FileNotFoundError):
     """No checkpoint at a path, or a Hugging Face folder without its weight files."""
+
+
+class AdaptersError(UserError, ValueError):
+    """An adapters file (`adapters.npz`, `vit_keras.tools.finetuning.apply_adapters`) that cannot
+    be applied: not one vit_keras wrote, incomplete, non-finite, or of shapes that do not fit the
+    base model. The message names the file and what is wrong with it."""

@@ -11,8 +11,17 @@ weights, so a model trained on JAX or torch loads there unchanged; `apps/export.
 
 Every signature takes raw RGB pixels in [0, 255] (or image files) with a dynamic batch dimension;
 preprocessing happens inside the model, as `vit_keras.build_model` puts it there by default. Every
-artifact returns float32 `logits` and `probabilities` `(batch, num_classes)`; a SavedModel of a
-model with class names also returns `top_k_indices` (int32) and `top_k_names` (string) `(batch, k)`.
+artifact of a classifier returns float32 `logits` and `probabilities` `(batch, num_classes)`; a
+SavedModel of a model with class names also returns `top_k_indices` (int32) and `top_k_names`
+(string) `(batch, k)`. A backbone without head (`include_top=False`) returns float32 `features`
+`(batch, hidden)` alone, verified as features (no top-1 agreement: there are no classes).
+
+A model of dynamic image size takes sides that are whole multiples of its token size, from one
+token to `max_image_size` pixels (default: 4 times the size it was built for). The SavedModel's
+signatures refuse any other size with an `InvalidArgumentError` that names it (TF Serving returns
+it to the client); the LiteRT and ONNX graphs cannot carry that check (their converters drop
+assertions), so their callers must keep to it: they ignore the pixels beyond the last whole token
+and return NaN for an empty image.
 
 Class names travel as a `class_names.json` (a JSON list of strings, one per output class) beside the
 `.keras` file, or from any `.json` list or `.txt` file with one name per line
@@ -42,7 +51,7 @@ FORMATS = ("saved_model", "tflite", "onnx")
 QUANTIZATIONS = ("none", "dynamic_int8", "float16")
 SERVING_SIGNATURE = "serving_default"
 BYTES_SIGNATURE = "serving_bytes"
-# Float exports must match Keras' logits to this fraction of their largest magnitude.
+# Float exports must match Keras' logits (or features) to this fraction of their largest magnitude.
 RELATIVE_TOLERANCE = 1e-4
 ONNX_OPSET = 17
 
@@ -55,19 +64,22 @@ class ExportVerificationError(RuntimeError):
 class Verification:
     """How one exported entry point compares with Keras on the fixed verification batch.
 
-    `max_rel_diff` is `max |exported - keras| / max |keras|` over all logits (`max_abs_logit` is the
-    denominator). `tolerance` is the bound on it (`None` for quantised artifacts, whose agreement is
-    reported but not bounded).
+    `output` is what is compared: `"logits"` of a classifier, or `"features"` of a backbone
+    without head. `max_rel_diff` is `max |exported - keras| / max |keras|` over all of it
+    (`max_abs_logit` is the denominator). `tolerance` is the bound on it (`None` for quantised
+    artifacts, whose agreement is reported but not bounded). `top1_agreement` is the fraction of
+    images whose highest logit is the same class; `None` for features, which have no classes.
     """
 
     artifact: str
     entry_point: str
     max_abs_diff: float
     max_rel_diff: float
-    top1_agreement: float
+    top1_agreement: float | None
     batch_size: int
     tolerance: float | None
     max_abs_logit: float
+    output: str = "logits"
 
     @property
     def passed(self):
@@ -79,11 +91,13 @@ class Verification:
                  else f"tolerance {self.tolerance:.0e}")
         verdict = "OK" if self.passed else "FAILED"
         note = ("" if self.max_abs_logit > 0 else
-                " (Keras' logits are all zero, e.g. an untrained zero-initialised head: this "
-                "comparison proves little)")
-        return (f"{verdict} {self.artifact} [{self.entry_point}]: max abs diff to Keras logits "
-                f"{self.max_abs_diff:.3e}, max rel diff {self.max_rel_diff:.3e} ({bound}), top-1 "
-                f"agreement {self.top1_agreement:.1%} on {self.batch_size} images{note}")
+                f" (Keras' {self.output} are all zero, e.g. an untrained zero-initialised head: "
+                f"this comparison proves little)")
+        agreement = ("" if self.top1_agreement is None
+                     else f", top-1 agreement {self.top1_agreement:.1%}")
+        return (f"{verdict} {self.artifact} [{self.entry_point}]: max abs diff to Keras "
+                f"{self.output} {self.max_abs_diff:.3e}, max rel diff {self.max_rel_diff:.3e} "
+                f"({bound}){agreement} on {self.batch_size} images{note}")
 
 
 def require_tensorflow_backend():
@@ -124,6 +138,46 @@ def float32_model(model):
     return clone
 
 
+def is_classifier(model):
+    """Whether `model`'s output is class logits: False for a vit_keras backbone built without
+    its head (`include_top=False`: pooled features), True for any other model."""
+    from vit_keras.layers import TransformerBlock
+
+    names = {layer.name for layer in model.layers}
+    is_backbone = "head" not in names and any(
+        isinstance(layer, TransformerBlock) for layer in model.layers)
+    return not is_backbone
+
+
+def output_name(model):
+    """The name of what every artifact of `model` returns first: `"logits"` or `"features"`."""
+    return "logits" if is_classifier(model) else "features"
+
+
+def default_max_image_size(model):
+    """The default largest side, in pixels, a model of dynamic image size is served at: 4 times
+    the larger side of the size it was built for (16 times its tokens, 256 times its attention
+    scores), so that one request cannot ask a server for unbounded memory."""
+    from vit_keras import geometry
+
+    rows, cols = geometry.token_grid(model)
+    return 4 * max(rows, cols) * geometry.token_pixels(model)
+
+
+def _max_image_size(model, max_image_size):
+    """`max_image_size` checked against the model (None: `default_max_image_size`)."""
+    if max_image_size is None:
+        return default_max_image_size(model)
+    from vit_keras import geometry
+
+    step = geometry.token_pixels(model)
+    built = max(geometry.token_grid(model)) * step
+    if int(max_image_size) != max_image_size or max_image_size < built:
+        raise ValueError(f"max_image_size must be a whole number of pixels no smaller than the "
+                         f"size the model was built for ({built}); got {max_image_size}.")
+    return int(max_image_size)
+
+
 def is_dynamic(model):
     """Whether `model` takes images of any size (`build_model(..., dynamic_image_size=True)`)."""
     try:
@@ -145,10 +199,10 @@ def image_shape(model):
     return shape[1:]
 
 
-def verification_sizes(model):
+def verification_sizes(model, max_image_size=None):
     """The image sizes `(height, width)` an export is checked at: the model's own, and for a model
     of dynamic image size also a taller, narrower one and a shorter, wider one (multiples of its
-    token size), so the artifact is seen to serve several sizes."""
+    token size, within `max_image_size`), so the artifact is seen to serve several sizes."""
     height, width, _ = image_shape(model)
     if height is not None:
         return [(height, width)]
@@ -156,8 +210,9 @@ def verification_sizes(model):
 
     step = geometry.token_pixels(model)
     rows, cols = geometry.token_grid(model)
-    return [(rows * step, cols * step), ((rows + 2) * step, max(cols - 1, 1) * step),
-            (max(rows // 2, 1) * step, (cols + 3) * step)]
+    largest = _max_image_size(model, max_image_size) // step
+    sizes = [(rows, cols), (rows + 2, max(cols - 1, 1)), (max(rows // 2, 1), cols + 3)]
+    return [(min(r, largest) * step, min(c, largest) * step) for r, c in sizes]
 
 
 def verification_images(model, batch_size=8, seed=0, size=None):
@@ -171,17 +226,21 @@ def verification_images(model, batch_size=8, seed=0, size=None):
     return rng.integers(0, 256, (batch_size, height, width, image_shape(model)[2])).astype("float32")
 
 
-def _verification_batches(model, images):
+def _verification_batches(model, images, max_image_size=None):
     """`[(label, images)]` to verify with: the given batch, or one batch per verification size
     (labelled with its size when there are several)."""
     if images is not None:
         return [("", np.asarray(images, "float32"))]
-    sizes = verification_sizes(model)
+    sizes = verification_sizes(model, max_image_size)
     return [(f" at {h}x{w}" if len(sizes) > 1 else "", verification_images(model, size=(h, w)))
             for h, w in sizes]
 
 
 def _check_class_names(model, class_names):
+    if class_names is not None and not is_classifier(model):
+        raise ValueError(
+            f"{model.name!r} has no classification head (it outputs features), so class names "
+            f"do not apply; export it without them.")
     num_classes = model.output_shape[-1]
     if class_names is not None and len(class_names) != num_classes:
         raise ValueError(
@@ -190,8 +249,12 @@ def _check_class_names(model, class_names):
 
 
 def _outputs(model, images, class_names=None, top_k=5):
-    """The signature outputs for a batch of raw pixels."""
-    logits = tf.cast(model(images, training=False), tf.float32)
+    """The signature outputs for a batch of raw pixels: a classifier's logits, probabilities and
+    top-k, or a backbone's features."""
+    values = tf.cast(model(images, training=False), tf.float32)
+    if not is_classifier(model):
+        return {"features": values}
+    logits = values
     outputs = {"logits": logits, "probabilities": tf.nn.softmax(logits, axis=-1)}
     if class_names:
         indices = tf.math.top_k(logits, k=min(top_k, len(class_names))).indices
@@ -200,16 +263,40 @@ def _outputs(model, images, class_names=None, top_k=5):
     return outputs
 
 
-def _decode_images(image_bytes, height, width, channels, step=None):
+def _checked_image_size(images, step, max_image_size):
+    """`images` `(batch, H, W, C)` of a model of dynamic image size, once `H` and `W` are seen to
+    be whole multiples of `step` (the token size) from `step` to `max_image_size`; otherwise the
+    graph raises `InvalidArgumentError` naming the size. Without it a side of 17 pixels would
+    give the logits of its first 16 silently, an empty image NaN, and a large one any memory."""
+    height, width = tf.shape(images)[1], tf.shape(images)[2]
+    fits = tf.reduce_all(tf.stack([height >= step, width >= step, height % step == 0,
+                                   width % step == 0, height <= max_image_size,
+                                   width <= max_image_size]))
+    check = tf.debugging.Assert(fits, [
+        f"Image size refused: height and width must be whole multiples of {step} pixels from "
+        f"{step} to {max_image_size} (the export's max_image_size); got height", height,
+        "width", width], name="image_size_check")
+    with tf.control_dependencies([check]):
+        return tf.identity(images)
+
+
+def _decode_images(image_bytes, height, width, channels, step=None, max_image_size=None):
     """Encoded JPEG/PNG/GIF/BMP strings `(batch,)` → float32 pixels `(batch, H, W, C)`, 0..255.
 
     With `height` and `width` `None` (a model of dynamic image size), every image of the batch is
-    resized to the first image's size rounded to the nearest multiple of `step` (the token size).
+    resized to the first image's size rounded to the nearest multiple of `step` (the token size);
+    a rounded size beyond `max_image_size` pixels a side is refused (`InvalidArgumentError`).
     """
     if height is None:
         first = tf.shape(tf.io.decode_image(image_bytes[0], channels=channels,
                                             expand_animations=False))
         size = tf.maximum(tf.cast(tf.round(first[:2] / step), tf.int32), 1) * step
+        check = tf.debugging.Assert(tf.reduce_all(size <= max_image_size), [
+            f"Image size refused: the first image rounds to more than {max_image_size} pixels a "
+            f"side (the export's max_image_size); send smaller images. Rounded height and width:",
+            size], name="image_size_check")
+        with tf.control_dependencies([check]):
+            size = tf.identity(size)
     else:
         size = (height, width)
 
@@ -222,44 +309,56 @@ def _decode_images(image_bytes, height, width, channels, step=None):
                      fn_output_signature=tf.TensorSpec((height, width, channels), tf.float32))
 
 
-def _archive(model, class_names=None, top_k=5, with_bytes=True):
-    """A `keras.export.ExportArchive` holding the serving signatures of `model`."""
+def _archive(model, class_names=None, top_k=5, with_bytes=True, max_image_size=None,
+             check_sizes=True):
+    """A `keras.export.ExportArchive` holding the serving signatures of `model`; for a model of
+    dynamic image size, with `check_sizes`, the signatures refuse sizes it cannot serve
+    (`_checked_image_size`)."""
     height, width, channels = image_shape(model)
     step = None
+    check = tf.identity
     if height is None:
         from vit_keras import geometry
 
         step = geometry.token_pixels(model)
+        max_image_size = _max_image_size(model, max_image_size)
+        if check_sizes:
+            def check(images):
+                return _checked_image_size(images, step, max_image_size)
     archive = keras.export.ExportArchive()
     archive.track(model)
     archive.add_endpoint(
-        SERVING_SIGNATURE, lambda images: _outputs(model, images, class_names, top_k),
+        SERVING_SIGNATURE, lambda images: _outputs(model, check(images), class_names, top_k),
         input_signature=[tf.TensorSpec((None, height, width, channels), tf.float32, name="images")])
     if with_bytes:
         archive.add_endpoint(
             BYTES_SIGNATURE,
             lambda image_bytes: _outputs(
-                model, _decode_images(image_bytes, height, width, channels, step), class_names,
-                top_k),
+                model, _decode_images(image_bytes, height, width, channels, step, max_image_size),
+                class_names, top_k),
             input_signature=[tf.TensorSpec((None,), tf.string, name="image_bytes")])
     return archive
 
 
-def export_saved_model(model, export_dir, class_names=None, top_k=5):
+def export_saved_model(model, export_dir, class_names=None, top_k=5, max_image_size=None):
     """Writes a TF Serving SavedModel to `export_dir` (the `.../NAME/VERSION` folder).
 
     Signatures:
       `serving_default`: `images` float32 `(batch, H, W, C)` raw pixels in [0, 255]; `(batch,
-        None, None, C)` for a model of dynamic image size (sides multiples of its token size).
+        None, None, C)` for a model of dynamic image size: sides whole multiples of its token
+        size, from one token to `max_image_size` pixels, others refused (`InvalidArgumentError`).
       `serving_bytes`: `image_bytes` string `(batch,)` of encoded images, decoded and resized to
         `(H, W)` (bilinear) in the graph; for a model of dynamic image size, to the first image's
-        size rounded to a multiple of the token size.
+        size rounded to a multiple of the token size, refused beyond `max_image_size`.
     Both return `logits`, `probabilities` float32 `(batch, num_classes)`, and with `class_names`
-    `top_k_indices` int32 and `top_k_names` string `(batch, min(top_k, num_classes))`.
+    `top_k_indices` int32 and `top_k_names` string `(batch, min(top_k, num_classes))`; for a
+    backbone without head, `features` float32 `(batch, hidden)` alone.
+    `max_image_size`: default `default_max_image_size(model)`; ignored for a fixed-size model.
     """
     require_tensorflow_backend()
     _check_class_names(model, class_names)
-    _archive(model, class_names, top_k).write_out(export_dir, verbose=False)
+    _archive(model, class_names, top_k, max_image_size=max_image_size).write_out(
+        export_dir, verbose=False)
     return export_dir
 
 
@@ -278,14 +377,17 @@ def export_litert(model, path, quantize="none"):
     """Writes a LiteRT (`.tflite`) model of builtin ops only.
 
     Signature `serving_default`: `images` float32 `(batch, H, W, C)` raw pixels → `logits`,
-    `probabilities` float32 `(batch, num_classes)`. `quantize`: `"none"` (float32),
-    `"dynamic_int8"` (int8 weights, float activations) or `"float16"` (float16 weights).
+    `probabilities` float32 `(batch, num_classes)` (a backbone without head: `features`).
+    `quantize`: `"none"` (float32), `"dynamic_int8"` (int8 weights, float activations) or
+    `"float16"` (float16 weights). A model of dynamic image size is not checked for the sizes it
+    is fed (LiteRT has no assertion op): see the module's docstring.
     """
     require_tensorflow_backend()
     if quantize not in QUANTIZATIONS:
         raise ValueError(f"Unknown quantization {quantize!r}; expected one of {QUANTIZATIONS}.")
     with tempfile.TemporaryDirectory() as saved_model_dir:
-        _archive(model, with_bytes=False).write_out(saved_model_dir, verbose=False)
+        _archive(model, with_bytes=False, check_sizes=False).write_out(saved_model_dir,
+                                                                       verbose=False)
         try:
             flatbuffer = _litert_converter(saved_model_dir, quantize).convert()
         except Exception as error:
@@ -316,8 +418,9 @@ def export_onnx(model, path, opset=ONNX_OPSET):
     """Writes an ONNX model with a dynamic batch dimension.
 
     Input `images` float32 `(batch, H, W, C)` raw pixels → `logits`, `probabilities` float32
-    `(batch, num_classes)`. The graph is converted by tf2onnx from the same function the SavedModel
-    serves; `Erfc` (exact GELU) becomes `1 - Erf`.
+    `(batch, num_classes)` (a backbone without head: `features`). The graph is converted by
+    tf2onnx from the same function the SavedModel serves, without its size check (tf2onnx drops
+    assertions); `Erfc` (exact GELU) becomes `1 - Erf`.
     """
     require_tensorflow_backend()
     import tf2onnx
@@ -340,17 +443,19 @@ def export_onnx(model, path, opset=ONNX_OPSET):
     return path
 
 
-def _compare(artifact, entry_point, logits, reference, tolerance):
-    logits, reference = np.asarray(logits), np.asarray(reference)
-    if logits.shape != reference.shape:
+def _compare(artifact, entry_point, values, reference, tolerance, output="logits"):
+    """A `Verification` of an artifact's `output` ("logits" or "features") against Keras'."""
+    values, reference = np.asarray(values), np.asarray(reference)
+    if values.shape != reference.shape:
         raise ExportVerificationError(
-            f"{artifact} [{entry_point}] returned logits of shape {logits.shape}; Keras returns "
-            f"{reference.shape}.")
-    max_abs = float(np.max(np.abs(logits - reference)))
-    max_logit = float(np.max(np.abs(reference)))
-    agreement = float(np.mean(np.argmax(logits, -1) == np.argmax(reference, -1)))
-    return Verification(artifact, entry_point, max_abs, max_abs / max(max_logit, 1e-6), agreement,
-                        len(reference), tolerance, max_logit)
+            f"{artifact} [{entry_point}] returned {output} of shape {values.shape}; Keras "
+            f"returns {reference.shape}.")
+    max_abs = float(np.max(np.abs(values - reference)))
+    max_value = float(np.max(np.abs(reference)))
+    agreement = (float(np.mean(np.argmax(values, -1) == np.argmax(reference, -1)))
+                 if output == "logits" else None)
+    return Verification(artifact, entry_point, max_abs, max_abs / max(max_value, 1e-6), agreement,
+                        len(reference), tolerance, max_value, output)
 
 
 def _in_two_batches(run, images):
@@ -360,28 +465,29 @@ def _in_two_batches(run, images):
     return np.concatenate([run(images[:1]), run(images[1:])])
 
 
-def verify_saved_model(export_dir, model, images=None):
+def verify_saved_model(export_dir, model, images=None, max_image_size=None):
     """Reloads a SavedModel with `tf.saved_model.load` and checks both signatures against Keras,
     on `images` or at every `verification_sizes` size."""
     loaded = tf.saved_model.load(export_dir)
     serving = loaded.signatures[SERVING_SIGNATURE]
     by_bytes = loaded.signatures[BYTES_SIGNATURE]
+    output = output_name(model)
 
     def from_pixels(x):
-        return serving(images=tf.constant(x))["logits"].numpy()
+        return serving(images=tf.constant(x))[output].numpy()
 
     def from_png(x):
         png = tf.stack([tf.io.encode_png(tf.cast(image, tf.uint8)) for image in x])
-        return by_bytes(image_bytes=png)["logits"].numpy()
+        return by_bytes(image_bytes=png)[output].numpy()
 
     verifications = []
-    for label, batch in _verification_batches(model, images):
+    for label, batch in _verification_batches(model, images, max_image_size):
         reference = keras.ops.convert_to_numpy(model(batch, training=False))
         verifications += [
             _compare(export_dir, SERVING_SIGNATURE + label, _in_two_batches(from_pixels, batch),
-                     reference, RELATIVE_TOLERANCE),
+                     reference, RELATIVE_TOLERANCE, output),
             _compare(export_dir, f"{BYTES_SIGNATURE} (PNG){label}",
-                     _in_two_batches(from_png, batch), reference, RELATIVE_TOLERANCE),
+                     _in_two_batches(from_png, batch), reference, RELATIVE_TOLERANCE, output),
         ]
     return verifications
 
@@ -399,40 +505,43 @@ def litert_ops(path):
     return sorted({op["op_name"] for op in litert_interpreter(path)._get_ops_details()})
 
 
-def verify_litert(path, model, images=None, quantize="none"):
+def verify_litert(path, model, images=None, quantize="none", max_image_size=None):
     """Runs a `.tflite` file in `ai_edge_litert`'s Interpreter and checks it against Keras."""
     runner = litert_interpreter(path).get_signature_runner(SERVING_SIGNATURE)
     tolerance = RELATIVE_TOLERANCE if quantize == "none" else None
+    output = output_name(model)
     verifications = []
-    for label, batch in _verification_batches(model, images):
+    for label, batch in _verification_batches(model, images, max_image_size):
         reference = keras.ops.convert_to_numpy(model(batch, training=False))
-        logits = _in_two_batches(lambda x: runner(images=x)["logits"], batch)
+        values = _in_two_batches(lambda x: runner(images=x)[output], batch)
         verifications.append(_compare(path, f"{SERVING_SIGNATURE}, quantize={quantize}{label}",
-                                      logits, reference, tolerance))
+                                      values, reference, tolerance, output))
     return verifications
 
 
-def verify_onnx(path, model, images=None):
+def verify_onnx(path, model, images=None, max_image_size=None):
     """Runs an `.onnx` file in onnxruntime and checks it against Keras."""
     import onnxruntime
 
     session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    output = output_name(model)
     verifications = []
-    for label, batch in _verification_batches(model, images):
+    for label, batch in _verification_batches(model, images, max_image_size):
         reference = keras.ops.convert_to_numpy(model(batch, training=False))
-        logits = _in_two_batches(lambda x: session.run(["logits"], {"images": x})[0], batch)
-        verifications.append(_compare(path, "onnxruntime" + label, logits, reference,
-                                      RELATIVE_TOLERANCE))
+        values = _in_two_batches(lambda x: session.run([output], {"images": x})[0], batch)
+        verifications.append(_compare(path, "onnxruntime" + label, values, reference,
+                                      RELATIVE_TOLERANCE, output))
     return verifications
 
 
-def verify_artifact(path, format, model, images=None, quantize="none"):
-    """Reloads an exported artifact in its own runtime; a list of `Verification`s against Keras."""
+def verify_artifact(path, format, model, images=None, quantize="none", max_image_size=None):
+    """Reloads an exported artifact in its own runtime; a list of `Verification`s against Keras
+    (at the sizes `verification_sizes(model, max_image_size)` unless `images` are given)."""
     if format == "saved_model":
-        return verify_saved_model(path, model, images)
+        return verify_saved_model(path, model, images, max_image_size)
     if format == "tflite":
-        return verify_litert(path, model, images, quantize)
-    return verify_onnx(path, model, images)
+        return verify_litert(path, model, images, quantize, max_image_size)
+    return verify_onnx(path, model, images, max_image_size)
 
 
 def _next_version(model_dir):
@@ -501,7 +610,7 @@ def _publish(staged, path):
 
 
 def export(model, format, out_dir, *, name, version=None, quantize="none", class_names=None,
-           top_k=5, verify=True, images=None, overwrite=False):
+           top_k=5, verify=True, images=None, overwrite=False, max_image_size=None):
     """Exports `model` in one format under `out_dir`, then reloads and verifies the artifact.
 
     Args:
@@ -516,12 +625,16 @@ def export(model, format, out_dir, *, name, version=None, quantize="none", class
       name: the model name (TF Serving's `MODEL_NAME`, and the file stem).
       version: the SavedModel version folder; by default one more than the highest present.
       quantize: `"none"`, or for `tflite` `"dynamic_int8"` / `"float16"`.
-      class_names: optional list of `num_classes` names (SavedModel `top_k_names`, labels files).
+      class_names: optional list of `num_classes` names (SavedModel `top_k_names`, labels
+        files); none for a backbone without head, whose artifacts return `features`.
       top_k: how many classes `top_k_indices` / `top_k_names` list.
       verify: reload the artifact in its runtime and compare with Keras (raise beyond tolerance).
       images: the verification batch; `verification_images(model)` by default.
       overwrite: replace an existing artifact (and a labels file of other class names) once the
         new one is verified; without it, they are refused before anything is written.
+      max_image_size: for a model of dynamic image size, the largest side in pixels its
+        SavedModel serves (larger ones are refused); default `default_max_image_size(model)`, 4
+        times the size it was built for. LiteRT and ONNX graphs cannot check it.
 
     Returns:
       `(path, verifications)`: the artifact's path and a list of `Verification`s (empty if
@@ -543,6 +656,8 @@ def export(model, format, out_dir, *, name, version=None, quantize="none", class
         raise ValueError(f"Quantization {quantize!r} applies to the tflite format only, not "
                          f"{format!r}; use --quantize none.")
     _check_class_names(model, class_names)
+    if is_dynamic(model):
+        max_image_size = _max_image_size(model, max_image_size)
     existing = existing_outputs(format, out_dir, name, version, quantize, class_names)
     if existing and not overwrite:
         raise FileExistsError(
@@ -558,7 +673,7 @@ def export(model, format, out_dir, *, name, version=None, quantize="none", class
     if os.path.isdir(staged):
         shutil.rmtree(staged)
     if format == "saved_model":
-        export_saved_model(model, staged, class_names, top_k)
+        export_saved_model(model, staged, class_names, top_k, max_image_size)
     elif format == "tflite":
         export_litert(model, staged, quantize)
     else:
@@ -566,14 +681,16 @@ def export(model, format, out_dir, *, name, version=None, quantize="none", class
     verifications = []
     if verify:
         verifications = [dataclasses.replace(v, artifact=path)
-                         for v in verify_artifact(staged, format, model, images, quantize)]
+                         for v in verify_artifact(staged, format, model, images, quantize,
+                                                  max_image_size)]
     failed = [v for v in verifications if not v.passed]
     if failed:
         raise ExportVerificationError(
             "The exported artifact does not reproduce the Keras model:\n"
             + "\n".join(v.summary() for v in failed)
-            + f"\nFloat exports must match Keras' logits within a relative difference of "
-              f"{RELATIVE_TOLERANCE:.0e}. The artifact was left at {staged} for inspection.")
+            + f"\nFloat exports must match Keras' {output_name(model)} within a relative "
+              f"difference of {RELATIVE_TOLERANCE:.0e}. The artifact was left at {staged} for "
+              f"inspection.")
     _publish(staged, path)
     if format != "saved_model":
         _write_labels(labels_path(out_dir, name), class_names)

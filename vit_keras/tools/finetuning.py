@@ -4,11 +4,11 @@ model is compiled:
 
 - LoRA (`enable_lora`, `--lora_rank R`): Keras' `enable_lora` on the attention projections
   (`query`, `key`, `value`, `out`: `EinsumDense`) and the MLP's `Dense_0` and `Dense_1` of every
-  encoder block; every other weight frozen but the classifier (`pre_logits` and `head`) and,
-  with `train_norms`, the LayerNorms. The run's `model.keras` is `merge_lora`'s plain model (the
-  adapters folded into the kernels: it loads with only `import vit_keras`), and `adapters.npz`
-  beside it holds the trained weights alone (`save_adapters`; `apply_adapters` puts them on the
-  base model again).
+  encoder block; every other weight frozen but the classifier (`pre_logits`, `head`, and a
+  distilled DeiT's second head `head_dist`) and, with `train_norms`, the LayerNorms. The run's
+  `model.keras` is `merge_lora`'s plain model (the adapters folded into the kernels: it loads
+  with only `import vit_keras`), and `adapters.npz` beside it holds the trained weights alone
+  (`save_adapters`; `apply_adapters` checks them and puts them on the base model again).
 
   Each update is `(alpha / R) * A @ B` of rank <= R, the paper's: for `out` `(heads, head_dim,
   hidden)` and the MLP's kernels Keras' own (`A` the kernel's shape with its last axis `R`), for
@@ -16,7 +16,9 @@ model is compiled:
   (`A` `(hidden, R)`, `B` `(R, heads, head_dim)`: one update of the `hidden -> hidden` map).
 - The linear probe (`linear_probe_model`, `--linear_probe`): the paper's linear evaluation on a
   whole dataset. The encoder is frozen and runs as at inference (its dropout and drop path rates
-  set to 0, so `training=True` computes what `training=False` does); only `head` trains.
+  set to 0, so `training=True` computes what `training=False` does); only the head trains (both
+  heads of a distilled DeiT, `head` and `head_dist`, which the model averages: a frozen new
+  `head_dist` would stay zero and halve every logit for good).
 - Rematerialisation (`rematerialize`, `--remat`): each `TransformerBlock`'s forward is recomputed
   in the backward pass instead of keeping its activations (`keras.remat` of each block's call:
   `jax.checkpoint`, `tf.recompute_grad`, `torch.utils.checkpoint`), for larger batches in the same
@@ -25,16 +27,20 @@ model is compiled:
 
 import functools
 import os
+import zipfile
 
 import keras
 import numpy as np
 
 from vit_keras import errors
-from vit_keras.layers import TransformerBlock
+from vit_keras.layers import HeadsProjection, TransformerBlock
 from vit_keras.tools import callbacks as callbacks_lib
 
-# The classifier a LoRA run trains in full; the linear probe trains `head` alone (linear).
-HEAD_LAYERS = ("pre_logits", "head")
+# The classifier a LoRA run trains in full (those of the model's layers it has).
+HEAD_LAYERS = ("pre_logits", "head", "head_dist")
+# The linear layers a linear probe trains: the head, and a distilled DeiT's second head, which
+# the model averages with it.
+PROBE_LAYERS = ("head", "head_dist")
 # Keys of adapters.npz that are no weights.
 _RANK_KEY, _ALPHA_KEY = "__lora_rank__", "__lora_alpha__"
 
@@ -44,8 +50,7 @@ class FinetuningOptionError(errors.UserError, ValueError):
     they cannot take."""
 
 
-class AdaptersError(errors.UserError, ValueError):
-    """An adapters file that does not fit the base model it is applied to."""
+AdaptersError = errors.AdaptersError  # where it was first defined; one class
 
 
 def lora_on(config):
@@ -101,21 +106,45 @@ def trainable_parameters(model):
 def prepare_run_model(vit, config, log=print):
     """The ViT a run trains from the one it built (call before compiling): a linear probe
     (`config.linear_probe`, a copy), rematerialised (`config.remat`) and LoRA-enabled
-    (`config.lora_rank`), both in place."""
+    (`config.lora_rank`), both in place.
+
+    Logs a line `Warning: ...` for a choice that runs but is likely a mistake: LoRA or the linear
+    probe without `config.weights` (a randomly initialised encoder, frozen), and a LoRA rank
+    whose adapters hold more weights than the kernels they adapt."""
+    if (config.linear_probe or lora_on(config)) and not config.weights:
+        used = "--linear_probe" if config.linear_probe else f"--lora_rank {config.lora_rank}"
+        log(f"Warning: {used} without --weights: the encoder is randomly initialised and "
+            f"frozen, so only {'the head' if config.linear_probe else 'low-rank adapters'} "
+            f"learn on random features; give --weights to fine-tune a pre-trained encoder.")
     if config.linear_probe:
         vit = linear_probe_model(vit)
-        log("Linear probe: the encoder frozen, at inference; only the head trains.")
+        log(f"Linear probe: the encoder frozen, at inference; only "
+            f"{' and '.join(_present(vit, PROBE_LAYERS))} train.")
     if config.remat:
         rematerialize(vit)
         log("--remat: each encoder block is recomputed in the backward pass.")
     if lora_on(config):
+        _warn_of_a_rank_beyond_break_even(vit, config.lora_rank, log)
         enable_lora(vit, config.lora_rank, config.lora_alpha,
                     train_norms=config.lora_train_norms)
         alpha = config.lora_alpha if config.lora_alpha is not None else config.lora_rank
         log(f"LoRA rank {config.lora_rank}, alpha {alpha:g} on the attention projections and "
-            f"the MLP; trained: adapters, {' and '.join(HEAD_LAYERS)}"
+            f"the MLP; trained: adapters, {' and '.join(_present(vit, HEAD_LAYERS))}"
             + (", LayerNorms" if config.lora_train_norms else "") + ".")
     return vit
+
+
+def _warn_of_a_rank_beyond_break_even(model, rank, log):
+    """Logs a warning when LoRA of `rank` would train more weights than the kernels it adapts
+    hold: full fine-tuning of those kernels would then train fewer."""
+    targets = lora_targets(model)
+    kernels = sum(int(np.prod(_base_kernel(layer).shape)) for layer in targets)
+    per_rank = sum(int(np.prod(shape)) for layer in targets for shape in adapter_shapes(layer, 1))
+    if rank * per_rank >= kernels:
+        log(f"Warning: LoRA rank {rank} trains {rank * per_rank:,} adapter weights, as many as "
+            f"or more than the {kernels:,} weights of the kernels they adapt (the whole model "
+            f"has {model.count_params():,}): full fine-tuning would train fewer; a rank below "
+            f"{-(-kernels // per_rank)} trains fewer than they hold.")
 
 
 # LoRA --------------------------------------------------------------------------------------------
@@ -149,6 +178,18 @@ def enable_lora(model, rank, alpha=None, train_norms=False):
     for weight in model.weights:
         weight.trainable = id(weight) in trained
     return model
+
+
+def adapter_shapes(layer, rank):
+    """`(A shape, B shape)` of LoRA of `rank` on one of `lora_targets`, without enabling it: Keras'
+    `A` is the kernel's shape with its last axis `rank` and `B` `(rank, units)`;
+    `layers.HeadsProjection` (query, key, value) adapts the one `hidden -> hidden` map, `A`
+    `(hidden, rank)` and `B` `(rank, heads, head_dim)`. (apply_adapters checks a file against
+    these before reading its arrays, and against the enabled layer's after.)"""
+    shape = tuple(_base_kernel(layer).shape)
+    if isinstance(layer, HeadsProjection):
+        return (shape[0], rank), (rank, *shape[1:])
+    return (*shape[:-1], rank), (rank, shape[-1])
 
 
 def _keep_adapters_in_weights_files(layer):
@@ -228,6 +269,12 @@ def save_adapters(model, path):
 def apply_adapters(base_model, path, merge=True):
     """The base model of a LoRA run with the adapters `save_adapters` wrote to `path`.
 
+    The file is checked as a checkpoint is before anything is applied: an `.npz` of plain
+    arrays, a positive whole rank and a finite positive alpha, every adapter of that rank and
+    the classifier's weights present (the LayerNorms all or none), nothing else, each array of
+    the shape the base model needs, every value finite. The shapes are read from the arrays'
+    headers first, so a file declaring huge arrays is refused before they are read.
+
     Args:
       base_model: the model the run adapted: the same variant, image size and number of classes
         (e.g. `vit_keras.build_model_from_checkpoint(weights, num_classes=N)`), with the
@@ -236,29 +283,131 @@ def apply_adapters(base_model, path, merge=True):
       merge: True: a plain model with the adapters merged (`merge_lora`), what the run saved as
         `model.keras`; False: the LoRA-enabled model, to train further.
 
-    Raises `AdaptersError` when the file's weights do not fit the model.
+    Raises:
+      vit_keras.errors.AdaptersError: the file cannot be applied to `base_model`; one line
+        naming the file and what is wrong with it.
     """
-    with np.load(path) as stored:
-        arrays = dict(stored)
-    if _RANK_KEY not in arrays:
-        raise AdaptersError(f"{path} is not an adapters file of vit_keras (no LoRA rank in it).")
-    rank, alpha = int(arrays.pop(_RANK_KEY)), float(arrays.pop(_ALPHA_KEY))
+    path = os.fspath(path)
+    with _open_adapters(path) as archive:
+        headers = _array_headers(archive, path)
+        rank, alpha = _rank_and_alpha(archive, headers, path)
+        _check_arrays_fit(headers, _expected_shapes(base_model, rank), path, base_model.name)
+        arrays = {name: _read_array(archive, name, path) for name in headers
+                  if name not in (_RANK_KEY, _ALPHA_KEY)}
+    for name, value in arrays.items():
+        if not np.all(np.isfinite(value)):
+            raise AdaptersError(f"{path}: {name} holds NaN or infinite values; the run that wrote "
+                                f"it diverged or the file is damaged.")
     model = keras.Model.from_config(base_model.get_config())
     model.set_weights(base_model.get_weights())
     enable_lora(model, rank, alpha)
     weights = {weight.path: weight for weight in model.weights}
-    unknown = sorted(set(arrays) - set(weights))
-    if unknown:
-        raise AdaptersError(f"{path} holds weights that {base_model.name} has not: "
-                            f"{', '.join(unknown[:3])}; apply it to the model the run adapted.")
     for name, value in arrays.items():
-        if tuple(weights[name].shape) != value.shape:
+        if tuple(weights[name].shape) != value.shape:  # adapter_shapes and Keras disagree
             raise AdaptersError(
                 f"{path}: {name} is {value.shape} but {base_model.name} has "
                 f"{tuple(weights[name].shape)}; build the base model with the run's variant, "
                 f"image size and number of classes.")
         weights[name].assign(value)
     return merge_lora(model) if merge else model
+
+
+def _open_adapters(path):
+    if not os.path.isfile(path):
+        raise AdaptersError(f"No adapters file at {path!r}.")
+    try:
+        return zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError) as error:
+        raise AdaptersError(f"{path} is not an adapters file of vit_keras (an .npz archive): "
+                            f"{error}.") from None
+
+
+def _array_headers(archive, path):
+    """`{name: (shape, dtype)}` of every array in an `.npz`, read from the `.npy` headers alone."""
+    headers = {}
+    for member in archive.infolist():
+        if not member.filename.endswith(".npy"):
+            raise AdaptersError(f"{path} holds {member.filename!r}, which is no NumPy array: "
+                                f"it is not an adapters file of vit_keras.")
+        try:
+            with archive.open(member) as f:
+                version = np.lib.format.read_magic(f)
+                read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                               else np.lib.format.read_array_header_2_0)
+                shape, _, dtype = read_header(f)
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as error:
+            raise AdaptersError(f"{path}: {member.filename} is not a readable NumPy array "
+                                f"({error}).") from None
+        headers[member.filename[:-len(".npy")]] = (tuple(shape), dtype)
+    return headers
+
+
+def _read_array(archive, name, path):
+    try:
+        with archive.open(name + ".npy") as f:
+            return np.lib.format.read_array(f, allow_pickle=False)
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as error:
+        raise AdaptersError(f"{path}: {name} cannot be read ({error}); the file is damaged.") \
+            from None
+
+
+def _rank_and_alpha(archive, headers, path):
+    """The file's LoRA rank (a whole number >= 1) and alpha (finite, > 0)."""
+    for key in (_RANK_KEY, _ALPHA_KEY):
+        if key not in headers:
+            raise AdaptersError(f"{path} is not an adapters file of vit_keras (no {key} in it).")
+        shape, dtype = headers[key]
+        if shape != () or dtype.kind not in ("iu" if key == _RANK_KEY else "iuf"):
+            raise AdaptersError(f"{path}: {key} is an array {shape} of {dtype}, not one "
+                                f"{'whole number' if key == _RANK_KEY else 'number'}.")
+    rank, alpha = (_read_array(archive, key, path)[()] for key in (_RANK_KEY, _ALPHA_KEY))
+    if rank < 1:
+        raise AdaptersError(f"{path}: LoRA rank {rank} is not a positive rank.")
+    if not (np.isfinite(alpha) and alpha > 0):
+        raise AdaptersError(f"{path}: LoRA alpha {alpha} is not a finite positive scale.")
+    return int(rank), float(alpha)
+
+
+def _expected_shapes(base_model, rank):
+    """`(required, optional)`: `{weight path: shape}` a file of `rank` for `base_model` must hold
+    (every adapter, the classifier) and the LayerNorms' it may hold (all or none)."""
+    required = {}
+    for layer in lora_targets(base_model):
+        a, b = adapter_shapes(layer, rank)
+        required[f"{layer.path}/lora_kernel_a"] = a
+        required[f"{layer.path}/lora_kernel_b"] = b
+    required.update({weight.path: tuple(weight.shape) for name in HEAD_LAYERS
+                     if _has_layer(base_model, name)
+                     for weight in base_model.get_layer(name).weights})
+    norms = {weight.path: tuple(weight.shape) for norm in _layer_norms(base_model)
+             for weight in norm.weights}
+    return required, norms
+
+
+def _check_arrays_fit(headers, expected, path, model_name):
+    required, norms = expected
+    found = {name: header for name, header in headers.items()
+             if name not in (_RANK_KEY, _ALPHA_KEY)}
+    unknown = sorted(set(found) - set(required) - set(norms))
+    if unknown:
+        raise AdaptersError(f"{path} holds weights that {model_name} has not: "
+                            f"{', '.join(unknown[:3])}; apply it to the model the run adapted.")
+    given_norms = set(found) & set(norms)
+    missing = sorted((set(required) | (set(norms) if given_norms else set())) - set(found))
+    if missing:
+        raise AdaptersError(
+            f"{path} is incomplete: {len(missing)} of the weights a LoRA run of {model_name} "
+            f"trains are missing ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}"
+            f"); use the whole adapters.npz the run wrote.")
+    for name, (shape, dtype) in found.items():
+        wanted = required.get(name, norms.get(name))
+        if shape != wanted:
+            raise AdaptersError(
+                f"{path}: {name} is {shape} but {model_name} needs {wanted} at the file's LoRA "
+                f"rank; build the base model with the run's variant, image size and number of "
+                f"classes.")
+        if dtype.kind != "f":
+            raise AdaptersError(f"{path}: {name} holds {dtype} values, not floating point.")
 
 
 class MergedModelCheckpoint(callbacks_lib.AtomicModelCheckpoint):
@@ -279,7 +428,7 @@ class MergedModelCheckpoint(callbacks_lib.AtomicModelCheckpoint):
 def linear_probe_model(model):
     """A copy of `model` whose encoder is frozen and computes as at inference (dropout and drop
     path rates 0, so `fit`'s `training=True` changes nothing in it) and whose `head` alone
-    trains."""
+    trains (with a distilled DeiT's `head_dist`: `PROBE_LAYERS`)."""
     if not _has_layer(model, "head"):
         raise ValueError(f"{model.name} has no head layer to probe with.")
     config = model.get_config()
@@ -293,7 +442,7 @@ def linear_probe_model(model):
     probe = keras.Model.from_config(config)
     probe.set_weights(model.get_weights())
     for layer in probe.layers:
-        layer.trainable = layer.name == "head"
+        layer.trainable = layer.name in PROBE_LAYERS
     return probe
 
 
@@ -361,6 +510,11 @@ def _is_block(layer_config):
 
 def _has_layer(model, name):
     return any(layer.name == name for layer in model.layers)
+
+
+def _present(model, names):
+    """Those of the layer `names` that `model` has."""
+    return [name for name in names if _has_layer(model, name)]
 
 
 def _base_kernel(layer):
