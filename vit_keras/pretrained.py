@@ -11,8 +11,8 @@ import logging
 import os
 
 from vit_keras import configs, download, errors, geometry, releases
-from vit_keras import normalization as normalization_lib
 from vit_keras import model as model_lib
+from vit_keras import normalization as normalization_lib
 from vit_keras.checkpoints import huggingface, loader
 
 logger = logging.getLogger("vit_keras")
@@ -214,7 +214,8 @@ def build_model(variant, *, weights=None, image_size=None, num_classes=None, inc
     """
     checkpoint, release = resolve_weights(weights, variant, image_size)
     given = {"include_top": include_top, "include_preprocessing": include_preprocessing,
-             "normalization": normalization, "classifier": classifier, "dropout": dropout, "attention_dropout": attention_dropout,
+             "normalization": normalization, "classifier": classifier, "dropout": dropout,
+             "attention_dropout": attention_dropout,
              "drop_path_rate": drop_path_rate, "channels": channels,
              "layer_norm_epsilon": layer_norm_epsilon, "approximate_gelu": approximate_gelu,
              "hybrid_numerics": hybrid_numerics, "dynamic_image_size": dynamic_image_size,
