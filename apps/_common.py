@@ -203,6 +203,34 @@ def verify_reload(model, path, tolerance=1e-5, shown_as=None):
     return difference
 
 
+NORMALIZATION_NAMES = ("inception", "imagenet", "clip")
+"""`--normalization`'s choices: the names of `vit_keras.NORMALIZATIONS` (a test keeps them equal;
+the flag is defined before Keras is imported)."""
+
+
+def define_checkpoint_flags():
+    """`--normalization` and `--timm_architecture`, for the apps that build a model from
+    `--weights`: what a checkpoint file may not say itself."""
+    flags.DEFINE_enum(
+        "normalization", None, NORMALIZATION_NAMES,
+        "How the weights' pixels were normalised in training, which the model then does itself: "
+        "inception ((x - 127.5) / 127.5, the paper's), imagenet (ImageNet's mean and std: DeiT, "
+        "DINOv2, MAE) or clip. Default: what the weights say (the release table, timm's "
+        "config.json or model name, the Hugging Face image processor), else inception with a "
+        "warning.")
+    flags.DEFINE_string(
+        "timm_architecture", None,
+        "For a timm state dict: the timm model name (e.g. vit_base_patch16_clip_quickgelu_224."
+        "openai), which says what its keys cannot: CLIP's GELU, LayerNorm epsilon, heads, "
+        "normalisation. Default: the architecture in timm's config.json beside the file.")
+
+
+def checkpoint_options():
+    """The `build_model_from_checkpoint` arguments of `define_checkpoint_flags`' flags given."""
+    given = {"normalization": FLAGS.normalization, "timm_architecture": FLAGS.timm_architecture}
+    return {name: value for name, value in given.items() if value is not None}
+
+
 def define_model_output_flags():
     """`--out` (a `.keras` path) and `--overwrite`, for the apps that write one model file."""
     flags.DEFINE_string("out", None, "Output .keras file, e.g. saved_models/NAME.keras.",

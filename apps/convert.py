@@ -46,6 +46,7 @@ flags.DEFINE_enum("interpolation", None, ("vit_jax", "bilinear", "bicubic"),
 flags.DEFINE_boolean("antialias", None, "Antialiased bilinear/bicubic resampling. Default: the "
                      "format's (on for timm state dicts).")
 flags.DEFINE_integer("num_heads", None, "Attention heads, for timm files of non-standard width.")
+_common.define_checkpoint_flags()
 FLAGS = flags.FLAGS
 
 
@@ -62,7 +63,8 @@ def main(argv):
     model = vit_keras.build_model_from_checkpoint(
         FLAGS.weights, variant=FLAGS.model, image_size=image_size,
         num_classes=FLAGS.num_classes, num_heads=FLAGS.num_heads,
-        interpolation=FLAGS.interpolation, antialias=FLAGS.antialias)
+        interpolation=FLAGS.interpolation, antialias=FLAGS.antialias,
+        **_common.checkpoint_options())
     try:
         difference = _common.save_checked_model(model, FLAGS.out)
     except _common.ReloadMismatchError as error:

@@ -36,6 +36,7 @@ flags.DEFINE_string("weights", None, "Pretrained weights evaluated instead of a 
                     "release name (e.g. dinov2, clip_openai, augreg_in21k; --model names the "
                     "variant), a checkpoint file or folder, or hf-hub:REPO_ID. The model is built "
                     "without its head: its pooled features are evaluated.")
+_common.define_checkpoint_flags()
 flags.DEFINE_integer("image_size", None, "With --weights: the resolution (default: the weights' "
                      "own; position embeddings are resampled to another).")
 flags.DEFINE_string("dataset", None, "digits, folder:PATH or a tfds name (default: the run's "
@@ -82,7 +83,8 @@ def main(argv):
                                               FLAGS.split_seed, FLAGS.val_fraction)
     if FLAGS.weights:
         model = vit_keras.build_model_from_checkpoint(
-            FLAGS.weights, variant=FLAGS.model, image_size=FLAGS.image_size, include_top=False)
+            FLAGS.weights, variant=FLAGS.model, image_size=FLAGS.image_size, include_top=False,
+            **_common.checkpoint_options())
     else:
         model = _common.load_keras_model(FLAGS.model)
     image_size = _common.model_image_size(model)

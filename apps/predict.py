@@ -36,6 +36,7 @@ flags.DEFINE_string("weights", None,
 flags.DEFINE_integer("image_size", None,
                      "With --weights: the input size (a release's file nearest to it is taken). "
                      "Default: the release's or the checkpoint's.")
+_common.define_checkpoint_flags()
 flags.DEFINE_integer("top_k", 5, "Classes listed per image.")
 flags.DEFINE_string("class_names", None,
                     "A JSON list or a text file with one class name per line (default: the "
@@ -58,8 +59,8 @@ def _published_model(variant, weights, image_size):
     except ValueError as error:
         raise app.UsageError(f"--model {variant}: {error}") from None
     release = _common.check_weights(weights, variant, image_size)
-    return vit_keras.build_model_from_checkpoint(weights, variant=variant,
-                                                 image_size=image_size), release
+    return vit_keras.build_model_from_checkpoint(weights, variant=variant, image_size=image_size,
+                                                 **_common.checkpoint_options()), release
 
 
 @_common.exit_on_user_error

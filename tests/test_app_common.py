@@ -297,3 +297,9 @@ def test_import_noise_is_dropped_below_the_level_in_force():
     assert _app_output._HeldBackStderr(3)._kept(lines) == lines[-1:]
     assert _app_output._HeldBackStderr(1)._kept(lines) == lines[4:]
     assert _app_output._HeldBackStderr(0)._kept(lines) == lines
+
+
+def test_the_normalization_flag_offers_every_named_normalization():
+    import vit_keras
+
+    assert _common.NORMALIZATION_NAMES == tuple(vit_keras.NORMALIZATIONS)

@@ -377,3 +377,30 @@ def test_timm_config_json_is_read_as_timm_writes_it(tmp_path):
     assert found["num_heads"] == 2 and found["normalization"].name == "imagenet"
     (folder / "config.json").write_text(json.dumps({"architecture": 3, "pretrained_cfg": []}))
     assert timm_format.config_beside(str(folder / "model.safetensors")) == {}
+
+
+# --- The apps: what a checkpoint file cannot say, as flags ----------------------------------------
+@pytest.mark.slow
+def test_convert_takes_the_timm_architecture_and_the_normalization_as_flags(tmp_path):
+    from conftest import run_app
+
+    quick = randomised_timm_model("vit_base_patch16_clip_quickgelu_224.openai",
+                                  {"img_size": 32, "patch_size": 8})
+    torch.save(quick.state_dict(), tmp_path / "clip.pth")
+    result = run_app("convert.py", "--weights", str(tmp_path / "clip.pth"), "--num_heads", "2",
+                     "--timm_architecture", "vit_base_patch16_clip_quickgelu_224",
+                     "--out", str(tmp_path / "clip.keras"))
+    assert result.returncode == 0, result.stderr
+    assert "GELU cannot be told" not in result.stderr
+    pixels = raw_pixels(32)
+    model = keras.saving.load_model(tmp_path / "clip.keras")
+    assert relative_error(model.predict(pixels, verbose=0), timm_logits(quick, pixels)) <= RTOL
+
+    plain = randomised_timm_model("vit_base_patch16_224.mae", {"img_size": 32, "patch_size": 8})
+    torch.save(plain.state_dict(), tmp_path / "mae.pth")
+    result = run_app("convert.py", "--weights", str(tmp_path / "mae.pth"), "--num_heads", "2",
+                     "--normalization", "imagenet", "--out", str(tmp_path / "mae.keras"))
+    assert result.returncode == 0, result.stderr
+    assert "does not say how its pixels were normalised" not in result.stderr
+    model = keras.saving.load_model(tmp_path / "mae.keras")
+    assert relative_error(model.predict(pixels, verbose=0), timm_logits(plain, pixels)) <= RTOL
