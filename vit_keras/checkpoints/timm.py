@@ -15,12 +15,11 @@ and the heads from its size (`tiny` 3, `small` 6, `base` 12, `large` 16, `huge` 
 `so400m` 16) when the paper's variants do not give one for the width.
 """
 
-import json
 import os
 import re
 
 from vit_keras import configs, errors
-from vit_keras.checkpoints import names
+from vit_keras.checkpoints import files, names
 
 _ANCHOR = "patch_embed.proj.weight"
 CONFIG = "config.json"
@@ -63,9 +62,8 @@ def architecture_beside(path):
     if not os.path.isfile(config):
         return None
     try:
-        with open(config, encoding="utf-8") as f:
-            architecture = json.load(f).get("architecture")
-    except (OSError, ValueError, AttributeError):
+        architecture = files.read_json(config).get("architecture")
+    except (OSError, ValueError, AttributeError):  # a CheckpointError is a ValueError
         return None  # not timm's: the weights alone decide
     return architecture if isinstance(architecture, str) else None
 
