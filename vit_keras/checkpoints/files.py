@@ -109,10 +109,14 @@ def _check_npz_members(path, archive):
                                else np.lib.format.read_array_header_2_0)
                 shape, _, dtype = read_header(member)
                 header_size = member.tell()
-        except (ValueError, zipfile.BadZipFile, zlib.error, EOFError) as error:
+        except ValueError as error:
             raise errors.CheckpointError(
                 f"{path!r} is a corrupt .npz file: array {key!r} has no valid header "
                 f"({error}).") from error
+        except (zipfile.BadZipFile, zlib.error, EOFError) as error:  # a bad CRC-32, cut data
+            raise errors.CheckpointError(
+                f"{path!r} is a truncated or corrupt .npz file: array {key!r} cannot "
+                f"be read ({error}).") from error
         if dtype.hasobject:  # refused when read, without being unpickled
             continue
         claimed = math.prod(shape) * dtype.itemsize
