@@ -309,16 +309,16 @@ class _Download:
                 start, headers = download_http.receive(self.url, self.out, self.partial, limits,
                                                        progress)
             except urllib.error.HTTPError as error:
-                self._clear_if_empty()
+                self.clear_if_empty()
                 raise _unavailable(self.path, self.url, f"HTTP {error.code} {error.reason}",
                                    self.base_url) from error
             except download_http.HTTP_ERRORS as error:
-                self._clear_if_empty()
+                self.clear_if_empty()
                 reason = getattr(error, "reason", None) or error
                 raise _unavailable(self.path, self.url, str(reason) or type(error).__name__,
                                    self.base_url) from error
             except BaseException:
-                self._clear_if_empty()
+                self.clear_if_empty()
                 raise
             self.resumed = start > 0
             hub = (self.base_url or releases.OFFICIAL_BASE_URL) == releases.HUB_BASE_URL
@@ -363,8 +363,8 @@ class _Download:
             f"{self.base_url or releases.OFFICIAL_BASE_URL}), or place a good copy at "
             f"{self.target}.")
 
-    def _clear_if_empty(self):
-        if not os.fstat(self.out.fileno()).st_size:
+    def clear_if_empty(self):
+        if not os.fstat(self.out.fileno()).st_size and _is_at(self.out, self.partial):
             os.remove(self.partial)  # nothing arrived: leave no clutter
 
 
@@ -387,13 +387,18 @@ def _download(targets, base_url, progress, check_file, check_together, files=Non
             downloads[path] = _Download(path, targets[path], out, base_url)
         for path in list(downloads):
             if os.path.isfile(targets[path]):  # another process finished it while this one waited
-                downloads.pop(path)._clear_if_empty()
+                downloads.pop(path).clear_if_empty()
         local = {**(files or targets), **{path: d.partial for path, d in downloads.items()}}
-        for path in targets:  # in the caller's order
-            if path in downloads:
-                downloads[path].receive(limits, progress, check_file)
-        checked = _check_downloads(downloads, local, limits, progress, check_file,
-                                   check_together)
+        try:
+            for path in targets:  # in the caller's order
+                if path in downloads:
+                    downloads[path].receive(limits, progress, check_file)
+            checked = _check_downloads(downloads, local, limits, progress, check_file,
+                                       check_together)
+        except BaseException:
+            for download in downloads.values():  # those not reached yet: leave no clutter
+                download.clear_if_empty()
+            raise
         for download in downloads.values():
             os.replace(download.partial, download.target)
         return checked
