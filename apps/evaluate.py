@@ -48,6 +48,7 @@ def main(argv):
 
     dataset, splits = _common.load_run_splits(FLAGS.model, FLAGS.dataset, FLAGS.data_dir,
                                               FLAGS.seed, FLAGS.val_fraction)
+    vit_keras.check_keras_file(FLAGS.model)
     model = keras.saving.load_model(FLAGS.model, compile=False)
     image_size = _common.model_image_size(model)
     if model.output_shape[-1] != splits.num_classes:

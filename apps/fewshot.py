@@ -82,6 +82,7 @@ def main(argv):
         model = vit_keras.build_model_from_checkpoint(
             FLAGS.weights, variant=FLAGS.model, image_size=FLAGS.image_size, include_top=False)
     else:
+        vit_keras.check_keras_file(FLAGS.model)
         model = keras.saving.load_model(FLAGS.model, compile=False)
     image_size = _common.model_image_size(model)
     features = {split: fewshot.dataset_features(model, data.make_pipeline(

@@ -81,6 +81,7 @@ def main(argv):
         if FLAGS.image_size is not None:
             raise app.UsageError("--image_size goes with --weights; a .keras model has its own.")
         class_names = _common.read_class_names(FLAGS.class_names, FLAGS.model) or []
+        vit_keras.check_keras_file(FLAGS.model)
         model = keras.saving.load_model(FLAGS.model, compile=False)
     elif is_keras_file:
         raise app.UsageError(f"--weights goes with a variant in --model (e.g. --model ViT-B/16 "
