@@ -239,8 +239,11 @@ def fetch_release(paths, *, check_file=None, check_together=None, base_url=None,
       `(files, checked)`: the dict of each path's local copy, and what `check_together` returned.
 
     Raises:
-      The errors of `fetch`; an `InvalidFileError` that names the file that failed: a download
-      (deleted, not cached), a cached file (to delete) or a mirror folder's (to replace).
+      ValueError: for a path that leaves the bucket's root.
+      DownloadSettingError: as in `fetch`.
+      WeightsUnavailableError: as in `fetch`.
+      InvalidFileError: naming the file that failed its checks: a download (deleted, not
+        cached), a cached file (to delete) or a mirror folder's (to replace).
     """
     paths = list(paths)
     for path in paths:
