@@ -29,6 +29,10 @@ TRICKLE_LIMIT_SECONDS = 60
 _CDN = "/cdn"
 
 
+def _git_blob_sha1(data):
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
 class _Handler(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args):  # quiet
         pass
@@ -90,15 +94,18 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
             self.send_header("x-goog-hash", "md5=" + base64.b64encode(
                 hashlib.md5(held).digest()).decode())
         elif self.server.hashes == "hub" and name.endswith(".json"):  # a file stored in git
-            blob = hashlib.sha1(b"blob %d\0" % len(held) + held).hexdigest()
-            self.send_header("ETag", f'"{blob}"')
+            self.send_header("ETag", f'"{_git_blob_sha1(held)}"')
 
     def _redirect_to_storage(self, name, held):
         """What the hub answers for a file stored with Git LFS: a redirect to its storage, with
-        the file's sha256 and size."""
+        the file's sha256 and size (and an ETag that is not the file's hash)."""
         self.send_response(302)
         self.send_header("Location", _CDN + name)
-        self.send_header("X-Linked-Etag", f'"{hashlib.sha256(held).hexdigest()}"')
+        sha256 = hashlib.sha256(held).hexdigest()
+        pointer = f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\n" \
+                  f"size {len(held)}\n".encode()  # what git holds: its ETag is not the file's
+        self.send_header("ETag", f'"{_git_blob_sha1(pointer)}"')
+        self.send_header("X-Linked-Etag", f'"{sha256}"')
         self.send_header("X-Linked-Size", str(len(held)))
         self.send_header("Content-Length", "0")
         self._end_head()

@@ -284,9 +284,9 @@ def published_hashes(headers, hub=False):
 
     Read: the Hugging Face hub's `X-Linked-Etag` (the sha256 of a file stored with Git LFS, sent
     on the redirect to its storage), Google Cloud Storage's `x-goog-hash` (`md5=<base64>`; its
-    `crc32c` is not checked), and with `hub=True` the `ETag` of the first response (a sha256 for
-    an LFS file, the git blob sha1 of another). Other servers' ETags are not hashes of the content
-    and are ignored, as are weak ones (`W/"..."`).
+    `crc32c` is not checked), and with `hub=True` the `ETag` of a response that was not
+    redirected (the git blob sha1 of a small file, or a sha256). Other servers' ETags are not
+    hashes of the content and are ignored, as are weak ones (`W/"..."`).
     """
     found = {}
     for response in headers:
@@ -302,10 +302,12 @@ def published_hashes(headers, hub=False):
                     continue
                 if len(digest) == 16:
                     found["md5"] = (digest.hex(), "x-goog-hash")
-    etag = _strong_etag(headers[0].get("ETag")) if hub and headers else None
-    if etag and _SHA256.fullmatch(etag):
-        found.setdefault("sha256", (etag, "ETag"))
-    elif etag and _GIT_SHA1.fullmatch(etag):
+    # The hub's own ETag is the content's hash only on a direct answer: a redirect's may name the
+    # Git LFS pointer, and the storage's final answer has its own kind of ETag.
+    etag = _strong_etag(headers[0].get("ETag")) if hub and len(headers) == 1 else None
+    if etag and "sha256" not in found and _SHA256.fullmatch(etag):
+        found["sha256"] = (etag, "ETag")
+    elif etag and "sha256" not in found and _GIT_SHA1.fullmatch(etag):
         found["git-sha1"] = (etag, "ETag")
     return found
 
