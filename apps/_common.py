@@ -65,9 +65,10 @@ _ARCHITECTURE_FIELDS = ("patch_size", "hidden_size", "mlp_dim", "num_heads", "nu
                         "resnet_layers", "resnet_width")
 
 
-def check_keras_file(path, flag="--model"):
+def check_model_file(path, flag="--model"):
     """Refuses, in one line and before anything loads, a `path` that is missing, a folder, not
-    named `.keras`, or not a Keras model archive (a zip holding `config.json`)."""
+    named `.keras`, not a Keras model archive (a zip holding `config.json`), or one that would
+    exhaust memory when loaded (`vit_keras.check_keras_file`)."""
     if not os.path.exists(path):
         raise app.UsageError(f"{flag} {path}: no such file.")
     if not os.path.isfile(path):
@@ -78,6 +79,12 @@ def check_keras_file(path, flag="--model"):
     if not (zipfile.is_zipfile(path) and _holds_config(path)):
         raise app.UsageError(f"{flag} {path} is not a Keras model file (a zip archive holding "
                              f"config.json): it is damaged or of another format.")
+    from vit_keras import keras_files  # pylint: disable=import-outside-toplevel
+
+    try:
+        keras_files.check_keras_file(path)
+    except keras_files.KerasFileError as error:
+        raise app.UsageError(f"{flag} {error}") from None
 
 
 def _holds_config(path):
@@ -90,9 +97,9 @@ def _holds_config(path):
 
 def load_keras_model(path, flag="--model"):
     """The model in the `.keras` file at `path`, without its training state, on the app's
-    backend; a file that is not one (`check_keras_file`), or that Keras cannot rebuild, is a
+    backend; a file that is not one (`check_model_file`), or that Keras cannot rebuild, is a
     one-line error naming `flag`."""
-    check_keras_file(path, flag)
+    check_model_file(path, flag)
     import keras
 
     import vit_keras  # noqa: F401  (registers the layers for loading)
@@ -146,7 +153,7 @@ def check_keras_weights(path, variant):
     from vit_keras import configs
     from vit_keras.tools import recipes
 
-    check_keras_file(path, "--weights")
+    check_model_file(path, "--weights")
     if not variant:
         return
     try:

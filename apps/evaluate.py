@@ -46,7 +46,7 @@ def main(argv):
     import vit_keras  # noqa: F401  (registers the layers for loading)
     from vit_keras.tools import data, evaluation, run_folder
 
-    _common.check_keras_file(FLAGS.model)  # before the data loads
+    _common.check_model_file(FLAGS.model)  # before the data loads
     dataset, splits = _common.load_run_splits(FLAGS.model, FLAGS.dataset, FLAGS.data_dir,
                                               FLAGS.seed, FLAGS.val_fraction)
     model = _common.load_keras_model(FLAGS.model)

@@ -86,7 +86,7 @@ def main(argv):
         raise app.UsageError("--version applies to --format saved_model only.")
     if FLAGS.quantize != "none" and formats != ["tflite"]:
         raise app.UsageError("--quantize applies to --format tflite only.")
-    _common.check_keras_file(FLAGS.model)
+    _common.check_model_file(FLAGS.model)
     name = FLAGS.name or os.path.basename(os.path.dirname(os.path.abspath(FLAGS.model)))
     class_names = _common.read_class_names(FLAGS.class_names, FLAGS.model)
     if os.path.exists(FLAGS.out) and not os.path.isdir(FLAGS.out):

@@ -78,7 +78,7 @@ def main(argv):
     if FLAGS.weights:  # checked before the data loads
         _common.check_weights(FLAGS.weights, FLAGS.model, FLAGS.image_size)
     else:
-        _common.check_keras_file(FLAGS.model)
+        _common.check_model_file(FLAGS.model)
     dataset, splits = _common.load_run_splits(FLAGS.model, FLAGS.dataset, FLAGS.data_dir,
                                               FLAGS.split_seed, FLAGS.val_fraction)
     if FLAGS.weights:

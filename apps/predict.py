@@ -81,7 +81,7 @@ def main(argv):
                                  f"--model ViT-B/16 --weights augreg_in21k_ft_in1k).")
         if FLAGS.image_size is not None:
             raise app.UsageError("--image_size goes with --weights; a .keras model has its own.")
-        _common.check_keras_file(FLAGS.model)
+        _common.check_model_file(FLAGS.model)
         class_names = _common.read_class_names(FLAGS.class_names, FLAGS.model) or []
         model = _common.load_keras_model(FLAGS.model)
     elif is_keras_file:

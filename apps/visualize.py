@@ -46,6 +46,7 @@ def load_model(spec):
     import vit_keras
 
     if os.path.exists(spec):
+        vit_keras.check_keras_file(spec)
         return keras.models.load_model(spec, compile=False)
     try:
         vit_keras.get_config(spec)  # a variant name, in either spelling (ViT-B/16, ViT-B_16)

@@ -596,6 +596,55 @@ def test_a_bad_safetensors_header_names_the_file(tmp_path):
         vit_keras.load_pretrained(keras_vit(), str(path))
 
 
+def test_a_corrupt_safetensors_file_whose_first_byte_is_0x80_is_not_called_a_pickle(hf_folder,
+                                                                                    tmp_path):
+    """A safetensors file starts with its header's length: a first byte of 0x80 (any length of
+    128 + 256 k bytes) is no pickle. Here the length is corrupt too (beyond the file's end)."""
+    data = bytearray(open(os.path.join(hf_folder[0], "model.safetensors"), "rb").read())
+    data[0], data[7] = 0x80, 0x01
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(bytes(data))
+    with pytest.raises(errors.CheckpointError) as refused:
+        vit_keras.build_model_from_checkpoint(str(path))
+    assert f"{str(path)!r} is not a valid safetensors file" in str(refused.value), refused.value
+    assert "pickle" not in str(refused.value) and "Refusing" not in str(refused.value)
+
+
+def _set_compression_method(path, method):
+    """Rewrites the compression method of every member of the zip archive at `path` (in its
+    local headers and its central directory), leaving the data as it is."""
+    with zipfile.ZipFile(path) as archive:
+        offsets = [info.header_offset for info in archive.infolist()]
+    data = bytearray(open(path, "rb").read())
+    for offset in offsets:
+        data[offset + 8:offset + 10] = struct.pack("<H", method)
+    central = data.find(b"PK\x01\x02")
+    while central != -1:
+        data[central + 10:central + 12] = struct.pack("<H", method)
+        central = data.find(b"PK\x01\x02", central + 4)
+    open(path, "wb").write(bytes(data))
+
+
+def test_an_npz_of_a_compression_numpy_does_not_write_is_named(tmp_path):
+    path = str(tmp_path / "deflate64.npz")
+    np.savez_compressed(path, **official_params())
+    _set_compression_method(path, 9)  # deflate64: zipfile lists it but cannot read it
+    with pytest.raises(errors.CheckpointError) as refused:
+        vit_keras.build_model_from_checkpoint(path)
+    assert re.search(re.escape(repr(path)) + r" stores array '.*' with zip compression method 9 "
+                     r"\(deflate64\), which vit_keras does not read", str(refused.value)), \
+        refused.value
+
+
+def test_a_deep_config_json_beside_a_timm_file_leaves_the_weights_to_decide(tmp_path):
+    reference = _randomize_torch(timm_vit())
+    safetensors.torch.save_file(reference.state_dict(), tmp_path / "timm.safetensors")
+    (tmp_path / "config.json").write_text('{"a": ' * 100_000 + "1" + "}" * 100_000)
+    model = vit_keras.build_model_from_checkpoint(str(tmp_path / "timm.safetensors"),
+                                                  num_heads=H, include_preprocessing=False)
+    assert relative(keras_logits(model, images()), torch_logits(reference, images())) < RTOL
+
+
 def _hf_copy(hf_folder, folder, config=None):
     """A copy of the Hugging Face folder, with `config` (a JSON text) as its config.json."""
     os.makedirs(folder)
@@ -613,7 +662,8 @@ def _hf_copy(hf_folder, folder, config=None):
     (lambda c: json.dumps({**c, "layer_norm_eps": None}), "layer_norm_eps is None; expected"),
     (lambda c: json.dumps([c]), "holds a JSON list, not an object"),
     (lambda c: json.dumps(c)[:-20], "is not valid JSON"),
-], ids=["zero_patch", "text_size", "null_epsilon", "list", "cut_short"])
+    (lambda c: '{"a": ' * 100_000 + "1" + "}" * 100_000, "nests JSON arrays or objects too deep"),
+], ids=["zero_patch", "text_size", "null_epsilon", "list", "cut_short", "deep"])
 def test_a_malformed_config_json_names_the_file_and_what_is_wrong(hf_folder, tmp_path, config,
                                                                    problem):
     folder = _hf_copy(hf_folder, tmp_path / "hf", config)

@@ -45,8 +45,10 @@ def from_hub_mirror(hub_mirror, monkeypatch, tmp_path):
     server, folder = hub_mirror
     monkeypatch.setenv(download.HOME_VARIABLE, str(tmp_path / "cache"))
     monkeypatch.setenv(download.MIRROR_VARIABLE, server.url)
+    server.behave()
     del server.requests[:]
-    return server, folder
+    yield server, folder
+    server.behave()
 
 
 @pytest.mark.slow
@@ -116,3 +118,100 @@ def test_fewshot_evaluates_a_family_release_as_a_frozen_backbone(from_hub_mirror
     assert (report["model"], report["weights"], report["feature_dimension"]) == (
         "ViT-S/14", "dinov2", 384)
     assert 0.0 <= report["results"]["1"]["mean"] <= 1.0
+
+
+# --- The files of a release are checked against the table, together, before any is cached -------
+
+def _config(folder, **changes):
+    with open(os.path.join(folder, "config.json")) as f:
+        return json.dumps({**json.load(f), **changes}).encode()
+
+
+def _cache(tmp_path, path):
+    return tmp_path / "cache" / path
+
+
+def _assert_nothing_cached(tmp_path):
+    for path in RELEASE.files:
+        assert not os.path.lexists(_cache(tmp_path, path)), path
+        assert not os.path.lexists(str(_cache(tmp_path, path)) + ".part"), path
+
+
+@pytest.mark.slow
+def test_a_config_json_of_an_impossible_image_size_is_refused_before_the_weights(from_hub_mirror,
+                                                                                 tmp_path):
+    """The config is what the error names, the weights are not downloaded for it, nothing is
+    cached, and the next call through a good mirror loads."""
+    server, folder = from_hub_mirror
+    server.serve_instead(RELEASE.config_path, _config(folder, image_size=10 ** 6))
+    with pytest.raises(download.InvalidFileError) as refused:
+        vit_keras.build_model("ViT-S/14", weights="dinov2", include_top=False)
+    message = str(refused.value)
+    assert f"The file downloaded from {server.url}{RELEASE.config_path} is not a valid" in message
+    assert "image_size 1000000 (expected 518)" in message and "not cached" in message, message
+    assert [path for path, _ in server.requests] == ["/" + RELEASE.config_path]
+    _assert_nothing_cached(tmp_path)
+    server.behave()
+    model = vit_keras.build_model("ViT-S/14", weights="dinov2", include_top=False)
+    assert model.output_shape == (None, 384)
+
+
+@pytest.mark.slow
+def test_a_config_json_of_another_epsilon_and_activation_is_refused(from_hub_mirror, tmp_path):
+    """transformers reads both from config.json: the weights alone would load, and compute
+    other features."""
+    server, folder = from_hub_mirror
+    server.serve_instead(RELEASE.config_path,
+                         _config(folder, layer_norm_eps=0.5, hidden_act="quick_gelu"))
+    with pytest.raises(download.InvalidFileError) as refused:
+        vit_keras.build_model("ViT-S/14", weights="dinov2", include_top=False)
+    message = str(refused.value)
+    assert "layer_norm_eps 0.5 (expected 1e-06)" in message, message
+    assert "hidden_act 'quick_gelu' (expected the exact GELU)" in message, message
+    _assert_nothing_cached(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_bad_config_json_in_the_cache_is_named_before_anything_is_downloaded(from_hub_mirror,
+                                                                               tmp_path):
+    server, folder = from_hub_mirror
+    cached = _cache(tmp_path, RELEASE.config_path)
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(_config(folder, image_size=10 ** 6))  # cached by an older version
+    with pytest.raises(download.InvalidFileError) as refused:
+        vit_keras.build_model("ViT-S/14", weights="dinov2", include_top=False)
+    message = str(refused.value)
+    assert f"The cached file {cached} is not a valid '{RELEASE.config_path}'" in message, message
+    assert "image_size 1000000 (expected 518)" in message and "Delete it" in message, message
+    assert server.requests == []
+
+
+@pytest.mark.slow
+def test_no_file_of_a_release_is_cached_until_all_pass_together(from_hub_mirror, tmp_path):
+    server, _ = from_hub_mirror
+    server.serve_instead(RELEASE.path, b"\0" * 4096)
+    with pytest.raises(download.InvalidFileError) as refused:
+        vit_keras.build_model("ViT-S/14", weights="dinov2", include_top=False)
+    assert f"{server.url}{RELEASE.path} is not a valid" in str(refused.value), refused.value
+    _assert_nothing_cached(tmp_path)  # the config.json, good on its own, is not kept either
+
+
+@pytest.mark.slow
+def test_the_hashes_the_hub_publishes_are_checked_for_both_files(from_hub_mirror, tmp_path):
+    """The hub sends a small file (config.json) with its git blob sha1 as ETag, and redirects a
+    large one to its storage with its sha256 in X-Linked-Etag."""
+    server, folder = from_hub_mirror
+    server.publish_hashes("hub")
+    same_fields = _config(folder) + b"\n"  # what the table can check is the same; the hash is not
+    server.serve_instead(RELEASE.config_path, same_fields)
+    with pytest.raises(download.InvalidFileError,
+                       match=r"git-sha1 is [0-9a-f]{40}, not the [0-9a-f]{40} the server "
+                             r"published in ETag"):
+        vit_keras.build_model("ViT-S/14", weights="dinov2", include_top=False)
+    _assert_nothing_cached(tmp_path)
+    server.serve_instead(RELEASE.config_path, open(os.path.join(folder, "config.json"),
+                                                   "rb").read())
+    model = vit_keras.build_model("ViT-S/14", weights="dinov2", include_top=False)
+    assert model.output_shape == (None, 384)
+    assert [path for path, _ in server.requests][-3:] == [
+        "/" + RELEASE.config_path, "/" + RELEASE.path, "/cdn/" + RELEASE.path]

@@ -133,6 +133,33 @@ def test_the_family_releases_sizes_and_heads_match_timms_default_cfgs():
 
 
 @backend_independent
+def test_each_family_release_states_the_epsilon_and_gelu_its_repository_computes_with():
+    """What the release table says is what the loader reads from each repository: transformers'
+    config class defaults for its folders, the timm architecture name for timm's."""
+    import transformers
+
+    from vit_keras.checkpoints import huggingface, timm
+
+    configs = {"dinov2": transformers.Dinov2Config(),
+               "dinov2_reg4": transformers.Dinov2WithRegistersConfig(),
+               "siglip_webli": transformers.SiglipVisionConfig(),
+               "clip_openai": transformers.CLIPVisionConfig()}
+    assert set(releases.FAMILY_NUMERICS) == set(releases.FAMILY_RELEASE_NAMES)
+    for release in releases.RELEASES:
+        if release.name not in releases.FAMILY_RELEASE_NAMES:
+            continue
+        if release.hf_hub_id.startswith("timm/"):
+            said = timm.architecture_hints(release.hf_hub_id[len("timm/"):])
+        else:
+            config = configs[release.name]
+            said = huggingface.hints({"model_type": config.model_type,
+                                      "layer_norm_eps": config.layer_norm_eps,
+                                      "hidden_act": config.hidden_act})
+        assert {name: said[name] for name in ("layer_norm_epsilon", "gelu")} == \
+            releases.FAMILY_NUMERICS[release.name], release
+
+
+@backend_independent
 def test_the_family_releases_are_found_by_name_and_by_either_hub_id():
     release = releases.find_release("ViT-S/14", "dinov2")
     assert (release.hf_hub_id, release.image_size, release.num_classes) == (

@@ -1,9 +1,12 @@
 """The weights cache never trusts junk. A hostile mirror on 127.0.0.1 answers 200 with an error
 page, with garbage, with a corrupt or wrong checkpoint, with a body cut short and no
-Content-Length; it trickles bytes, and answers 416 to a `.part` longer than the file. Junk already
-in the cache, two downloads of one file at once, and paths that would leave the cache complete
-the picture. Every failure names the file or URL and what is wrong, and leaves nothing in the
-cache that a later call would trust.
+Content-Length, with a Content-Length that is no number, with another file than the hash it
+publishes; it trickles bytes (of the body, of the status line and headers, of a chunk-size line),
+and answers 416 to a `.part` longer than the file. Junk already in the cache, a `.part` file
+planted as a link to a file outside the cache, two downloads of one file at once, and paths that
+would leave the cache complete the picture. Every failure names the file or URL and what is
+wrong, comes within the deadlines, and leaves nothing in the cache that a later call would trust
+and nothing outside it changed.
 
 All of it is HTTP and NumPy: the same answer on every backend, so one pass runs it."""
 
@@ -11,6 +14,7 @@ import io
 import os
 import re
 import threading
+import zipfile
 
 import numpy as np
 import pytest
@@ -156,15 +160,32 @@ def test_a_checkpoint_with_nan_is_not_cached(mirror):
 
 # --- Resuming ----------------------------------------------------------------------------------
 
-def test_a_resume_onto_a_junk_part_file_is_not_cached_and_the_next_call_starts_over(mirror):
+def test_a_junk_part_file_is_downloaded_again_from_the_start_in_the_same_call(mirror):
+    """A `.part` file an earlier call left (here what a proxy sent before the connection dropped)
+    is resumed; when the result fails its check, the file is downloaded again from its first
+    byte at once, not reported as the server's fault."""
     server, content = mirror
+    junk = b"<html>proxy error</html>"
     os.makedirs(os.path.dirname(_cached()))
     with open(_cached() + ".part", "wb") as f:
-        f.write(b"<html>proxy error</html>")  # what a proxy sent before the connection dropped
+        f.write(junk)
+    checkpoint, _ = _load_release()
+    assert [rng for _, rng in server.requests] == [f"bytes={len(junk)}-", None]
+    assert checkpoint.path == _cached()
+    with open(_cached(), "rb") as f:
+        assert f.read() == content
+    assert not os.path.exists(_cached() + ".part")
+
+
+def test_a_server_that_keeps_sending_junk_after_a_resume_is_blamed(mirror):
+    server, _ = mirror
+    page = b"<html><body>" + b"proxy error " * 20 + b"</body></html>"
+    os.makedirs(os.path.dirname(_cached()))
+    with open(_cached() + ".part", "wb") as f:
+        f.write(page[:24])
+    server.serve_instead(RELEASE.path, page)  # as a file: Range answered
     _assert_refused_and_nothing_cached(server, "HTML page")
-    assert server.requests[-1][1] == f"bytes={len(b'<html>proxy error</html>')}-"
-    _assert_loads_once_the_server_behaves(server, content)
-    assert server.requests[-1][1] is None  # the whole file, from the start
+    assert [rng for _, rng in server.requests] == ["bytes=24-", None]  # resumed, then started over
 
 
 def test_416_for_a_part_file_longer_than_the_file_starts_the_download_over(mirror):
@@ -184,21 +205,171 @@ def test_a_trickling_server_is_given_up_and_the_part_file_kept_for_a_resume(mirr
     server, content = mirror
     # The real bound is 64 KB in 30 s; a shorter window keeps the test short. The server sends at
     # most 64 bytes per 10 ms (6.4 KB/s), far below 64 KB per 0.5 s however loaded the machine.
-    monkeypatch.setattr(download, "PROGRESS_WINDOW_SECONDS", 0.5)
-    monkeypatch.setattr(download, "MIN_PROGRESS_BYTES", 64 * 1024)
+    monkeypatch.setenv(download.PROGRESS_WINDOW_VARIABLE, "0.5")
     server.trickle(64, 0.01)
     with pytest.raises(download.WeightsUnavailableError) as slow:
         _load_release()
     message = str(slow.value)
     assert not isinstance(slow.value, download.InvalidFileError)
     assert _url(server) in message, message
-    assert re.search(r"only \d+ bytes arrived in \d+ s, fewer than the 65536 required per 0.5 s",
-                     message), message
+    assert re.search(r"only \d+ bytes arrived in 0.5 s, fewer than the 65536 required per 0.5 s "
+                     r"\(VIT_KERAS_DOWNLOAD_PROGRESS_WINDOW\)", message), message
     assert not os.path.exists(_cached())
     arrived = os.path.getsize(_cached() + ".part")
     assert 0 < arrived < len(content)
     _assert_loads_once_the_server_behaves(server, content)
     assert server.requests[-1][1] == f"bytes={arrived}-"
+
+
+def test_a_server_that_trickles_its_status_line_and_headers_is_given_up_by_the_deadline(
+        mirror, monkeypatch):
+    """A byte of the status line and headers every 50 ms: each read gets a byte long before the
+    5 s socket timeout, and no byte of the file ever arrives. Without a deadline the ~100 bytes
+    of head take 5 s to arrive, and then the file downloads."""
+    server, _ = mirror
+    monkeypatch.setenv(download.DEADLINE_VARIABLE, "1")
+    server.trickle_head(0.05)
+    with pytest.raises(download.WeightsUnavailableError) as late:
+        _load_release()
+    message = str(late.value)
+    assert _url(server) in message and download.cache_path(RELEASE.path) in message, message
+    assert "the download did not finish within 1 s (VIT_KERAS_DOWNLOAD_DEADLINE)" in message, \
+        message
+    assert not os.path.exists(_cached()) and not os.path.exists(_cached() + ".part")
+
+
+def test_a_server_that_trickles_a_chunk_size_line_is_given_up_by_the_progress_rule(
+        mirror, monkeypatch):
+    """A chunked body whose second chunk-size line never ends (a zero every 50 ms): the read of
+    that line blocks, so a rule checked between reads never runs; the watchdog's does."""
+    server, content = mirror
+    monkeypatch.setenv(download.PROGRESS_WINDOW_VARIABLE, "0.5")
+    server.trickle_chunk_size_line(0.05, first_chunk=1000)
+    with pytest.raises(download.WeightsUnavailableError) as late:
+        _load_release()
+    message = str(late.value)
+    assert re.search(r"only \d+ bytes arrived in 0.5 s, fewer than the 65536 required", message), \
+        message
+    assert os.path.getsize(_cached() + ".part") == 1000  # kept for a resume
+    _assert_loads_once_the_server_behaves(server, content)
+
+
+@pytest.mark.parametrize("variable", [download.DEADLINE_VARIABLE,
+                                      download.PROGRESS_WINDOW_VARIABLE])
+@pytest.mark.parametrize("value", ["abc", "0", "-5", "inf"])
+def test_a_deadline_setting_that_is_not_a_number_of_seconds_is_named(mirror, monkeypatch,
+                                                                     variable, value):
+    server, _ = mirror
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(download.DownloadSettingError,
+                       match=f"{variable}={value!r} is not a positive number of seconds"):
+        _load_release()
+    assert server.requests == []
+
+
+def test_a_content_length_that_is_not_a_number_is_a_download_error(mirror):
+    server, content = mirror
+    server.send_content_length("abc")
+    with pytest.raises(download.WeightsUnavailableError) as refused:
+        _load_release()
+    message = str(refused.value)
+    assert _url(server) in message and "invalid Content-Length, 'abc'" in message, message
+    assert not os.path.exists(_cached()) and not os.path.exists(_cached() + ".part")
+    _assert_loads_once_the_server_behaves(server, content)
+
+
+# --- Links planted in the cache ------------------------------------------------------------------
+
+@pytest.mark.parametrize("honour_range", [True, False], ids=["range", "no-range"])
+def test_a_part_file_planted_as_a_link_outside_the_cache_is_refused_not_written_through(
+        mirror, tmp_path, honour_range):
+    """A mirror that honours Range would append the file to the link's target; one that does not
+    would truncate and replace it; and the rename would make the cache entry a link to it."""
+    server, content = mirror
+    server.ignore_range(not honour_range)
+    outside = tmp_path / "thesis.tex"
+    outside.write_bytes(b"\\documentclass{article} years of work")
+    os.makedirs(os.path.dirname(_cached()))
+    os.symlink(outside, _cached() + ".part")
+    with pytest.raises(download.WeightsUnavailableError) as refused:
+        _load_release()
+    message = str(refused.value)
+    assert f"{_cached()}.part is a symbolic link to {outside}" in message, message
+    assert "never writes through a link" in message and "Remove" in message, message
+    assert outside.read_bytes() == b"\\documentclass{article} years of work"
+    assert os.path.islink(_cached() + ".part") and not os.path.lexists(_cached())
+    assert server.requests == []
+
+
+def test_a_part_file_planted_as_a_hard_link_is_refused_not_written_through(mirror, tmp_path):
+    server, _ = mirror
+    outside = tmp_path / "notes.txt"
+    outside.write_bytes(b"mine")
+    os.makedirs(os.path.dirname(_cached()))
+    os.link(outside, _cached() + ".part")
+    with pytest.raises(download.WeightsUnavailableError, match="is a hard link to another file"):
+        _load_release()
+    assert outside.read_bytes() == b"mine" and not os.path.lexists(_cached())
+    assert server.requests == []
+
+
+# --- Hashes the server publishes -----------------------------------------------------------------
+
+@pytest.mark.parametrize("style,published", [("gcs", r"md5 is [0-9a-f]{32}, not the [0-9a-f]{32} "
+                                                     r"the server published in x-goog-hash"),
+                                             ("hub", r"sha256 is [0-9a-f]{64}, not the [0-9a-f]{64}"
+                                                     r" the server published in X-Linked-Etag")])
+def test_other_weights_of_the_same_architecture_are_refused_by_the_published_hash(
+        mirror, style, published):
+    """A random ViT-Ti/16 of the release's every shape is a well-formed release file: only the
+    hash the server publishes for the file (Cloud Storage's md5, the hub's sha256 on its
+    redirect to storage) tells it apart."""
+    server, content = mirror
+    other = _arrays(content)
+    rng = np.random.default_rng(1)
+    other = {key: rng.normal(0, 0.05, value.shape).astype(value.dtype)
+             for key, value in other.items()}
+    server.publish_hashes(style)
+    server.serve_instead(RELEASE.path, _npz(other))
+    _assert_refused_and_nothing_cached(server, published)
+    server.serve_instead(RELEASE.path, content)
+    checkpoint, _ = _load_release()  # the file the hash is of
+    assert checkpoint.path == _cached()
+    if style == "hub":
+        assert [path for path, _ in server.requests[-2:]] == ["/" + RELEASE.path,
+                                                             "/cdn/" + RELEASE.path]
+
+
+def test_a_resumed_download_that_does_not_match_the_published_hash_is_started_over(mirror):
+    server, content = mirror
+    server.publish_hashes("gcs")
+    os.makedirs(os.path.dirname(_cached()))
+    with open(_cached() + ".part", "wb") as f:
+        f.write(b"\0" * 100)  # as long as the file's first bytes, but not them
+    checkpoint, _ = _load_release()
+    assert [rng for _, rng in server.requests] == ["bytes=100-", None]
+    with open(checkpoint.path, "rb") as f:
+        assert f.read() == content
+
+
+# --- Memory bombs ---------------------------------------------------------------------------------
+
+def test_an_npz_whose_header_claims_37_gib_is_refused_and_its_part_file_deleted(mirror):
+    """A few hundred bytes whose array header says (100000, 100000) float32: NumPy would allocate
+    37 GiB before reading."""
+    server, content = mirror
+    arrays = _arrays(content)
+    del arrays["Transformer/encoder_norm/bias"]
+    buffer = io.BytesIO(_npz(arrays))
+    with zipfile.ZipFile(buffer, "a") as archive:
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(
+            header, {"descr": "<f4", "fortran_order": False, "shape": (100_000, 100_000)})
+        archive.writestr("Transformer/encoder_norm/bias.npy", header.getvalue() + b"\0" * 64)
+    server.answer_instead(buffer.getvalue())
+    _assert_refused_and_nothing_cached(
+        server, r"array 'Transformer/encoder_norm/bias' claims \(100000, 100000\) float32 "
+                r"\(40000000000 bytes\) but the archive holds 64 bytes of it")
 
 
 # --- What is already on disk ---------------------------------------------------------------------

@@ -3,11 +3,18 @@
 It answers Range requests (as the bucket does: 206, or 416 from the end of the file on),
 records every request, and can be told to misbehave as mirrors and proxies do: cut a response
 off, answer 200 with another body (an error page, garbage, a body cut short without a
-Content-Length), trickle bytes, or hold a request until a test lets it fail. Synthetic
-checkpoints are written at the official relative paths of `vit_keras.releases`.
+Content-Length), send one file's body instead of another, send a Content-Length that is no
+number, trickle bytes (of the body, of the status line and headers, or of a chunk-size line), or
+hold a request until a test lets it fail. It can publish the hashes the real servers publish:
+Google Cloud Storage's `x-goog-hash: md5=...`, the Hugging Face hub's redirect of a large file to
+its storage with the sha256 in `X-Linked-Etag` (and the git blob sha1 of a small file in its
+ETag), always of the file it holds, whatever body it sends. Synthetic checkpoints are written at
+the official relative paths of `vit_keras.releases`.
 """
 
+import base64
 import functools
+import hashlib
 import http.server
 import os
 import threading
@@ -19,6 +26,11 @@ from conftest import randomize_weights
 
 TRICKLE_LIMIT_SECONDS = 60
 """A trickling response ends after this long even if the client never gives up."""
+_CDN = "/cdn"
+
+
+def _git_blob_sha1(data):
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
 class _Handler(http.server.SimpleHTTPRequestHandler):
@@ -34,15 +46,21 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
             release.wait(timeout=30)
             self.send_error(status)
             return
-        path = self.translate_path(self.path)
+        redirected = self.path.startswith(_CDN + "/")
+        name = self.path[len(_CDN):] if redirected else self.path
+        path = self.translate_path(name)
         if not os.path.isfile(path):
             self.send_error(404)
             return
         with open(path, "rb") as f:
-            data = f.read()
-        if server.instead is not None:
-            self._send_instead(*server.instead)
+            held = f.read()
+        if server.hashes == "hub" and not redirected and not name.endswith(".json"):
+            self._redirect_to_storage(name, held)
             return
+        if server.instead is not None:
+            self._send_instead(held, *server.instead)
+            return
+        data = server.replaced.get(name, held)
         start = 0
         wanted = self.headers.get("Range")
         if wanted and server.honour_range:
@@ -51,15 +69,19 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
                 self.send_response(416)
                 self.send_header("Content-Range", f"bytes */{len(data)}")
                 self.send_header("Content-Length", "0")
-                self.end_headers()
+                self._end_head()
                 return
             self.send_response(206)
             self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
         else:
             self.send_response(200)
-        self.send_header("Content-Length", str(len(data) - start))
-        self.end_headers()
+        self._publish_hashes(name, held)
         body = data[start:]
+        if server.trickled_chunk_size is not None:
+            self._send_chunked_then_trickle(body, *server.trickled_chunk_size)
+            return
+        self.send_header("Content-Length", server.content_length or str(len(body)))
+        self._end_head()
         if server.trickle is not None:
             self._trickle(body, *server.trickle)
             return
@@ -67,13 +89,55 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
             body, server.cut_after = body[:server.cut_after], None
         self.wfile.write(body)
 
-    def _send_instead(self, body, content_length, content_type):
+    def _publish_hashes(self, name, held):
+        if self.server.hashes == "gcs":
+            self.send_header("x-goog-hash", "md5=" + base64.b64encode(
+                hashlib.md5(held).digest()).decode())
+        elif self.server.hashes == "hub" and name.endswith(".json"):  # a file stored in git
+            self.send_header("ETag", f'"{_git_blob_sha1(held)}"')
+
+    def _redirect_to_storage(self, name, held):
+        """What the hub answers for a file stored with Git LFS: a redirect to its storage, with
+        the file's sha256 and size (and an ETag that is not the file's hash)."""
+        self.send_response(302)
+        self.send_header("Location", _CDN + name)
+        sha256 = hashlib.sha256(held).hexdigest()
+        pointer = f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\n" \
+                  f"size {len(held)}\n".encode()  # what git holds: its ETag is not the file's
+        self.send_header("ETag", f'"{_git_blob_sha1(pointer)}"')
+        self.send_header("X-Linked-Etag", f'"{sha256}"')
+        self.send_header("X-Linked-Size", str(len(held)))
+        self.send_header("Content-Length", "0")
+        self._end_head()
+
+    def _end_head(self):
+        """Sends the status line and headers: at once, or a byte at a time if told to trickle."""
+        if self.server.trickled_head is None:
+            self.end_headers()
+            return
+        head = b"".join(self._headers_buffer) + b"\r\n"
+        self._headers_buffer = []
+        self._trickle(head, 1, self.server.trickled_head)
+
+    def _send_instead(self, held, body, content_length, content_type):
         self.send_response(200)
         self.send_header("Content-Type", content_type)
+        self._publish_hashes(self.path, held)
         if content_length:
             self.send_header("Content-Length", str(len(body)))
-        self.end_headers()  # without a Content-Length the body ends when the connection closes
+        self._end_head()  # without a Content-Length the body ends when the connection closes
         self.wfile.write(body)
+
+    def _send_chunked_then_trickle(self, body, pause, first_chunk):
+        """A chunked body whose first chunk comes whole and whose next chunk-size line never ends:
+        zeros, one every `pause` seconds (a valid size line has as many leading zeros as the
+        server likes)."""
+        self.send_header("Transfer-Encoding", "chunked")
+        self._end_head()
+        chunk = body[:first_chunk]
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        self.wfile.flush()
+        self._trickle(b"0" * (1 << 20), 1, pause)
 
     def _trickle(self, body, num_bytes, pause):
         stop = time.monotonic() + TRICKLE_LIMIT_SECONDS
@@ -106,9 +170,11 @@ class MirrorServer:
         return self._server.requests
 
     def behave(self):
-        """Back to serving files as the bucket does."""
+        """Back to serving files as the bucket does (publishing no hash)."""
         server = self._server
         server.cut_after, server.honour_range, server.instead, server.trickle = None, True, None, None
+        server.replaced, server.content_length, server.hashes = {}, None, None
+        server.trickled_head, server.trickled_chunk_size = None, None
 
     def cut_next_response_after(self, num_bytes):
         self._server.cut_after = num_bytes
@@ -121,10 +187,34 @@ class MirrorServer:
         a file cut short), with its Content-Length or, with `content_length=False`, none."""
         self._server.instead = (body, content_length, content_type)
 
+    def serve_instead(self, path, body):
+        """Requests for the file at `path` (below the root) get `body` instead of the file, as a
+        file (Range answered); the published hashes stay the file's."""
+        self._server.replaced["/" + path] = body
+
+    def send_content_length(self, value):
+        """Every file is sent with the header `Content-Length: value` (e.g. `"abc"`)."""
+        self._server.content_length = value
+
+    def publish_hashes(self, style):
+        """`"gcs"`: every file comes with Cloud Storage's `x-goog-hash: md5=<base64>`; `"hub"`:
+        `.json` files come with the git blob sha1 as ETag, other files are redirected to
+        `/cdn/<path>` with their sha256 in `X-Linked-Etag`, as the Hugging Face hub does."""
+        self._server.hashes = style
+
     def trickle(self, num_bytes, pause):
         """Every file is sent `num_bytes` at a time with `pause` seconds between, until the client
         gives up (or `TRICKLE_LIMIT_SECONDS` pass)."""
         self._server.trickle = (num_bytes, pause)
+
+    def trickle_head(self, pause):
+        """The status line and headers of every response are sent one byte every `pause` seconds."""
+        self._server.trickled_head = pause
+
+    def trickle_chunk_size_line(self, pause, first_chunk=1024):
+        """Every file is sent chunked: its first `first_chunk` bytes, then a chunk-size line that
+        never ends (a zero every `pause` seconds)."""
+        self._server.trickled_chunk_size = (pause, first_chunk)
 
     def hold_next_request(self, release, status):
         """The next request waits until the `threading.Event` `release` is set, then fails with

@@ -25,6 +25,7 @@ from vit_keras.configs import VARIANTS, ViTConfig, get_config
 from vit_keras.features import build_feature_extractor, intermediate_features
 from vit_keras.heads import MAPHead
 from vit_keras.host_memory import keep_freed_host_memory
+from vit_keras.keras_files import check_keras_file
 from vit_keras.labels import class_names
 from vit_keras.layers import (
     AddPositionEmbs,
@@ -97,4 +98,5 @@ __all__ = [
     "token_grid",
     "token_size_pixels",
     "keep_freed_host_memory",
+    "check_keras_file",
 ]

@@ -10,10 +10,10 @@ import dataclasses
 import logging
 import os
 
-from vit_keras import configs, download, errors, geometry, releases
+from vit_keras import configs, download, errors, geometry, release_files, releases
 from vit_keras import model as model_lib
 from vit_keras import normalization as normalization_lib
-from vit_keras.checkpoints import huggingface, loader
+from vit_keras.checkpoints import loader
 
 logger = logging.getLogger("vit_keras")
 
@@ -93,24 +93,20 @@ def resolve_weights(weights, variant=None, image_size=None):
         return download.fetch_hub(weights[len(HUB_PREFIX):]), release
     if release is None:  # a file, a folder or a Checkpoint
         return weights, None
-    for path in release.files[:-1]:  # a hub release's config.json, beside the weights: read with them
-        local = download.fetch(path, base_url=release.base_url, verify=huggingface.read_json)
-        try:
-            huggingface.read_json(local)
-        except ValueError as error:
-            raise download.invalid_file_error(path, local, error) from error
-    local = download.fetch(release.path, base_url=release.base_url,
-                           verify=lambda file: read_release(file, release))
-    try:
-        return read_release(local, release), release
-    except ValueError as error:  # a file placed by hand, in a mirror folder, or cached long ago
-        raise download.invalid_file_error(release.path, local, error) from error
+    # Checked each on its own (a bad config.json is refused before the weights are downloaded)
+    # and then together, before any is cached; the weights are read once, by the check.
+    files, checkpoint = download.fetch_release(
+        release.files, base_url=release.base_url,
+        check_file=lambda path, local: release_files.check_file(path, local, release),
+        check_together=lambda files: release_files.read_together(files, release))
+    return dataclasses.replace(checkpoint, path=files[release.path]), release
 
 
 def read_release(path, release):
-    """Reads the file at `path` as `release`'s, checking that it is: a checkpoint that reads
-    whole (every array's CRC-32, for an `.npz`), finite, with the release variant's architecture,
-    head, representation layer and resolution.
+    """Reads the file at `path` as `release`'s, checking that it is (see
+    `vit_keras.release_files.read_release`): a checkpoint that reads whole (every array's CRC-32,
+    for an `.npz`), finite, with the release variant's architecture, head, representation layer
+    and resolution, and for the family's releases their LayerNorm epsilon and GELU.
 
     Args:
       path: a checkpoint file.
@@ -122,28 +118,7 @@ def read_release(path, release):
     Raises:
       ValueError: naming the file and what is wrong with it.
     """
-    config = configs.get_config(release.variant)
-    try:
-        checkpoint = loader.read_checkpoint(path, num_heads=config.num_heads)
-        arch = loader.architecture(checkpoint)
-    except (KeyError, IndexError, TypeError) as error:  # arrays of impossible shapes or types
-        raise errors.CheckpointError(f"{path!r} is not a well-formed ViT checkpoint "
-                         f"({type(error).__name__}: {error}).") from error
-    fields = {"resnet_layers": None, "resnet_width": 1, **arch["config"]}
-    found = {**fields, "classifier": arch["classifier"], "num_classes": arch["num_classes"],
-             "representation_size": arch["representation_size"],
-             "grid": tuple(arch["grid"]) if arch["grid"] else None}
-    side = release.image_size // geometry.pixels_per_token(config)
-    wanted = {**_fields(config, fields), "classifier": release.classifier,
-              "num_classes": release.num_classes,
-              "representation_size": release.representation_size, "grid": (side, side)}
-    differ = [f"{name} {found[name]} (expected {wanted[name]})" for name in wanted
-              if found[name] != wanted[name]]
-    if differ:
-        raise errors.CheckpointError(f"{path!r} does not hold the {release.spec} weights: "
-                         f"{', '.join(differ)}.")
-    loader.check_finite(checkpoint.params, path)
-    return checkpoint
+    return release_files.read_release(path, release)
 
 
 def _fields(config, fields):

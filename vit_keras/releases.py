@@ -191,6 +191,22 @@ _NORMALIZATION = {"deit_in1k": "imagenet", "deit_distilled_in1k": "imagenet",
                   "deit3_in22k_ft_in1k": "imagenet", "dinov2": "imagenet",
                   "dinov2_reg4": "imagenet", "mae": "imagenet", "clip_openai": "clip"}
 
+FAMILY_NUMERICS = {
+    "deit_in1k": {"layer_norm_epsilon": 1e-6, "gelu": "exact"},
+    "deit_distilled_in1k": {"layer_norm_epsilon": 1e-6, "gelu": "exact"},
+    "deit3_in22k_ft_in1k": {"layer_norm_epsilon": 1e-6, "gelu": "exact"},
+    "dinov2": {"layer_norm_epsilon": 1e-6, "gelu": "exact"},
+    "dinov2_reg4": {"layer_norm_epsilon": 1e-6, "gelu": "exact"},
+    "siglip_webli": {"layer_norm_epsilon": 1e-6, "gelu": "tanh"},
+    "clip_openai": {"layer_norm_epsilon": 1e-5, "gelu": "quick"},
+    "mae": {"layer_norm_epsilon": 1e-6, "gelu": "exact"},
+}
+"""What each family release computes with that its weights do not store, as `ViTConfig` fields:
+the LayerNorm epsilon and the GELU (`"exact"`, `"tanh"` or `"quick"`), which its repository's
+`config.json` states (a transformers `layer_norm_eps` and `hidden_act`, or a timm architecture
+name, see `vit_keras.checkpoints.timm`). A release's files are checked against it before they
+are cached: a `config.json` that says otherwise describes other weights."""
+
 
 def _hub_file(repo, name):
     return f"{repo}/resolve/main/{name}"

@@ -1,11 +1,16 @@
-"""Reading checkpoint files without ever executing code from them.
+"""Reading checkpoint files without ever executing code from them, nor allocating more memory than
+the file holds.
 
 `sniff` tells the container from the file's first bytes (not its extension); `.npz` is read with
 `allow_pickle=False`, PyTorch files with `torch.load(weights_only=True)`, safetensors without torch.
 A truncated or corrupt file gives a `vit_keras.errors.CheckpointError` (a `ValueError`) that names
-it and what is wrong; every array of an `.npz` is read whole, so its CRC-32 is checked.
+it and what is wrong; every array of an `.npz` is read whole, so its CRC-32 is checked, and only
+once the sizes its headers claim have been checked against what the archive holds (NumPy
+allocates an array before it reads a byte of it). `read_json` reads a bounded JSON file.
 """
 
+import json
+import math
 import os
 import zipfile
 import zlib
@@ -36,10 +41,13 @@ def sniff(path):
             return NPZ
         if any(name.endswith("data.pkl") for name in names):
             return TORCH
+    elif len(head) == 9 and head[8:9] == b"{":
+        # An 8-byte header length, then the JSON header (which read_safetensors checks: a header
+        # length whose first byte is 0x80 is no pickle). No pickle has "{" there: PyTorch's
+        # legacy files start with a protocol-2 pickle of a magic number.
+        return SAFETENSORS
     elif head[:1] == b"\x80":  # a pickle: PyTorch's legacy format (or any pickle: refused later)
         return TORCH
-    elif len(head) == 9 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") < size:
-        return SAFETENSORS
     found = "is empty" if not size else f"begins with {head!r}"
     raise errors.CheckpointError(
         f"Unrecognised checkpoint format: {path!r} {found}, and is none of "
@@ -54,6 +62,7 @@ def read_npz(path):
     arrays = {}
     try:
         with np.load(path, allow_pickle=False) as archive:
+            _check_npz_members(path, archive.zip)
             for key in archive.files:
                 array = _read_npz_array(path, archive, key)
                 if array.dtype.kind == "V" and array.dtype.itemsize == 2:
@@ -64,6 +73,82 @@ def read_npz(path):
         raise errors.CheckpointError(
             f"{path!r} is a truncated or corrupt .npz file: {error}.") from error
     return arrays
+
+
+_NPZ_COMPRESSIONS = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)
+"""What `numpy.savez` and `numpy.savez_compressed` write."""
+_DEFLATE_MAX_RATIO = 1100
+"""Deflate cannot expand data more than about 1032 times: a member that claims more is lying."""
+_COMPRESSION_NAMES = {9: "deflate64", 12: "bzip2", 14: "lzma", 93: "zstandard"}
+
+
+def _check_npz_members(path, archive):
+    """Refuses an `.npz` member that a reader could not read, or whose sizes are not its own: a
+    compression NumPy does not write, a declared size that deflate cannot reach, an array header
+    that claims more bytes than the member holds. Reads the headers only."""
+    for info in archive.infolist():
+        key = info.filename[:-len(".npy")] if info.filename.endswith(".npy") else info.filename
+        if info.compress_type not in _NPZ_COMPRESSIONS:
+            method = _COMPRESSION_NAMES.get(info.compress_type, "unknown")
+            raise errors.CheckpointError(
+                f"{path!r} stores array {key!r} with zip compression method "
+                f"{info.compress_type} ({method}), which vit_keras does not read: an .npz holds "
+                f"arrays stored or deflated (numpy.savez, numpy.savez_compressed); re-save it "
+                f"with one of those.")
+        limit = info.compress_size * (_DEFLATE_MAX_RATIO if info.compress_type else 1) + 1024
+        if info.file_size > limit:
+            raise errors.CheckpointError(
+                f"{path!r} is a corrupt .npz file: array {key!r} claims {info.file_size} bytes "
+                f"from {info.compress_size} compressed ones, more than its compression can give.")
+        if not info.filename.endswith(".npy"):
+            continue
+        try:
+            with archive.open(info) as member:
+                version = np.lib.format.read_magic(member)
+                read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                               else np.lib.format.read_array_header_2_0)
+                shape, _, dtype = read_header(member)
+                header_size = member.tell()
+        except ValueError as error:
+            raise errors.CheckpointError(
+                f"{path!r} is a corrupt .npz file: array {key!r} has no valid header "
+                f"({error}).") from error
+        except (zipfile.BadZipFile, zlib.error, EOFError) as error:  # a bad CRC-32, cut data
+            raise errors.CheckpointError(
+                f"{path!r} is a truncated or corrupt .npz file: array {key!r} cannot "
+                f"be read ({error}).") from error
+        if dtype.hasobject:  # refused when read, without being unpickled
+            continue
+        claimed = math.prod(shape) * dtype.itemsize
+        held = info.file_size - header_size
+        if claimed > held:
+            raise errors.CheckpointError(
+                f"{path!r} is a corrupt .npz file: array {key!r} claims {tuple(shape)} {dtype} "
+                f"({claimed} bytes) but the archive holds {held} bytes of it.")
+
+
+def read_json(path, max_bytes=16 << 20):
+    """The JSON value in the file at `path`, read whole only if it is at most `max_bytes` long
+    (a `config.json` is kilobytes); a `CheckpointError` naming the file when it is longer, not
+    UTF-8 JSON, or nested too deep to parse."""
+    with open(path, "rb") as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise errors.CheckpointError(f"{path!r} is over {max_bytes} bytes, not a configuration "
+                                     f"file.")
+    return parse_json(data, path)
+
+
+def parse_json(data, name):
+    """The JSON value in the bytes `data` (from the file `name`); a `CheckpointError` naming it
+    when it is not UTF-8 JSON or is nested too deep to parse."""
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise errors.CheckpointError(f"{name!r} is not valid JSON ({error}).") from error
+    except RecursionError as error:
+        raise errors.CheckpointError(f"{name!r} nests JSON arrays or objects too deep to "
+                                     f"read.") from error
 
 
 def _read_npz_array(path, archive, key):
@@ -77,7 +162,8 @@ def _read_npz_array(path, archive, key):
         raise errors.CheckpointError(
             f"Refusing to load {path!r}: array {key!r} is a pickled object array, and "
             f"unpickling can execute code. Checkpoints must hold numeric arrays only.") from error
-    except (zipfile.BadZipFile, zlib.error, EOFError) as error:  # a bad CRC-32, cut data
+    except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError) as error:
+        # a bad CRC-32, cut data, a compression zipfile cannot read
         raise errors.CheckpointError(
             f"{path!r} is a truncated or corrupt .npz file: array {key!r} cannot "
             f"be read ({error}).") from error

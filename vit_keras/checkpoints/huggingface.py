@@ -10,14 +10,13 @@ only `config.json` says (epsilon, GELU variant, heads, grid) and the defaults ea
 class has when a field is left out.
 """
 
-import json
 import logging
 import os
 import re
 
 from vit_keras import errors
 from vit_keras import normalization as normalization_lib
-from vit_keras.checkpoints import names, timm
+from vit_keras.checkpoints import files, names, timm
 
 logger = logging.getLogger("vit_keras")
 
@@ -53,12 +52,9 @@ _VISION_TOWERS = {"clip": "clip_vision_model", "siglip": "siglip_vision_model"}
 
 
 def read_json(path):
-    """The JSON object in the file at `path`; a `CheckpointError` naming the file if it is not one."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise errors.CheckpointError(f"{path!r} is not valid JSON ({error}).") from error
+    """The JSON object in the file at `path`; a `CheckpointError` naming the file if it is not one
+    (or is too long or too deeply nested to be a configuration, see `files.read_json`)."""
+    value = files.read_json(path)
     if not isinstance(value, dict):
         raise errors.CheckpointError(f"{path!r} holds a JSON {type(value).__name__}, not an object.")
     return value

@@ -21,14 +21,13 @@ weights as timm's `_clip_quickgelu_` models hold them, exact in timm's `_clip_` 
 tell, and that is said in one warning.
 """
 
-import json
 import logging
 import os
 import re
 
 from vit_keras import configs, errors
 from vit_keras import normalization as normalization_lib
-from vit_keras.checkpoints import names
+from vit_keras.checkpoints import files, names
 
 logger = logging.getLogger("vit_keras")
 
@@ -110,8 +109,7 @@ def config_beside(path):
     if not os.path.isfile(config):
         return {}
     try:
-        with open(config, encoding="utf-8") as f:
-            config = json.load(f)
+        config = files.read_json(config)
         found = {}
         if isinstance(config.get("architecture"), str):
             tag = (config.get("pretrained_cfg") or {}).get("tag")

@@ -120,6 +120,7 @@ def load_model(model_path):
     require_tensorflow_backend()
     import vit_keras  # noqa: F401  (registers the layers for deserialization)
 
+    vit_keras.check_keras_file(model_path)
     return keras.saving.load_model(model_path, compile=False)
 
 

@@ -17,7 +17,7 @@ import warnings
 import keras
 
 from vit_keras import configs as configs_lib
-from vit_keras import geometry, layer_decay, masked_patch_prediction, pretrained
+from vit_keras import geometry, keras_files, layer_decay, masked_patch_prediction, pretrained
 from vit_keras.checkpoints import save_npz
 from vit_keras.tools import callbacks as callbacks_lib
 from vit_keras.tools import distribution as distribution_lib
@@ -236,6 +236,7 @@ def build_run_model(config, recipe, num_classes, log=print):
     options = {"dropout": recipe.dropout, "attention_dropout": config.attention_dropout,
                "drop_path_rate": config.drop_path_rate}
     if config.weights and config.weights.endswith(".keras"):
+        keras_files.check_keras_file(config.weights)
         loaded = keras.saving.load_model(config.weights, compile=False)
         size = model_image_size(loaded)
         if masked_patch_prediction.is_pretraining_model(loaded):
