@@ -26,6 +26,8 @@ _backend.start_app()  # before keras is imported
 
 from absl import app, flags
 
+from vit_keras.tools import config_flags
+
 import _common
 
 flags.DEFINE_string("model", None, "A .keras file, or a variant (e.g. ViT-B/16) with --weights.",
@@ -33,10 +35,10 @@ flags.DEFINE_string("model", None, "A .keras file, or a variant (e.g. ViT-B/16) 
 flags.DEFINE_string("weights", None,
                     "With a variant in --model: a release name (e.g. augreg_in21k_ft_in1k), "
                     "downloaded once, or a checkpoint file.")
-flags.DEFINE_integer("image_size", None,
-                     "With --weights: the input size (a release's file nearest to it is taken). "
-                     "Default: the release's or the checkpoint's.")
-flags.DEFINE_integer("top_k", 5, "Classes listed per image.")
+config_flags.define_number("image_size", None, "With --weights: the input size (a release's file "
+                           "nearest to it is taken). Default: the release's or the checkpoint's.",
+                           bounds="[1, inf)", kind=int)
+config_flags.define_number("top_k", 5, "Classes listed per image.", bounds="[1, inf)", kind=int)
 flags.DEFINE_string("class_names", None,
                     "A JSON list or a text file with one class name per line (default: the "
                     "release's classes, or class_names.json beside a .keras model).")
@@ -106,4 +108,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_backend.parse_flags)

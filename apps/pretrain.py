@@ -48,4 +48,4 @@ import _common
 main = _common.training_app("pretrain", _STARTED, objective=objectives.MaskedPatchPrediction)
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_backend.parse_flags)
