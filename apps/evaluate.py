@@ -1,6 +1,6 @@
 r"""Evaluates a trained .keras model on a dataset split: accuracy, top-5 and per-class accuracy.
 
-    python apps/evaluate.py --backend jax --model saved_models/finetune_digits_ViT-digits/model.keras
+    python apps/evaluate.py --backend jax --model saved_models/finetune_digits_ViT-digits_jax/model.keras
     python apps/evaluate.py --model run/model.keras --dataset cifar10 --data_dir ~/tensorflow_datasets \
         --split test --json results.json
 

@@ -1,6 +1,6 @@
 r"""Few-shot linear evaluation of a model's frozen pre-logits features (the paper's few-shot metric).
 
-    python apps/fewshot.py --backend jax --model saved_models/pretrain_digits_ViT-digits/model.keras
+    python apps/fewshot.py --backend jax --model saved_models/pretrain_digits_ViT-digits_jax/model.keras
     python apps/fewshot.py --model run/model.keras --dataset cifar10 --data_dir ~/tensorflow_datasets \
         --shots 1,5,10,25 --seeds 3 --json fewshot.json
     python apps/fewshot.py --model run/model.keras --probe logistic

@@ -1,8 +1,8 @@
 r"""Classifies image files with a trained .keras model, or a published model, and prints the
 top-k classes.
 
-    python apps/predict.py --backend jax --model saved_models/finetune_digits_ViT-digits/model.keras \
-        digit.png other.jpg --top_k 3
+    python apps/predict.py --backend jax \
+        --model saved_models/finetune_digits_ViT-digits_jax/model.keras digit.png other.jpg --top_k 3
     python apps/predict.py --model ViT-B/16 --weights augreg_in21k_ft_in1k --image_size 384 cat.jpg
 
 --model is a .keras file, or a variant (ViT-B/16, or the official spelling ViT-B_16) built with

@@ -430,8 +430,8 @@ class RunFolder:
 
     def temporary_files(self):
         """Files left by interrupted atomic writes (none after a clean run), relative to the
-        folder: `NAME.tmp-PID[.keras]` beside the outputs, `saving-PID.weights.h5` and
-        `*.tmp-PID` in `backup/`."""
+        folder: `NAME.tmp-PID[.keras]` beside the outputs, `*.tmp-PID[.keras]` and (from
+        earlier versions' backups) `saving-PID.weights.h5` in `backup/`."""
         found = [name for name in os.listdir(self.path) if ".tmp-" in name and (
             os.path.isfile(self._file(name)) or os.path.islink(self._file(name)))]
         if os.path.isdir(self.backup):
