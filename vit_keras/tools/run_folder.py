@@ -107,16 +107,21 @@ def writing(path, temporary=None):
 def write_error(path, error):
     """The `RunFolderError` for an `OSError` writing `path` (a file, or a folder it was in)."""
     if error.errno == errno.ELOOP:
-        return RunFolderError(f"{error.filename or path} is a symbolic link: a run writes its "
-                              f"files only inside its folder, never through a link. Remove the "
-                              f"link, or pass another --run_name.")
+        return link_error(error.filename or path)
     reason = error.strerror or " ".join(str(error).split())
     if error.errno in DISK_FULL:
         return RunFolderWriteError(
-            f"Cannot write {path}: {reason}. Free space on its disk (or choose another "
-            f"--output_dir), then run the same command again: it resumes the run from its last "
-            f"backed-up epoch, if any.")
+            f"Cannot write {path}: {reason}. Free space on its disk (or write elsewhere), then "
+            f"run the same command again (a training run resumes from its last backed-up "
+            f"epoch).")
     return RunFolderWriteError(f"Cannot write {path}: {reason}.")
+
+
+def link_error(path):
+    """The `RunFolderError` for a symbolic link where a file is to be written."""
+    return RunFolderError(f"{path} is a symbolic link: a run writes its files only inside its "
+                          f"folder, never through a link. Remove the link, or pass another "
+                          f"--run_name.")
 
 
 def _json_default(value):
@@ -273,7 +278,7 @@ class RunFolder:
             raise
         except OSError as error:
             if error.errno == errno.ELOOP:
-                raise self._linked(self.lock) from None
+                raise link_error(self.lock) from None
             raise self._unwritable(error) from None
         try:
             yield self
@@ -281,11 +286,6 @@ class RunFolder:
             with contextlib.suppress(OSError):
                 os.remove(self.lock)  # before unlocking: a waiting opener then sees a new file
             os.close(descriptor)
-
-    def _linked(self, path):
-        return RunFolderError(
-            f"{path} is a symbolic link: a run writes its files only inside its folder, never "
-            f"through a link. Remove the link, or pass another --run_name.")
 
     def _acquire(self, fcntl):
         while True:
@@ -382,7 +382,7 @@ class RunFolder:
             for name in sorted(folders + files):
                 path = os.path.join(root, name)
                 if os.path.islink(path):
-                    raise self._linked(path)
+                    raise link_error(path)
 
     def remove_backup(self):
         shutil.rmtree(self.backup, ignore_errors=True)
