@@ -24,10 +24,15 @@ BACKENDS = ("jax", "tensorflow", "torch")
 KEEP_HOST_MEMORY = "VIT_KERAS_KEEP_HOST_MEMORY"
 
 
-def expand_flagfiles(argv):
-    """argv with each `--flagfile PATH` / `--flagfile=PATH` replaced by the flags in that file
-    (one a line; `#` and `//` comments; nested flag files), in place, as absl reads them: a flag
-    after the file overrides the file's. An unreadable file is left out (absl reports it)."""
+class FlagfileLoopError(ValueError):
+    """A `--flagfile` that includes itself, directly or through others."""
+
+
+def expand_flagfiles(argv, _reading=()):
+    """argv with each `--flagfile PATH` / `--flagfile=PATH` (or `-flagfile`) replaced by the flags
+    in that file (one a line; `#` and `//` comments; nested flag files), in place, as absl reads
+    them: a flag after the file overrides the file's. An unreadable file is left out (absl reports
+    it); a file that includes itself, directly or through others, raises `FlagfileLoopError`."""
     expanded, args = [], iter(argv)
     for arg in args:
         path = None
@@ -38,20 +43,30 @@ def expand_flagfiles(argv):
                 path = arg[len(prefix) + 1:]
         if path is None:
             expanded.append(arg)
+            if arg == "--":  # absl reads no flag after it
+                expanded += list(args)
             continue
+        path = os.path.expanduser(path)
+        real = os.path.realpath(path)
+        if real in _reading:
+            chain = " -> ".join((*_reading[_reading.index(real):], real))
+            raise FlagfileLoopError(f"--flagfile {path} includes itself ({chain}); remove the "
+                                    f"--flagfile line that closes the loop.")
         try:
-            with open(os.path.expanduser(path)) as f:
+            with open(path) as f:
                 lines = [line.strip() for line in f]
         except OSError:
             continue
         expanded += expand_flagfiles([line for line in lines
-                                      if line and not line.startswith(("#", "//"))])
+                                      if line and not line.startswith(("#", "//"))],
+                                     (*_reading, real))
     return expanded
 
 
 def select_backend(argv=None):
-    """Sets `KERAS_BACKEND` from `--backend NAME` or `--backend=NAME`, wherever it stands in argv
-    or in a `--flagfile` it names (the last one wins, as in absl).
+    """Sets `KERAS_BACKEND` from `--backend NAME` or `--backend=NAME` (or absl's single-dash
+    `-backend`), wherever it stands in argv before a `--` or in a `--flagfile` it names (the last
+    one wins, as in absl).
 
     Args:
       argv: the command line (default `sys.argv`).
@@ -60,14 +75,17 @@ def select_backend(argv=None):
       The chosen backend, or `None` when argv has no `--backend` (KERAS_BACKEND is then untouched).
 
     Raises:
-      ValueError: for an unknown backend, or when Keras was already imported on another backend.
+      ValueError: for an unknown backend, a `--flagfile` loop, or when Keras was already imported
+        on another backend.
     """
     argv = expand_flagfiles(sys.argv if argv is None else argv)
     backend = None
     for index, arg in enumerate(argv):
-        if arg == "--backend" and index + 1 < len(argv):
+        if arg == "--":
+            break
+        if arg in ("--backend", "-backend") and index + 1 < len(argv):
             backend = argv[index + 1]
-        elif arg.startswith("--backend="):
+        elif arg.startswith(("--backend=", "-backend=")):
             backend = arg.split("=", 1)[1]
     if backend is None:
         return None
@@ -105,12 +123,38 @@ def flag_module(depth=1):
     return sys.argv[0] if name == "__main__" else name
 
 
+def parse_flags(argv):
+    """The apps' absl flag parser, `app.run(main, flags_parser=_backend.parse_flags)`: a flag that
+    is unknown, malformed or outside its range (`vit_keras.tools.config_flags`) ends the app
+    before `main` with one line, `ERROR: ...`, and status 2, as every other mistake does (absl's
+    own parser prints two lines and exits with 1). Also refuses a `--backend` that absl read but
+    `select_backend` did not, so a run never records a backend it did not run on."""
+    from absl import flags  # pylint: disable=import-outside-toplevel
+
+    try:
+        remaining = flags.FLAGS(argv)
+    except flags.Error as error:
+        _exit_with_error(" ".join(str(error).split()))
+    if "backend" in flags.FLAGS and flags.FLAGS.backend is not None and (
+            flags.FLAGS.backend != os.environ.get("KERAS_BACKEND")):
+        _exit_with_error(f"--backend {flags.FLAGS.backend} was read after Keras chose the "
+                         f"{os.environ.get('KERAS_BACKEND') or 'default'} backend; write it as "
+                         f"--backend {flags.FLAGS.backend} or --backend={flags.FLAGS.backend}.")
+    return remaining
+
+
+def _exit_with_error(message):
+    print(f"ERROR: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def start_app(only=None, help_text=None):
     """Reads `--backend`, defines its absl flag and sets the apps' runtime defaults.
 
-    Call before importing keras or vit_keras. An unknown backend ends the app with one line,
-    `ERROR: ...`, and status 2. It silences the libraries' start-up noise and prints warnings as
-    `WARNING: ...` (`_app_output`). On JAX it also calls
+    Call before importing keras or vit_keras. An unknown backend or a `--flagfile` loop ends the
+    app with one line, `ERROR: ...`, and status 2; so does any other flag error once the app runs
+    `app.run(main, flags_parser=parse_flags)`. It silences the libraries' start-up noise and
+    prints warnings as `WARNING: ...` (`_app_output`). On JAX it also calls
     `vit_keras.keep_freed_host_memory()` before JAX starts its CPU client (the app's first array),
     unless `VIT_KERAS_KEEP_HOST_MEMORY=0`: see `vit_keras.xla_cpu`.
 
@@ -125,8 +169,7 @@ def start_app(only=None, help_text=None):
     try:
         backend = select_backend(None if only is None else ["--backend", only])
     except ValueError as error:
-        print(f"ERROR: {error}", file=sys.stderr)
-        sys.exit(2)
+        _exit_with_error(error)
     # torch's OpenMP threads spin while waiting; beside tf.data's threads on a small CPU that made
     # training steps 5-10x slower here. Passive waiting costs nothing measurable on an idle machine.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

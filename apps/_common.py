@@ -247,10 +247,22 @@ def define_model_output_flags():
 
 
 def check_model_output(out, overwrite):
-    """Refuses, before any work, an `--out` that is not a `.keras` path, or that exists and is not
-    to be overwritten: a model written earlier is never replaced without `--overwrite`."""
+    """Refuses, before any work, an `--out` that is not a `.keras` path, that is a symbolic link
+    (a file is written, never through a link), whose folder is not one (a file or a dangling
+    link in its path), or that exists and is not to be overwritten: a model written earlier is never
+    replaced without `--overwrite`."""
     if not out.endswith(".keras"):
         raise app.UsageError(f"--out must end with .keras; got {out!r}.")
+    if os.path.islink(out):
+        raise app.UsageError(f"--out {out} is a symbolic link (to {os.readlink(out)}); give the "
+                             f"path of the file itself.")
+    folder = os.path.dirname(os.path.abspath(out))
+    while not os.path.lexists(folder):  # the nearest existing folder above it: created below
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise app.UsageError(f"--out {out}: {folder} is not a folder"
+                             + (" (a symbolic link to nothing)" if os.path.islink(folder) else "")
+                             + "; choose another --out.")
     if os.path.exists(out) and not overwrite:
         raise app.UsageError(f"{out} exists already: pass --overwrite to replace it, or choose "
                              f"another --out.")

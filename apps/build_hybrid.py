@@ -28,6 +28,8 @@ _backend.start_app()  # before keras is imported
 
 from absl import app, flags, logging
 
+from vit_keras.tools import config_flags
+
 import _common
 
 flags.DEFINE_string("model", "R50+ViT-B/16", "Hybrid variant, e.g. R50+ViT-B/16, R+ViT-Ti/16 "
@@ -35,8 +37,8 @@ flags.DEFINE_string("model", "R50+ViT-B/16", "Hybrid variant, e.g. R50+ViT-B/16,
 flags.DEFINE_alias("variant", "model")  # the flag's name before every app said --model
 flags.DEFINE_list("image_size", None, "Image size: one number or height,width. Default: the "
                   "release's with a release name in --weights, else 384.")
-flags.DEFINE_integer("num_classes", None, "Classes of the head. Default: the release's with a "
-                     "release name in --weights, else 1000.")
+config_flags.define_number("num_classes", None, "Classes of the head. Default: the release's with a "
+                           "release name in --weights, else 1000.", bounds="[1, inf)", kind=int)
 flags.DEFINE_string("weights", None, "Optional checkpoint to load (.npz, timm state dict) or a "
                     "release name (e.g. augreg_in21k_ft_in1k), downloaded once.")
 flags.DEFINE_enum("hybrid_numerics", "vit_jax", ("vit_jax", "timm"),
@@ -91,4 +93,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_backend.parse_flags)

@@ -29,6 +29,8 @@ _backend.start_app()  # before keras is imported
 
 from absl import app, flags, logging
 
+from vit_keras.tools import config_flags
+
 import _common
 
 flags.DEFINE_string("weights", None, "Checkpoint file, Hugging Face folder, hf-hub:REPO_ID, or a "
@@ -40,12 +42,14 @@ flags.DEFINE_string("model", None, "Expected variant (e.g. ViT-B/16 or ViT-B_16)
 flags.DEFINE_alias("variant", "model")  # the flag's name before every app said --model
 flags.DEFINE_list("image_size", None, "Image size: one number or height,width. Default: the "
                   "checkpoint's (a release's file nearest to it is taken).")
-flags.DEFINE_integer("num_classes", None, "Classes of the head. Default: the checkpoint's.")
+config_flags.define_number("num_classes", None, "Classes of the head. Default: the checkpoint's.",
+                           bounds="[1, inf)", kind=int)
 flags.DEFINE_enum("interpolation", None, ("vit_jax", "bilinear", "bicubic"),
                   "Position-embedding resampling. Default: vit_jax for .npz, bicubic otherwise.")
 flags.DEFINE_boolean("antialias", None, "Antialiased bilinear/bicubic resampling. Default: the "
                      "format's (on for timm state dicts).")
-flags.DEFINE_integer("num_heads", None, "Attention heads, for timm files of non-standard width.")
+config_flags.define_number("num_heads", None, "Attention heads, for timm files of non-standard width.",
+                           bounds="[1, inf)", kind=int)
 _common.define_checkpoint_flags()
 FLAGS = flags.FLAGS
 
@@ -78,4 +82,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_backend.parse_flags)

@@ -1,6 +1,6 @@
 r"""Evaluates a trained .keras model on a dataset split: accuracy, top-5 and per-class accuracy.
 
-    python apps/evaluate.py --backend jax --model saved_models/finetune_digits_ViT-digits/model.keras
+    python apps/evaluate.py --backend jax --model saved_models/finetune_digits_ViT-digits_jax/model.keras
     python apps/evaluate.py --model run/model.keras --dataset cifar10 --data_dir ~/tensorflow_datasets \
         --split test --json results.json
 
@@ -19,6 +19,8 @@ _backend.start_app()  # before keras is imported
 
 from absl import app, flags
 
+from vit_keras.tools import config_flags
+
 import _common
 
 flags.DEFINE_string("model", None, "The .keras file to evaluate.", required=True)
@@ -26,9 +28,11 @@ flags.DEFINE_string("dataset", None, "digits, folder:PATH or a tfds name (defaul
                     "dataset from metrics.json beside the model, else digits).")
 flags.DEFINE_string("data_dir", None, "tfds data directory (default: the run's).")
 flags.DEFINE_enum("split", "test", ["train", "val", "test"], "Split to evaluate.")
-flags.DEFINE_float("val_fraction", None, "Held-out fraction for val (default: the run's).")
-flags.DEFINE_integer("seed", None, "Seed of the held-out splits (default: the run's, else 0).")
-flags.DEFINE_integer("batch_size", 256, "Evaluation batch size.")
+config_flags.define_number("val_fraction", None, "Held-out fraction for val (default: the run's).",
+                           bounds="(0, 1)")
+config_flags.define_number("seed", None, "Seed of the held-out splits (default: the run's, else 0).",
+                           bounds="[0, 4294967295]", kind=int)
+config_flags.define_number("batch_size", 256, "Evaluation batch size.", bounds="[1, inf)", kind=int)
 flags.DEFINE_string("json", None, "Also write the results as JSON to this path.")
 flags.DEFINE_enum("quantize", "none", ["none", "int8"],
                   "int8: also evaluate the model with Keras' int8 weight quantization "
@@ -88,4 +92,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_backend.parse_flags)

@@ -41,6 +41,7 @@ _backend.start_app(  # before keras is imported
 
 from absl import app, flags, logging
 
+from vit_keras.tools import config_flags
 from vit_keras.tools import export as vit_export
 
 import _common
@@ -57,12 +58,13 @@ flags.DEFINE_string("out", None, "Root folder of the exports.", required=True)
 flags.DEFINE_string("name", None,
                     "Model name: the SavedModel folder (TF Serving's MODEL_NAME) and file stem. "
                     "Default: the name of the folder that holds the .keras file.")
-flags.DEFINE_integer("version", None,
-                     "SavedModel version folder. Default: one more than the highest present.")
+config_flags.define_number("version", None, "SavedModel version folder. Default: one more than the "
+                           "highest present.", bounds="[0, inf)", kind=int)
 flags.DEFINE_string("class_names", None,
                     "Class names: a JSON list or a text file with one name per line. Default: "
                     "class_names.json beside the .keras file, if present.")
-flags.DEFINE_integer("top_k", 5, "Classes listed by the SavedModel's top_k outputs.")
+config_flags.define_number("top_k", 5, "Classes listed by the SavedModel's top_k outputs.",
+                           bounds="[1, inf)", kind=int)
 flags.DEFINE_bool("overwrite", False,
                   "Replace exports that exist already (a .tflite or .onnx file, a SavedModel "
                   "version, a labels file of other class names) once the new ones are verified. "
@@ -130,4 +132,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_backend.parse_flags)

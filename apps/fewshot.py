@@ -1,6 +1,6 @@
 r"""Few-shot linear evaluation of a model's frozen pre-logits features (the paper's few-shot metric).
 
-    python apps/fewshot.py --backend jax --model saved_models/pretrain_digits_ViT-digits/model.keras
+    python apps/fewshot.py --backend jax --model saved_models/pretrain_digits_ViT-digits_jax/model.keras
     python apps/fewshot.py --model run/model.keras --dataset cifar10 --data_dir ~/tensorflow_datasets \
         --shots 1,5,10,25 --seeds 3 --json fewshot.json
     python apps/fewshot.py --model run/model.keras --probe logistic
@@ -28,6 +28,8 @@ _backend.start_app()  # before keras is imported
 
 from absl import app, flags
 
+from vit_keras.tools import config_flags
+
 import _common
 
 flags.DEFINE_string("model", None, "The .keras file whose features are evaluated; with --weights, "
@@ -37,25 +39,29 @@ flags.DEFINE_string("weights", None, "Pretrained weights evaluated instead of a 
                     "variant), a checkpoint file or folder, or hf-hub:REPO_ID. The model is built "
                     "without its head: its pooled features are evaluated.")
 _common.define_checkpoint_flags()
-flags.DEFINE_integer("image_size", None, "With --weights: the resolution (default: the weights' "
-                     "own; position embeddings are resampled to another).")
+config_flags.define_number("image_size", None, "With --weights: the resolution (default: the weights' "
+                           "own; position embeddings are resampled to another).",
+                           bounds="[1, inf)", kind=int)
 flags.DEFINE_string("dataset", None, "digits, folder:PATH or a tfds name (default: the run's "
                     "dataset from metrics.json beside the model, else digits).")
 flags.DEFINE_string("data_dir", None, "tfds data directory (default: the run's).")
-flags.DEFINE_float("val_fraction", None, "Held-out fraction for val (default: the run's).")
-flags.DEFINE_integer("split_seed", None, "Seed of the held-out splits (default: the run's, else "
-                     "0).")
+config_flags.define_number("val_fraction", None, "Held-out fraction for val (default: the run's).",
+                           bounds="(0, 1)")
+config_flags.define_number("split_seed", None, "Seed of the held-out splits (default: the run's, else "
+                           "0).", bounds="[0, 4294967295]", kind=int)
 flags.DEFINE_list("shots", ["1", "5", "10", "25"], "Training examples per class, each count "
                   "evaluated on its own.")
-flags.DEFINE_integer("seeds", 3, "Draws of the training examples (seeds 0 .. N-1).")
+config_flags.define_number("seeds", 3, "Draws of the training examples (seeds 0 .. N-1).",
+                           bounds="[1, inf)", kind=int)
 flags.DEFINE_enum("probe", "lsr", ["lsr", "logistic"], "lsr: closed-form regularised least "
                   "squares (big_vision's fewshot_lsr); logistic: a softmax layer trained with "
                   "Keras.")
-flags.DEFINE_float("l2_reg", 2.0 ** 10, "L2 regularisation of the least squares (big_vision's "
-                   "2**10).")
+config_flags.define_number("l2_reg", 2.0 ** 10, "L2 regularisation of the least squares (big_vision's "
+                           "2**10).", bounds="[0, inf)")
 flags.DEFINE_enum("train_split", "train", ["train", "val", "test"], "Split the shots come from.")
 flags.DEFINE_enum("test_split", "test", ["train", "val", "test"], "Split the probe is scored on.")
-flags.DEFINE_integer("batch_size", 256, "Feature extraction batch size.")
+config_flags.define_number("batch_size", 256, "Feature extraction batch size.",
+                           bounds="[1, inf)", kind=int)
 flags.DEFINE_string("json", None, "Also write the results as JSON to this path.")
 FLAGS = flags.FLAGS
 
@@ -72,8 +78,10 @@ def main(argv):
 
     try:
         shots = [int(count) for count in FLAGS.shots]
+        if min(shots, default=1) < 1:
+            raise ValueError
     except ValueError:
-        raise app.UsageError(f"--shots takes whole numbers (e.g. 1,5,10,25); got "
+        raise app.UsageError(f"--shots takes positive whole numbers (e.g. 1,5,10,25); got "
                              f"{','.join(FLAGS.shots)!r}.") from None
     if FLAGS.weights:  # checked before the data loads
         _common.check_weights(FLAGS.weights, FLAGS.model, FLAGS.image_size)
@@ -117,4 +125,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_backend.parse_flags)

@@ -47,4 +47,4 @@ import _common
 main = _common.training_app("finetune", _STARTED)
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_backend.parse_flags)

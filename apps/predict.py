@@ -1,8 +1,8 @@
 r"""Classifies image files with a trained .keras model, or a published model, and prints the
 top-k classes.
 
-    python apps/predict.py --backend jax --model saved_models/finetune_digits_ViT-digits/model.keras \
-        digit.png other.jpg --top_k 3
+    python apps/predict.py --backend jax \
+        --model saved_models/finetune_digits_ViT-digits_jax/model.keras digit.png other.jpg --top_k 3
     python apps/predict.py --model ViT-B/16 --weights augreg_in21k_ft_in1k --image_size 384 cat.jpg
 
 --model is a .keras file, or a variant (ViT-B/16, or the official spelling ViT-B_16) built with
@@ -26,6 +26,8 @@ _backend.start_app()  # before keras is imported
 
 from absl import app, flags
 
+from vit_keras.tools import config_flags
+
 import _common
 
 flags.DEFINE_string("model", None, "A .keras file, or a variant (e.g. ViT-B/16) with --weights.",
@@ -33,11 +35,11 @@ flags.DEFINE_string("model", None, "A .keras file, or a variant (e.g. ViT-B/16) 
 flags.DEFINE_string("weights", None,
                     "With a variant in --model: a release name (e.g. augreg_in21k_ft_in1k), "
                     "downloaded once, or a checkpoint file.")
-flags.DEFINE_integer("image_size", None,
-                     "With --weights: the input size (a release's file nearest to it is taken). "
-                     "Default: the release's or the checkpoint's.")
+config_flags.define_number("image_size", None, "With --weights: the input size (a release's file "
+                           "nearest to it is taken). Default: the release's or the checkpoint's.",
+                           bounds="[1, inf)", kind=int)
 _common.define_checkpoint_flags()
-flags.DEFINE_integer("top_k", 5, "Classes listed per image.")
+config_flags.define_number("top_k", 5, "Classes listed per image.", bounds="[1, inf)", kind=int)
 flags.DEFINE_string("class_names", None,
                     "A JSON list or a text file with one class name per line (default: the "
                     "release's classes, or class_names.json beside a .keras model).")
@@ -108,4 +110,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_backend.parse_flags)

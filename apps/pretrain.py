@@ -2,8 +2,8 @@ r"""Self-supervised pre-training by masked patch prediction (the paper's section
 
     python apps/pretrain.py --backend jax                 # digits, offline, a few minutes
     python apps/finetune.py --backend jax \
-        --weights saved_models/pretrain_digits_ViT-digits/model.keras   # digits recipe, 16 px
-    python apps/fewshot.py --backend jax --model saved_models/pretrain_digits_ViT-digits/model.keras
+        --weights saved_models/pretrain_digits_ViT-digits_jax/model.keras   # digits recipe, 16 px
+    python apps/fewshot.py --backend jax --model saved_models/pretrain_digits_ViT-digits_jax/model.keras
     python apps/pretrain.py --backend jax --dataset imagenet2012 --data_dir ~/tensorflow_datasets \
         --model ViT-B/16 --accum_steps 8 --mixed_precision bfloat16 --fewshot_shots ""
 
@@ -48,4 +48,4 @@ import _common
 main = _common.training_app("pretrain", _STARTED, objective=objectives.MaskedPatchPrediction)
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_backend.parse_flags)

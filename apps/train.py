@@ -30,4 +30,4 @@ main = _common.training_app(
                 "finetune. The flags below override single values.")
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_backend.parse_flags)

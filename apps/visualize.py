@@ -25,16 +25,21 @@ import os
 from absl import app, flags, logging
 import numpy as np
 
+from vit_keras.tools import config_flags
+
 import _common
 
 flags.DEFINE_string("model", None, "A .keras file, or a variant name (random weights).")
 flags.DEFINE_list("images", [], "Image files (any format PIL reads).")
 flags.DEFINE_string("out", None, "Directory for the figures.")
-flags.DEFINE_integer("image_size", 224, "Image size for a variant name (ignored for files).")
+config_flags.define_number("image_size", 224, "Image size for a variant name (ignored for files).",
+                           bounds="[1, inf)", kind=int)
 flags.DEFINE_enum("classifier", "token", ["token", "gap"], "Classifier for a variant name.")
-flags.DEFINE_integer("num_components", 28, "Principal components of the filters to show.")
-flags.DEFINE_integer("batch_size", 8, "Images per forward pass.")
-flags.DEFINE_integer("seed", 0, "Seed of the random weights for a variant name.")
+config_flags.define_number("num_components", 28, "Principal components of the filters to show.",
+                           bounds="[1, inf)", kind=int)
+config_flags.define_number("batch_size", 8, "Images per forward pass.", bounds="[1, inf)", kind=int)
+config_flags.define_number("seed", 0, "Seed of the random weights for a variant name.",
+                           bounds="[0, 4294967295]", kind=int)
 flags.mark_flags_as_required(["model", "out"])
 FLAGS = flags.FLAGS
 
@@ -189,4 +194,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_backend.parse_flags)

@@ -44,6 +44,29 @@ def test_select_backend_reads_flag_files_where_they_stand(monkeypatch, tmp_path)
     assert os.environ["KERAS_BACKEND"] == "jax"
 
 
+@pytest.mark.parametrize("argv", [["app", "-backend=torch"], ["app", "-backend", "torch"],
+                                  ["app", "--backend=torch", "--", "--backend=jax"]])
+def test_select_backend_reads_absls_single_dash_form_and_stops_where_absl_does(monkeypatch, argv):
+    """absl reads `-backend=torch` as `--backend=torch`: a run must then be on torch, not on
+    KERAS_BACKEND's backend while it records torch (vit_keras issue 41, item 10)."""
+    monkeypatch.setenv("KERAS_BACKEND", "tensorflow")
+    monkeypatch.setitem(sys.modules, "keras", None)  # as in an app, before keras is imported
+    assert _backend.select_backend(argv) == "torch"
+    assert os.environ["KERAS_BACKEND"] == "torch"
+
+
+def test_a_flagfile_that_includes_itself_is_refused_naming_the_loop(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "keras", None)
+    (tmp_path / "a.txt").write_text(f"--backend=torch\n--flagfile={tmp_path}/b.txt\n")
+    (tmp_path / "b.txt").write_text(f"--flagfile={tmp_path}/a.txt\n")
+    with pytest.raises(_backend.FlagfileLoopError,
+                       match=r"--flagfile .*a.txt includes itself \(.*a.txt -> .*b.txt -> .*a.txt\)"):
+        _backend.select_backend(["app", f"--flagfile={tmp_path}/a.txt"])
+    (tmp_path / "c.txt").write_text(f"--flagfile={tmp_path}/d.txt\n--flagfile={tmp_path}/d.txt\n")
+    (tmp_path / "d.txt").write_text("--backend=torch\n")
+    assert _backend.select_backend(["app", f"--flagfile={tmp_path}/c.txt"]) == "torch"  # no loop
+
+
 @pytest.mark.slow
 def test_an_unknown_backend_ends_an_app_with_one_line(tmp_path):
     result = subprocess.run([sys.executable, os.path.join("apps", "finetune.py"), "--backend",

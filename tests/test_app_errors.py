@@ -168,3 +168,92 @@ def test_a_model_that_is_not_a_keras_file_is_a_one_line_error(results, case):
 def test_keras_weights_of_another_architecture_than_model_is_a_one_line_error(results):
     case = "finetune_keras_weights_of_another_variant"
     _assert_one_line_error(results[case], *CASES[case][2])
+
+
+# --- careless flags (vit_keras issue 41, items 1, 3, 5 and 10) ----------------------------------
+
+# Each case: the app, its arguments, and what its one line must say. Every app refuses a number
+# outside its flag's range while absl parses the command line, before any work.
+RUNS = "--output_dir={tmp}/runs"  # where a training app would begin a run folder
+CARELESS_CASES = {
+    "finetune_epochs_negative": ("finetune.py", [RUNS, "--epochs=-1"],
+                                 ["--epochs=-1", "an integer >= 1"]),
+    "finetune_steps_per_epoch_negative": ("finetune.py", [RUNS, "--steps_per_epoch=-5"],
+                                          ["--steps_per_epoch=-5", "an integer >= 1"]),
+    "finetune_steps_per_epoch_zero": ("finetune.py", [RUNS, "--steps_per_epoch=0"],
+                                      ["--steps_per_epoch=0"]),
+    "finetune_val_fraction_negative": ("finetune.py", [RUNS, "--val_fraction=-1"],
+                                       ["--val_fraction=-1", "a number in (0, 1)"]),
+    "train_learning_rate_negative": ("train.py", [RUNS, "--learning_rate=-1"],
+                                     ["--learning_rate=-1", "a number > 0"]),
+    "train_dropout_above_one": ("train.py", [RUNS, "--dropout=1.5"], ["--dropout=1.5", "[0, 1)"]),
+    "pretrain_corruption_rate_zero": ("pretrain.py", [RUNS, "--corruption_rate=0"],
+                                      ["--corruption_rate=0", "(0, 1]"]),
+    "evaluate_batch_size_zero": ("evaluate.py", ["--model={tmp}/model.keras", "--batch_size=0"],
+                                 ["--batch_size=0"]),
+    "predict_top_k_zero": ("predict.py", ["--model={tmp}/model.keras", "--top_k=0", "x.png"],
+                           ["--top_k=0"]),
+    "export_top_k_zero": ("export.py", ["--model={tmp}/model.keras", "--format=onnx",
+                                        "--out={tmp}/exports", "--top_k=0"], ["--top_k=0"]),
+    "fewshot_seeds_zero": ("fewshot.py", ["--model={tmp}/model.keras", "--seeds=0"],
+                           ["--seeds=0"]),
+    "visualize_num_components_zero": ("visualize.py", ["--model=ViT-Ti/16", "--out={tmp}/figures",
+                                                       "--num_components=0"],
+                                      ["--num_components=0"]),
+    "convert_num_classes_zero": ("convert.py", ["--weights={tmp}/weights.npz",
+                                                "--out={tmp}/c.keras", "--num_classes=0"],
+                                 ["--num_classes=0"]),
+    "build_hybrid_num_classes_negative": ("build_hybrid.py", ["--out={tmp}/h.keras",
+                                                              "--num_classes=-1"],
+                                          ["--num_classes=-1"]),
+    "finetune_run_name_parent": ("finetune.py", ["--output_dir={tmp}/parent/out", "--run_name=..",
+                                                 "--overwrite"],
+                                 ["--run_name '..' is not a folder name"]),
+    "finetune_run_name_dot": ("finetune.py", ["--output_dir={tmp}/parent/out", "--run_name=.",
+                                              "--overwrite"],
+                              ["--run_name '.' is not a folder name"]),
+    "finetune_flagfile_loop": ("finetune.py", [RUNS, "--flagfile={tmp}/a.txt"],
+                               ["a.txt includes itself", "b.txt"]),
+    "convert_out_dangling_link": ("convert.py", ["--weights={tmp}/weights.npz",
+                                                 "--out={tmp}/dangling.keras"],
+                                  ["--out", "dangling.keras is a symbolic link"]),
+    "build_hybrid_out_under_dangling_link": ("build_hybrid.py", ["--model=R+ViT-Ti/16",
+                                                                 "--out={tmp}/gone/h.keras"],
+                                             ["gone is not a folder (a symbolic link to nothing)"]),
+}
+
+
+@pytest.fixture(scope="module")
+def careless_results(tmp_path_factory):
+    """`{case: (CompletedProcess, tmp)}` of `CARELESS_CASES`, each in its own folder with an
+    unrelated file beside the --output_dir, two flag files that include each other and links
+    to nothing."""
+    def run(case):
+        tmp = str(tmp_path_factory.mktemp(case))
+        os.makedirs(os.path.join(tmp, "parent", "out"))
+        with open(os.path.join(tmp, "parent", "unrelated.txt"), "w") as f:
+            f.write("keep me")
+        with open(os.path.join(tmp, "a.txt"), "w") as f:
+            f.write(f"--epochs=1\n--flagfile={tmp}/b.txt\n")
+        with open(os.path.join(tmp, "b.txt"), "w") as f:
+            f.write(f"--flagfile={tmp}/a.txt\n")
+        os.symlink(os.path.join(tmp, "nowhere", "x.keras"), os.path.join(tmp, "dangling.keras"))
+        os.symlink(os.path.join(tmp, "nowhere"), os.path.join(tmp, "gone"))
+        app, args, _ = CARELESS_CASES[case]
+        before = sorted(os.listdir(tmp))
+        result = run_app(app, *[arg.format(tmp=tmp) for arg in args], timeout=300)
+        return result, tmp, before
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return dict(zip(CARELESS_CASES, pool.map(run, CARELESS_CASES)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CARELESS_CASES)
+def test_a_careless_flag_is_a_one_line_error_before_any_work(careless_results, case):
+    result, tmp, before = careless_results[case]
+    _assert_one_line_error(result, *CARELESS_CASES[case][2])
+    assert sorted(os.listdir(tmp)) == before  # no run folder, export or figure begun
+    assert os.listdir(os.path.join(tmp, "parent", "out")) == []
+    with open(os.path.join(tmp, "parent", "unrelated.txt")) as f:
+        assert f.read() == "keep me"

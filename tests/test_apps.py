@@ -185,7 +185,8 @@ def test_train_app_uses_the_pretraining_recipe(tmp_path):
     result = _app("train.py", "--backend", BACKEND, *TINY, "--epochs", "1", "--dataset", "digits",
                   "--recipe", "pretrain", "--warmup_steps", "1", "--output_dir", str(tmp_path))
     assert "recipe pretrain" in result.stdout
-    metrics = json.loads((tmp_path / "train_digits_ViT-digits" / "metrics.json").read_text())
+    metrics = json.loads((tmp_path / f"train_digits_ViT-digits_{BACKEND}" / "metrics.json")
+                         .read_text())
     recipe = metrics["config"]["recipe"]
     assert (recipe["optimizer"], recipe["weight_decay"], recipe["decay"]) == ("adamw", 0.1, "linear")
 

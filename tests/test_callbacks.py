@@ -120,7 +120,7 @@ def test_resumed_fit_continues_exactly_where_the_backup_left_off(tmp_path, tiny_
     with pytest.raises(KeyboardInterrupt):
         fit(_dropout_model(tiny_config, 0), "b", epochs_seen=2)
     metadata = json.load(open(tmp_path / "b" / "training_metadata.json"))
-    assert metadata["epoch"] == 2 and metadata["weights"] == "epoch-2.weights.h5"
+    assert metadata["epoch"] == 2 and metadata["weights"] == "epoch-2.keras"
     # The dropout after the embedding and, in each of the 2 blocks, after attention and in the MLP.
     assert len(metadata["seed_generators"]) == 1 + 2 * 2
     # Another seed: every value the continuation uses must come from the backup.
@@ -150,7 +150,7 @@ def test_a_kill_between_the_weights_and_the_metadata_keeps_the_previous_backup(
         model.fit(x, y, epochs=3, verbose=0, callbacks=[record, backup])
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path / "backup")) == [
-        "epoch-1.weights.h5", "epoch-2.weights.h5", "training_metadata.json"]
+        "epoch-1.keras", "epoch-2.keras", "training_metadata.json"]
     assert backup.resume_epoch == 1
     fresh = tiny_model(tiny_config)
     recipes.compile_model(fresh, "adam")

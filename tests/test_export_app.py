@@ -280,3 +280,65 @@ def test_an_out_that_is_a_file_is_a_one_line_error(repeated_runs):
     result, out, before = repeated_runs["out_is_a_file"]
     _assert_one_line_error(result, "--out", "exports.txt is a file")
     assert _digests(out) == before
+
+
+# --- the export folder after a kill, and links planted in it (vit_keras issue 41, items 2, 10) --
+
+@pytest.fixture(scope="module")
+def export_folder_runs(trained_runs, tmp_path_factory):
+    """Two exports into folders prepared as a kill or a hostile user left them, run in parallel:
+    `{case: (CompletedProcess, out, planted)}`.
+
+    - `killed_while_replacing`: version 3 of `vit` moved aside to `3.replaced-PID` by an export
+      killed between its two renames (the place of version 3 empty), then the next export.
+    - `planted_links`: the labels file and the ONNX file's staging name are links to files
+      outside, then an export with --overwrite (the labels there are other class names).
+    """
+    killed = str(tmp_path_factory.mktemp("killed_while_replacing"))
+    aside = os.path.join(killed, "vit", "3.replaced-4242")
+    os.makedirs(aside)
+    with open(os.path.join(aside, "saved_model.pb"), "w") as f:
+        f.write("the version being served")
+    linked = str(tmp_path_factory.mktemp("planted_links"))
+    outside = str(tmp_path_factory.mktemp("outside"))
+    planted = {}
+    for name, text in (("jax_run.labels.txt", "ant\nbee\ncow\n"),
+                       ("jax_run.onnx.unverified", "someone's file\n")):
+        planted[name] = os.path.join(outside, name)
+        with open(planted[name], "w") as f:
+            f.write(text)
+        os.symlink(planted[name], os.path.join(linked, name))
+    cases = {
+        "killed_while_replacing": ["--model", os.path.join(trained_runs["torch"], "model.keras"),
+                                   "--format", "saved_model", "--name", "vit", "--out", killed],
+        "planted_links": ["--model", os.path.join(trained_runs["jax"], "model.keras"),
+                          "--format", "onnx", "--out", linked, "--overwrite"],
+    }
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        results = dict(zip(cases, pool.map(lambda args: run_app(*args), cases.values())))
+    return {"killed_while_replacing": (results["killed_while_replacing"], killed, {}),
+            "planted_links": (results["planted_links"], linked, planted)}
+
+
+def test_an_export_killed_while_replacing_a_version_is_repaired_by_the_next(export_folder_runs):
+    result, out, _ = export_folder_runs["killed_while_replacing"]
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # The version moved aside is served again, and the new export is the next version.
+    assert sorted(os.listdir(os.path.join(out, "vit"))) == ["3", "4"]
+    with open(os.path.join(out, "vit", "3", "saved_model.pb")) as f:
+        assert f.read() == "the version being served"
+    assert f"Wrote {os.path.join(out, 'vit', '4')}\n" in result.stdout
+
+
+def test_an_export_never_writes_through_a_link_planted_in_its_folder(export_folder_runs):
+    result, out, planted = export_folder_runs["planted_links"]
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with open(planted["jax_run.labels.txt"]) as f:
+        assert f.read() == "ant\nbee\ncow\n"
+    with open(planted["jax_run.onnx.unverified"]) as f:
+        assert f.read() == "someone's file\n"
+    for name in ("jax_run.labels.txt", "jax_run.onnx"):
+        assert not os.path.islink(os.path.join(out, name)), name
+    with open(os.path.join(out, "jax_run.labels.txt")) as f:
+        assert f.read() == "".join(f"{name}\n" for name in CLASS_NAMES)
+    assert sorted(os.listdir(out)) == ["jax_run.labels.txt", "jax_run.onnx"]

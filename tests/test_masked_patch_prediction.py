@@ -258,7 +258,7 @@ def pretrain_run(tmp_path_factory):
     result = _app("pretrain.py", *TINY, "--epochs", "2", "--fewshot_shots", "1,3",
                   "--fewshot_seeds", "2", "--pretrain_splits", "train,val", "--output_dir",
                   str(output))
-    return {"dir": output / "pretrain_digits_ViT-digits", "stdout": result.stdout}
+    return {"dir": output / f"pretrain_digits_ViT-digits_{BACKEND}", "stdout": result.stdout}
 
 
 @pytest.mark.slow

@@ -233,6 +233,27 @@ def test_when_one_process_dies_the_other_stops_with_an_error(tmp_path):
     assert waited < SURVIVOR_DEADLINE
 
 
+@pytest.mark.parametrize("process_id", [0, 1])
+def test_a_process_whose_peers_never_join_stops_after_peer_timeout_with_one_line(tmp_path,
+                                                                                 process_id):
+    """`--num_processes 2` with one process started: process 0 waits for the other, process 1
+    for a coordinator that is not there. Each stops after --peer_timeout with one line, where
+    JAX's own wait aborted the process with a C++ stack after 300 s (vit_keras issue 41, item
+    3). The subprocess's timeout is a hang guard, below JAX's 300 s."""
+    command = [sys.executable, "apps/finetune.py", *FLAGS, "--epochs", "1", "--output_dir",
+               str(tmp_path / "runs"), "--coordinator_address", f"127.0.0.1:{_free_port()}",
+               "--num_processes", "2", "--process_id", str(process_id), "--peer_timeout", "5"]
+    result = subprocess.run(command, cwd=REPO_ROOT, env=_env(tmp_path, 2), capture_output=True,
+                            text=True, timeout=200)
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("ERROR: Not all of the 2 processes (this is process "
+                                f"{process_id}, coordinator 127.0.0.1:"), lines[-5:]
+    assert "joined the run within --peer_timeout 5 s" in lines[-1]
+    assert "Traceback" not in result.stderr and "stack trace" not in result.stderr
+    assert not os.path.exists(tmp_path / "runs")  # nothing begun
+
+
 def test_processes_that_disagree_on_the_backup_stop_before_training(tmp_path):
     """As when the run folder is not on a filesystem every process sees: process 0 finds a backup
     of epoch 1, process 1 (given another --output_dir here) none."""

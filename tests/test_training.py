@@ -3,6 +3,8 @@ run folder's finished-run rule."""
 
 import dataclasses
 import os
+import re
+import sys
 
 import keras
 import numpy as np
@@ -10,6 +12,12 @@ import pytest
 
 from vit_keras import build_model
 from vit_keras.tools import callbacks, objectives, recipes, training
+from vit_keras.tools.run_folder import (
+    RunFolder,
+    RunFolderBusyError,
+    RunFolderError,
+    RunFolderMismatchError,
+)
 
 
 def test_recipe_choice_follows_weights_and_dataset():
@@ -43,9 +51,13 @@ def test_run_raises_a_clear_error_on_nan_loss(tmp_path):
     config = training.RunConfig(
         image_size=8, batch_size=16, epochs=2, steps_per_epoch=2, learning_rate=1e30,
         grad_clip_norm=0.0, warmup_steps=0, output_dir=str(tmp_path), verbose=0)
-    with pytest.raises(callbacks.NonFiniteLossError, match="Lower --learning_rate"):
+    with pytest.raises(callbacks.NonFiniteLossError, match="Lower --learning_rate") as error:
         training.run(config, log=lambda _: None)
-    assert not os.path.exists(tmp_path / "finetune_digits_ViT-digits" / "backup")
+    # The first epoch did not end: there is no model.keras to speak of.
+    assert "no epoch ended with a finite loss, so no model.keras was written" in str(error.value)
+    assert "keeps the last" not in str(error.value)
+    run = tmp_path / training.default_run_name(config)
+    assert not os.path.exists(run / "model.keras") and not os.path.exists(run / "backup")
 
 
 def test_new_head_is_zero_and_position_embeddings_are_resampled_from_weights(tmp_path,
@@ -96,11 +108,31 @@ def test_keras_file_weights_get_a_new_zero_head_and_resampled_position_embedding
 @pytest.mark.backend_independent
 def test_run_names_tell_apart_variants_fine_tuned_from_one_release():
     def name(**fields):
-        return training.default_run_name(training.RunConfig(dataset="cifar10", **fields))
+        return training.default_run_name(training.RunConfig(dataset="cifar10", **fields),
+                                         backend="jax")
 
-    assert name(model="ViT-B/16", weights="augreg_in21k") == "finetune_cifar10_ViT-B_16_augreg_in21k"
-    assert name(model="ViT-S/16", weights="augreg_in21k") == "finetune_cifar10_ViT-S_16_augreg_in21k"
-    assert name(weights="/data/ViT-B_16.npz") == "finetune_cifar10_ViT-B_16"
+    assert name(model="ViT-B/16", weights="augreg_in21k") == (
+        "finetune_cifar10_ViT-B_16_augreg_in21k_jax")
+    assert name(model="ViT-S/16", weights="augreg_in21k") == (
+        "finetune_cifar10_ViT-S_16_augreg_in21k_jax")
+    assert name(weights="/data/ViT-B_16.npz") == "finetune_cifar10_ViT-B_16_jax"
+
+
+def test_run_names_tell_apart_backends_and_fine_tuning_methods():
+    """`make demo BACKEND=torch` after `make demo`, or a layer-decay run after a LoRA run, must not
+    find the other's finished run under its name (vit_keras issue 40, item 6)."""
+    config = training.RunConfig()
+    assert training.default_run_name(config) == (
+        f"finetune_digits_ViT-digits_{keras.backend.backend()}")
+    names = {training.default_run_name(dataclasses.replace(config, **fields), backend=backend)
+             for backend in ("jax", "tensorflow", "torch")
+             for fields in ({}, {"lora_rank": 4}, {"lora_rank": 8}, {"linear_probe": True},
+                            {"layer_decay": 0.75}, {"layer_decay": 0.5})}
+    assert len(names) == 18
+    assert training.default_run_name(dataclasses.replace(config, lora_rank=4), backend="torch") == (
+        "finetune_digits_ViT-digits_lora4_torch")
+    assert training.default_run_name(dataclasses.replace(config, lora_rank=0), backend="jax") == (
+        "finetune_digits_ViT-digits_jax")  # rank 0 is no LoRA
 
 
 def test_weights_on_the_digits_get_the_digits_recipe_at_their_own_size():
@@ -124,7 +156,8 @@ def test_a_pretrained_digits_model_is_fine_tuned_at_its_own_size(tmp_path, tiny_
     recipe, _ = training.resolve_recipe(config)
     model = training.build_run_model(config, recipe, num_classes=10, log=lambda _: None)
     assert model.input_shape == (None, 12, 12, 3) and model.output_shape == (None, 10)
-    assert training.default_run_name(config) == "finetune_digits_pretrain_digits_tiny"
+    assert training.default_run_name(config, backend="jax") == (
+        "finetune_digits_pretrain_digits_tiny_jax")
 
 
 def test_a_finished_run_is_returned_as_it_is_and_overwrite_clears_it(tmp_path):
@@ -152,3 +185,103 @@ def test_an_unfinished_run_loses_only_its_temporary_files(tmp_path):
     with folder.locked():
         assert training.finished_run(folder, log=lambda _: None) is None
     assert sorted(os.listdir(folder.path)) == ["history.csv", "model.keras"]
+
+
+# --- what a run does to a folder it is pointed at (vit_keras issue 41, items 1 and 2) ----------
+
+def _quiet(config, **kwargs):
+    return training.run(config, log=lambda _: None, **kwargs)
+
+
+@pytest.mark.backend_independent
+@pytest.mark.parametrize("run_name", ["..", ".", "a/b", "../out", "x/"])
+def test_a_run_name_that_is_not_one_folder_name_is_refused(tmp_path, run_name):
+    parent = tmp_path / "parent"
+    (parent / "out").mkdir(parents=True)
+    (parent / "unrelated.txt").write_text("keep me")
+    config = training.RunConfig(output_dir=str(parent / "out"), run_name=run_name,
+                                overwrite=True)
+    with pytest.raises(RunFolderError, match="is not a folder name: a run name is one path "):
+        _quiet(config)
+    assert sorted(os.listdir(parent)) == ["out", "unrelated.txt"]
+    assert os.listdir(parent / "out") == []
+    assert (parent / "unrelated.txt").read_text() == "keep me"
+
+
+@pytest.mark.backend_independent
+def test_overwrite_deletes_nothing_from_a_folder_that_is_not_a_run_folder(tmp_path):
+    documents = tmp_path / "Documents"
+    (documents / "photos").mkdir(parents=True)
+    (documents / "thesis.tex").write_text("years of work")
+    (documents / "model.keras").write_text("a name a run writes")
+    config = training.RunConfig(output_dir=str(tmp_path), run_name="Documents", overwrite=True)
+    with pytest.raises(RunFolderError, match="holds photos, thesis.tex, which no run writes"):
+        _quiet(config)
+    assert sorted(os.listdir(documents)) == ["model.keras", "photos", "thesis.tex"]
+
+
+@pytest.mark.backend_independent
+def test_overwrite_never_deletes_a_run_folder_another_process_is_running_in(tmp_path):
+    outer = RunFolder(tmp_path / "outer").create()
+    outer.write_metrics({"test_accuracy": 0.5})
+    inner = RunFolder(os.path.join(outer.logs, "live"))  # a run nested in another's folder
+    config = training.RunConfig(output_dir=str(tmp_path), run_name="outer", overwrite=True)
+    with inner.locked():  # flock is per open file: this process counts as another holder
+        with pytest.raises(RunFolderBusyError, match=re.escape(
+                f"another process is running in (lock file {inner.lock})")):
+            _quiet(config)
+        assert os.path.exists(inner.lock) and outer.is_complete()
+
+
+@pytest.mark.backend_independent
+@pytest.mark.skipif(sys.platform == "win32", reason="symbolic links")
+@pytest.mark.parametrize("name", ["lock", "history.csv", "training_curves.png", "logs",
+                                  "backup"])
+def test_a_link_planted_in_a_run_folder_is_refused_and_its_target_untouched(tmp_path, name):
+    target = tmp_path / "elsewhere"
+    target.write_text("not the run's")
+    folder = tmp_path / "runs" / "run"
+    folder.mkdir(parents=True)
+    os.symlink(target, folder / name)
+    config = training.RunConfig(output_dir=str(folder.parent), run_name="run")
+    with pytest.raises(RunFolderError, match="is a symbolic link: a run writes its files only "):
+        _quiet(config)
+    assert target.read_text() == "not the run's"
+    assert os.path.islink(folder / name)
+
+
+@pytest.mark.backend_independent
+def test_a_rerun_with_other_flags_is_refused_naming_them_and_changes_nothing(tmp_path):
+    """A folder's flags.txt says how its run was made: another learning rate, layer decay or
+    LoRA rank there is another run (vit_keras issue 40, item 7)."""
+    config = training.RunConfig(output_dir=str(tmp_path), run_name="run", epochs=3)
+    folder = RunFolder(tmp_path / "run").create()
+    folder.write_flags(training.run_flags_text(config))  # an unfinished run of `config`
+    recorded = open(folder.flags).read()
+    other = dataclasses.replace(config, learning_rate=0.03, layer_decay=0.5, lora_rank=4)
+    with pytest.raises(RunFolderMismatchError) as error:
+        _quiet(other)
+    message = str(error.value)
+    assert "\n" not in message
+    for expected in ("--layer_decay unset there, 0.5 now", "--learning_rate unset there, 0.03 now",
+                     "--lora_rank unset there, 4 now", "--run_name", "--overwrite"):
+        assert expected in message, message
+    assert open(folder.flags).read() == recorded
+    assert sorted(os.listdir(folder.path)) == ["flags.txt"]
+
+
+@pytest.mark.backend_independent
+def test_a_rerun_may_change_only_where_the_run_is_and_what_it_prints(tmp_path):
+    config = training.RunConfig(output_dir=str(tmp_path), run_name="run", verbose=2)
+    folder = RunFolder(tmp_path / "run").create()
+    folder.write_flags(training.run_flags_text(config))
+    folder.write_metrics({"test_accuracy": 0.5})
+    moved = dataclasses.replace(config, output_dir=str(tmp_path / "." / ""), verbose=0,
+                                download=False, peer_timeout=5)
+    assert _quiet(moved) == {"test_accuracy": 0.5, "already_complete": True}
+    assert training.differing_flags(training.run_flags_text(config),
+                                    training.run_flags_text(moved)) == []
+    assert training.differing_flags(
+        training.run_flags_text(config),
+        training.run_flags_text(dataclasses.replace(config, linear_probe=True))) == [
+        ("linear_probe", "false", "true")]

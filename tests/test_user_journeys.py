@@ -124,6 +124,13 @@ def killed_and_resumed_train_run(output_dir):
     first = _run(command, env=_env(**{KILL_AFTER_TRAINING: "1"}), check=False)
     assert first.returncode == -signal.SIGKILL, first.stdout[-3000:] + first.stderr[-3000:]
     assert not os.path.exists(folder.metrics)
+    # Resumed with other settings first: refused, the folder as the kill left it.
+    # (The lock file aside: each process that opens the folder writes its pid there.)
+    before = {name: found for name, found in _snapshot(folder.path).items() if name != "lock"}
+    other_flags = _run(command + ["--learning_rate", "0.03", "--layer_decay", "0.5",
+                                  "--lora_rank", "4"], check=False)
+    other_flags_after = {name: found for name, found in _snapshot(folder.path).items()
+                         if name != "lock"}
     stale = [os.path.join(folder.path, "model.tmp-999999.keras"),
              os.path.join(folder.backup, "saving-999999.weights.h5")]
     for path in stale:
@@ -131,7 +138,8 @@ def killed_and_resumed_train_run(output_dir):
             f.write(b"half a file")
     second = _run(command)
     return {"first": first.stdout, "second": second.stdout, "folder": folder, "stale": stale,
-            "model": folder.model}
+            "model": folder.model, "other_flags": other_flags, "before": before,
+            "other_flags_after": other_flags_after}
 
 
 @pytest.fixture(scope="module")
@@ -271,6 +279,49 @@ def test_overwrite_starts_a_finished_run_over(replayed_from_flagfile):
         assert after[name] != replayed_from_flagfile["before"][name], name
 
 
+@pytest.mark.backend_independent
+def test_rerunning_a_finished_run_with_other_flags_is_refused_naming_them(finetune_run):
+    """A run folder is the record of one run: its flags.txt says how the model was trained
+    (vit_keras issue 40, items 6 and 7)."""
+    before = _snapshot(finetune_run["folder"])
+    result = _run(finetune_run["command"] + ["--learning_rate", "0.5", "--label_smoothing", "0"],
+                  check=False)
+    error = _one_line_error(result)
+    assert "holds a run made with other flags" in error
+    assert "--learning_rate unset there, 0.5 now" in error
+    assert "--label_smoothing unset there, 0.0 now" in error
+    assert "--run_name" in error and "--overwrite" in error
+    assert "is complete" not in result.stdout
+    assert _snapshot(finetune_run["folder"]) == before
+
+
+@pytest.mark.backend_independent
+def test_rerunning_a_finished_run_may_change_how_much_it_prints(finetune_run):
+    before = _snapshot(finetune_run["folder"])
+    result = _run(finetune_run["command"] + ["--verbose", "1"])
+    assert "is complete" in result.stdout
+    assert _snapshot(finetune_run["folder"]) == before
+
+
+@pytest.mark.backend_independent
+def test_the_demo_on_another_backend_trains_its_own_run_not_the_first_ones(finetune_run):
+    """`make demo BACKEND=torch` after `make demo`: the default run name carries the backend,
+    so the second command trains on its backend instead of reporting the first run (vit_keras
+    issue 40, item 6). Written in absl's single-dash form, `-backend=`, which must choose the
+    backend as `--backend` does, KERAS_BACKEND naming another (issue 41, item 10)."""
+    command = [arg for arg in finetune_run["command"] if arg not in ("--backend", BACKEND)]
+    result = _run(command + [f"-backend={OTHER_BACKEND}"], env=_env(KERAS_BACKEND=BACKEND))
+    assert "is complete" not in result.stdout
+    assert EPOCH_LINE.search(result.stdout)
+    folder = os.path.dirname(_saved_model(result.stdout))
+    first_name = os.path.basename(finetune_run["folder"])  # ..._BACKEND
+    assert os.path.basename(folder) == first_name.removesuffix(BACKEND) + OTHER_BACKEND
+    assert RunFolder(folder).read_metrics()["config"]["backend"] == OTHER_BACKEND
+    with open(os.path.join(folder, "flags.txt")) as f:
+        assert f"--backend={OTHER_BACKEND}\n" in f.read()
+    assert RunFolder(finetune_run["folder"]).read_metrics()["config"]["backend"] == BACKEND
+
+
 def test_a_flagfile_replays_its_backend_whatever_keras_backend_says(replayed_from_flagfile):
     metrics = RunFolder(replayed_from_flagfile["folder"]).read_metrics()
     assert metrics["config"]["backend"] == BACKEND != OTHER_BACKEND
@@ -306,12 +357,52 @@ def test_a_run_killed_during_its_final_evaluation_resumes_at_the_evaluation(
     assert not os.path.exists(folder.backup)
 
 
+def test_resuming_a_killed_run_with_other_flags_is_refused_and_keeps_its_record(
+        killed_and_resumed_train_run):
+    """Another learning rate, layer decay or LoRA rank would train the remaining epochs of
+    another run and rewrite flags.txt; with LoRA, Keras could not even load the backup (vit_keras
+    issue 40, item 7). The same command then resumes as if nothing happened."""
+    run = killed_and_resumed_train_run
+    error = _one_line_error(run["other_flags"])
+    for text in ("--layer_decay unset there, 0.5 now", "--learning_rate unset there, 0.03 now",
+                 "--lora_rank unset there, 4 now"):
+        assert text in error, error
+    assert not EPOCH_LINE.search(run["other_flags"].stdout)
+    assert run["other_flags_after"] == run["before"]  # flags.txt and the backup as they were
+    assert "evaluating" in run["second"]
+
+
 def test_temporary_files_of_an_interrupted_save_are_removed_on_resume(
         killed_and_resumed_train_run):
     for path in killed_and_resumed_train_run["stale"]:
         assert not os.path.exists(path), path
     assert not [name for name in os.listdir(killed_and_resumed_train_run["folder"].path)
                 if ".tmp" in name]
+
+
+# --- a full disk -----------------------------------------------------------------------------
+
+def _limit_file_size():
+    # Writes past 256 KiB fail with EFBIG, as they would with ENOSPC on a full disk (Python
+    # ignores SIGXFSZ, so the write returns the error instead of killing the process).
+    import resource  # POSIX only
+
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
+
+
+@pytest.mark.backend_independent
+@pytest.mark.skipif(sys.platform == "win32", reason="RLIMIT_FSIZE is POSIX")
+def test_a_full_disk_ends_a_run_with_one_line_naming_the_file(tmp_path):
+    """The model of the first epoch (1.8 MB) cannot be written: one line naming it and saying
+    what to do, status 2, no traceback and no crash at exit (vit_keras issue 41, item 10)."""
+    command = _command("finetune.py", "--backend", BACKEND, *SHORT, "--output_dir",
+                       str(tmp_path), "--run_name", "full")
+    result = _run(command, check=False, preexec_fn=_limit_file_size)
+    error = _one_line_error(result)
+    model = RunFolder(tmp_path / "full").model
+    assert f"Cannot write {model}: File too large. Free space on its disk" in error
+    assert not os.path.exists(model) and not os.path.exists(RunFolder(tmp_path / "full").metrics)
+    assert not [name for name in os.listdir(tmp_path / "full") if ".tmp-" in name]
 
 
 # --- one run per folder ----------------------------------------------------------------------

@@ -31,8 +31,10 @@ class AtomicModelCheckpoint(keras.callbacks.Callback):
 class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
     """`BackupAndRestore` that commits each epoch's backup atomically and resumes a run exactly.
 
-    A backup is `epoch-N.weights.h5` (weights and optimizer state: Keras' `save_weights` writes
-    both) and `training_metadata.json`, which names that file and holds the states of the
+    A backup is `epoch-N.keras` (the model with its optimizer state, read back with
+    `load_weights`; a `.keras` file, not a `.weights.h5` one, because h5py writing a file itself
+    crashes the process when the disk fills, see `run_folder.atomic_save_model`) and
+    `training_metadata.json`, which names that file and holds the states of the
     model's `SeedGenerator`s (dropout, drop path): they are in `model.variables` but not in
     `model.weights`, so without them a resumed run would replay the first epoch's dropout masks.
     The JSON is replaced last, with `os.replace`: a SIGKILL at any moment leaves either the
@@ -68,10 +70,8 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
         os.makedirs(self.save_dir, exist_ok=True)
         metadata_path = os.path.join(self.save_dir, "training_metadata.json")
         previous = read_json(metadata_path)
-        name = f"epoch-{self._current_epoch}.weights.h5"
-        temporary = os.path.join(self.save_dir, f"saving-{os.getpid()}.weights.h5")
-        self.model.save_weights(temporary, overwrite=True)
-        os.replace(temporary, os.path.join(self.save_dir, name))
+        name = f"epoch-{self._current_epoch}.keras"
+        atomic_save_model(self.model, os.path.join(self.save_dir, name))
         atomic_write_json({"epoch": self._current_epoch, "batch": self._last_batch_seen,
                            "weights": name, "seed_generators": seed_generator_states(self.model)},
                           metadata_path)

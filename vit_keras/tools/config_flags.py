@@ -1,36 +1,158 @@
 """absl flags defined from a dataclass, so an app's flags and its config have one list of fields.
 
-A field becomes a flag when it is declared with `option(default, help, choices)`; its flag type
-comes from the annotation (`str`, `bool`, `int`, `float`; `str` with choices is an enum; `tuple`
-is a comma-separated list of strings):
+A field becomes a flag when it is declared with `option(default, help, choices, bounds)`; its
+flag type comes from the annotation (`str`, `bool`, `int`, `float`; `str` with choices is an
+enum; `tuple` is a comma-separated list of strings). Every `int` and `float` field has a range,
+`bounds`, in interval notation (`"[1, inf)"`, `"(0, 1]"`): absl refuses a value outside it, NaN
+included, while it parses the command line, before the app does any work.
 
     @dataclasses.dataclass
     class Config:
-        batch_size: int = option(None, "Global batch size.")
+        batch_size: int = option(None, "Global batch size.", bounds="[1, inf)")
         decay: str = option(None, "Decay after the warm-up.", choices=("cosine", "linear"))
 
     define_flags(Config, module_name=...)   # at import time of the app
     config = from_flags(Config)             # in main, after absl parsed argv
+    check_ranges(config)                    # a config built in Python: the same ranges
 
 An app may leave fields out (`leave_out`: they are no flags there and keep their defaults) and
-give a field another default, help or choices (`overrides`).
-
-absl is imported inside the functions: only the apps need it.
+give a field another default, help or choices (`overrides`). An app's own numeric flags, outside
+any dataclass, are defined with `define_number`, the same ranges.
 """
 
 import dataclasses
+import math
+import re
+import sys
 import typing
+
+from absl import flags
+
+from vit_keras import errors
 
 _DEFINE = {str: "DEFINE_string", bool: "DEFINE_boolean", int: "DEFINE_integer",
            float: "DEFINE_float", tuple: "DEFINE_list"}
 
 
-def option(default, help, choices=None):  # pylint: disable=redefined-builtin
-    """A dataclass field that is also a command-line flag with this help text (and choices)."""
+class FlagRangeError(errors.UserError, ValueError):
+    """A numeric setting outside its flag's range."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Interval:
+    """A range of numbers, written in interval notation: `"[1, inf)"`, `"(0, 1]"`. NaN is in
+    none."""
+
+    low: float
+    high: float
+    low_closed: bool
+    high_closed: bool
+
+    _NOTATION = re.compile(r"^\s*([\[(])\s*([^,\s]+)\s*,\s*([^\]\s)]+)\s*([\])])\s*$")
+
+    @classmethod
+    def parse(cls, text):
+        match = cls._NOTATION.match(text)
+        if not match:
+            raise ValueError(f"{text!r} is no interval; write one as [1, inf) or (0, 1].")
+        opening, low, high, closing = match.groups()
+        interval = cls(float(low), float(high), opening == "[", closing == "]")
+        if not interval.low <= interval.high or (
+                math.isinf(interval.low) and interval.low_closed) or (
+                math.isinf(interval.high) and interval.high_closed):
+            raise ValueError(f"{text!r} is no interval of numbers.")
+        return interval
+
+    def __contains__(self, value):
+        above = value >= self.low if self.low_closed else value > self.low
+        below = value <= self.high if self.high_closed else value < self.high
+        return bool(above and below)  # False for NaN: every comparison with it is
+
+    def __str__(self):
+        return (f"{'[' if self.low_closed else '('}{_number(self.low)}, "
+                f"{_number(self.high)}{']' if self.high_closed else ')'}")
+
+    def describe(self, kind):
+        """"an integer >= 1", "a number > 0", "a number in [0, 1)"."""
+        noun = "an integer" if kind is int else "a number"
+        if math.isinf(self.high):
+            return f"{noun} {'>=' if self.low_closed else '>'} {_number(self.low)}"
+        if math.isinf(self.low):
+            return f"{noun} {'<=' if self.high_closed else '<'} {_number(self.high)}"
+        return f"{noun} in {self}"
+
+
+def _number(value):
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+class _RangeParser:
+    """absl's numeric parser with an `Interval` for its bounds (absl's own are closed and let NaN
+    through): `lower_bound` and `upper_bound` are the interval's ends (None when infinite), and
+    a value outside it is refused with the range in words."""
+
+    def __init__(self, bounds):  # absl caches parsers by their arguments: one per range
+        super().__init__()  # pylint: disable=no-value-for-parameter
+        self.interval = Interval.parse(bounds)
+        self.lower_bound = None if math.isinf(self.interval.low) else self.kind(self.interval.low)
+        self.upper_bound = (None if math.isinf(self.interval.high)
+                            else self.kind(self.interval.high))
+        self.syntactic_help = self.interval.describe(self.kind)
+
+    def is_outside_bounds(self, val):
+        return val not in self.interval
+
+
+class IntegerRangeParser(_RangeParser, flags.IntegerParser):
+    kind = int
+
+
+class FloatRangeParser(_RangeParser, flags.FloatParser):
+    kind = float
+
+
+def define_number(name, default, help, bounds, kind=float,  # pylint: disable=redefined-builtin
+                  flag_values=None, module_name=None):
+    """An `int` or `float` absl flag whose values must lie in `bounds` (interval notation, e.g.
+    `"[1, inf)"`); absl refuses any other value (and NaN) while it parses the command line,
+    and `--help` shows the range in words. `None` is allowed as a default ("not given").
+    `module_name` (absl's module the flag is listed under in `--help`) defaults to the caller's."""
+    parser = (IntegerRangeParser if kind is int else FloatRangeParser)(bounds)
+    if module_name is None:  # the caller's, as absl names it: an app's --help lists its own flags
+        module_name = sys._getframe(1).f_globals["__name__"]  # pylint: disable=protected-access
+        module_name = sys.argv[0] if module_name == "__main__" else module_name
+    flags.DEFINE(parser, name, default, help,
+                 flags.FLAGS if flag_values is None else flag_values,
+                 flags.ArgumentSerializer(), module_name=module_name)
+
+
+def option(default, help, choices=None, bounds=None):  # pylint: disable=redefined-builtin
+    """A dataclass field that is also a command-line flag with this help text (and choices, or
+    for a number its range `bounds` in interval notation, e.g. `"[0, 1)"`)."""
     metadata = {"help": help}
     if choices is not None:
         metadata["choices"] = tuple(choices)
+    if bounds is not None:
+        Interval.parse(bounds)  # a typo fails where the field is declared
+        metadata["bounds"] = bounds
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def check_ranges(config):
+    """Raises `FlagRangeError` (one line, naming the flag, the value and its range) when a
+    numeric `option` field of the dataclass `config` holds a value outside its `bounds`:
+    the check absl makes on the command line, for a config built in Python."""
+    kinds = typing.get_type_hints(type(config))
+    for field in flag_fields(type(config)):
+        value = getattr(config, field.name)
+        if value is None or "bounds" not in field.metadata:
+            continue
+        interval = Interval.parse(field.metadata["bounds"])
+        if isinstance(value, bool) or value not in interval:
+            raise FlagRangeError(f"--{field.name} {value} is out of range: it takes "
+                                 f"{interval.describe(kinds[field.name])}.")
 
 
 def flag_fields(config_class):
@@ -52,8 +174,6 @@ def define_flags(config_class, module_name=None, flag_values=None, leave_out=(),
       **overrides: field name → `{"default": ..., "help": ..., "choices": ...}` (any of them),
         replacing the field's own for one app (e.g. another default recipe).
     """
-    from absl import flags  # pylint: disable=import-outside-toplevel
-
     flag_values = flags.FLAGS if flag_values is None else flag_values
     types = typing.get_type_hints(config_class)
     fields = {field.name: field for field in flag_fields(config_class)}
@@ -78,16 +198,39 @@ def define_flags(config_class, module_name=None, flag_values=None, leave_out=(),
         elif kind is tuple:  # absl's list flags take a list (or a comma-separated string)
             flags.DEFINE_list(name, [str(value) for value in settings["default"]], settings["help"],
                               flag_values=flag_values, **extra)
+        elif kind in (int, float):
+            if "bounds" not in field.metadata:
+                raise TypeError(f"{config_class.__name__}.{name} is a number without a range; "
+                                f"declare it with option(..., bounds=\"[low, high]\").")
+            define_number(name, settings["default"], settings["help"], field.metadata["bounds"],
+                          kind=kind, flag_values=flag_values,
+                          module_name=module_name or __name__)
         else:
             getattr(flags, _DEFINE[kind])(name, settings["default"], settings["help"],
                                           flag_values=flag_values, **extra)
 
 
+def flag_lines(config, leave_out=()):
+    """The `option` fields of the dataclass `config` but `leave_out` as absl writes the flags
+    that set them (`Flag.serialize`): `--name=value`, `--name` / `--noname` for a boolean, a
+    list comma-separated; a field that is `None` is left out. In field order."""
+    lines = []
+    for field in flag_fields(type(config)):
+        value = getattr(config, field.name)
+        if field.name in leave_out or value is None:
+            continue
+        if isinstance(value, bool):
+            lines.append(f"--{'' if value else 'no'}{field.name}")
+        elif isinstance(value, (tuple, list)):
+            lines.append(f"--{field.name}={','.join(str(item) for item in value)}")
+        else:
+            lines.append(f"--{field.name}={value}")
+    return lines
+
+
 def from_flags(config_class, flag_values=None, leave_out=(), **values):
     """A `config_class` from the parsed flags of its `option` fields but those in `leave_out`
     (which keep their defaults); `values` fill the others. A list flag gives a tuple."""
-    from absl import flags  # pylint: disable=import-outside-toplevel
-
     flag_values = flags.FLAGS if flag_values is None else flag_values
     parsed = {field.name: flag_values[field.name].value for field in flag_fields(config_class)
               if field.name not in leave_out}

@@ -5,6 +5,8 @@ Imports only Keras at module level; TensorFlow and JAX inside the functions."""
 import contextlib
 import dataclasses
 import os
+import sys
+import threading
 
 import keras
 import numpy as np
@@ -91,9 +93,11 @@ def initialize_processes(coordinator_address=None, num_processes=None, process_i
       `keras.distribution.initialize(job_addresses, num_processes, process_id)` calls, which
       does not forward the heartbeat timeout); `num_processes=0` leaves all three to JAX's
       cluster detection (Cloud TPU pod slices, SLURM, Open MPI). Afterwards
-      `keras.distribution.list_devices()` lists every process's devices. A process whose peer
-      stops sending heartbeats for `peer_timeout` seconds aborts with JAX's message "The
-      following tasks are unhealthy (stopped sending heartbeats)".
+      `keras.distribution.list_devices()` lists every process's devices. A process whose
+      peers have not all joined within `peer_timeout` seconds ends with one line, `ERROR: ...`,
+      and status 2 (JAX's own wait would abort it with a C++ stack trace after 300 s); one
+      whose peer stops sending heartbeats for `peer_timeout` seconds aborts with JAX's message
+      "The following tasks are unhealthy (stopped sending heartbeats)".
     - TensorFlow: `MultiProcessError` (also for a `TF_CONFIG` of several workers): Keras 3's
       TensorFlow trainer fails under `tf.distribute.MultiWorkerMirroredStrategy`
       (`TENSORFLOW_MULTI_WORKER_ERROR` says where).
@@ -124,13 +128,44 @@ def initialize_processes(coordinator_address=None, num_processes=None, process_i
         arguments = {} if num_processes == 0 else {
             "coordinator_address": addresses[0], "num_processes": num_processes,
             "process_id": process_id}
-        jax.distributed.initialize(**arguments, heartbeat_timeout_seconds=int(peer_timeout))
+        who = ("the cluster's processes" if num_processes == 0 else
+               f"the {num_processes} processes (this is process {process_id}, coordinator "
+               f"{addresses[0]})")
+        with _exit_unless_done_within(
+                peer_timeout,
+                f"Not all of {who} joined the run within --peer_timeout {peer_timeout:g} s: start "
+                f"every process with the same --coordinator_address and --num_processes and its "
+                f"own --process_id, or give them a longer --peer_timeout."):
+            # JAX's own deadline comes later: when it passes, it aborts the process.
+            jax.distributed.initialize(**arguments, heartbeat_timeout_seconds=int(peer_timeout),
+                                       initialization_timeout=int(peer_timeout) + 60)
         return Processes(jax.process_count(), jax.process_index())
     raise MultiProcessError(
         f"Training in several processes is not available on the {backend} backend: Keras "
         f"{keras.__version__} has no distribution engine for torch (keras.distribution is "
         f"implemented for JAX only). Use --backend jax with --num_processes, or write a "
         f"torch.distributed DistributedDataParallel loop launched with torchrun.")
+
+
+@contextlib.contextmanager
+def _exit_unless_done_within(seconds, message):
+    """Ends the process with `ERROR: message` on stderr and status 2 unless the block ends within
+    `seconds`. For `jax.distributed.initialize`, which blocks in C++ (the GIL released) until
+    every process has joined, and on its own deadline aborts the whole process with a C++ stack
+    trace: nothing Python can catch."""
+    done = threading.Event()
+
+    def watch():
+        if not done.wait(seconds):
+            sys.stderr.write(f"ERROR: {message}\n")
+            sys.stderr.flush()
+            os._exit(2)  # pylint: disable=protected-access
+
+    threading.Thread(target=watch, name="vit_keras-join-deadline", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 # Keras 3's TensorFlow trainer cannot fit under MultiWorkerMirroredStrategy (seen with Keras

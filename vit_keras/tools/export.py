@@ -35,17 +35,21 @@ ONNX's own `Erf` (the only difference is float32 rounding of `1 - erf`, about 6e
 Importing this module imports TensorFlow; `import vit_keras` alone does not.
 """
 
+import ctypes
 import dataclasses
+import errno
 import logging
 import os
+import re
 import shutil
+import sys
 import tempfile
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from vit_keras.tools.run_folder import RunFolder
+from vit_keras.tools.run_folder import RunFolder, atomic_write_text
 
 FORMATS = ("saved_model", "tflite", "onnx")
 QUANTIZATIONS = ("none", "dynamic_int8", "float16")
@@ -592,22 +596,76 @@ def existing_outputs(format, out_dir, name, version=None, quantize="none", class
 
 
 def _write_labels(path, class_names):
-    if class_names:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(_labels_text(class_names))
+    if class_names:  # a new file renamed into place: a link at `path` is replaced, not followed
+        atomic_write_text(_labels_text(class_names), path)
+
+
+def _clear_staging(staged):
+    """Removes what a killed export (or anyone) left at the staging name, a link included (its
+    target untouched), so the exporters, which follow links, write a new file or folder there."""
+    if os.path.islink(staged) or os.path.isfile(staged):
+        os.remove(staged)
+    elif os.path.isdir(staged):
+        shutil.rmtree(staged)
+
+
+# `NAME/VERSION.replaced-PID`: a SavedModel version moved aside by `_publish` where folders cannot
+# be exchanged, between its two renames.
+_REPLACED = re.compile(r"^(\d+)\.replaced-\d+$")
+
+
+def _recover_replaced_versions(model_dir):
+    """Undoes what an export killed inside `_publish` left in a SavedModel's folder: a version
+    moved aside whose place is empty is put back (it is the version being served), and one whose
+    place is taken again is deleted."""
+    if not os.path.isdir(model_dir):
+        return
+    for name in sorted(os.listdir(model_dir)):
+        match = _REPLACED.match(name)
+        if not match:
+            continue
+        aside, version = os.path.join(model_dir, name), os.path.join(model_dir, match.group(1))
+        if not os.path.lexists(version):
+            os.replace(aside, version)
+        else:
+            _clear_staging(aside)
+
+
+def _exchange(first, second):
+    """Swaps two paths in one step (Linux `renameat2(RENAME_EXCHANGE)`); False where the system or
+    the filesystem cannot."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None) if (
+        sys.platform.startswith("linux")) else None
+    if renameat2 is None:
+        return False
+    at_cwd, rename_exchange = -100, 2
+    if renameat2(at_cwd, os.fsencode(first), at_cwd, os.fsencode(second), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), first, None, second)
 
 
 def _publish(staged, path):
-    """Moves a verified artifact into place; an existing one is replaced (`overwrite`)."""
-    if not os.path.isdir(staged) or not os.path.exists(path):
-        os.replace(staged, path)  # a file replaces a file atomically
+    """Moves a verified artifact into place; an existing one is replaced (`overwrite`).
+
+    A file replaces a file (or a link) in one `os.replace`. A SavedModel version folder and the
+    one it replaces are exchanged in one step where the system can (Linux), so a server watching
+    the folder always finds a whole version, and the old one, now at the staging name no server
+    loads, is deleted. Elsewhere the old version is moved aside to `VERSION.replaced-PID` first;
+    the next export into the model's folder puts it back if a kill came between the two renames
+    (`_recover_replaced_versions`)."""
+    if not os.path.isdir(staged) or not os.path.lexists(path):
+        os.replace(staged, path)
         return
-    # A directory cannot replace a directory in one step: the old version is moved aside under
-    # a name no server loads (TF Serving takes numeric folders only), then deleted.
+    if _exchange(staged, path):
+        _clear_staging(staged)  # the old version
+        return
     replaced = f"{path}.replaced-{os.getpid()}"
     os.replace(path, replaced)
     os.replace(staged, path)
-    shutil.rmtree(replaced)
+    _clear_staging(replaced)
 
 
 def export(model, format, out_dir, *, name, version=None, quantize="none", class_names=None,
@@ -659,6 +717,8 @@ def export(model, format, out_dir, *, name, version=None, quantize="none", class
     _check_class_names(model, class_names)
     if is_dynamic(model):
         max_image_size = _max_image_size(model, max_image_size)
+    if format == "saved_model":
+        _recover_replaced_versions(os.path.join(out_dir, name))
     existing = existing_outputs(format, out_dir, name, version, quantize, class_names)
     if existing and not overwrite:
         raise FileExistsError(
@@ -671,8 +731,7 @@ def export(model, format, out_dir, *, name, version=None, quantize="none", class
     # Written under a name no runtime picks up (TF Serving loads numeric folders only) and moved
     # into place once verified, so a model server watching out_dir never sees a bad artifact.
     staged = path + ".unverified"
-    if os.path.isdir(staged):
-        shutil.rmtree(staged)
+    _clear_staging(staged)
     if format == "saved_model":
         export_saved_model(model, staged, class_names, top_k, max_image_size)
     elif format == "tflite":

@@ -183,16 +183,18 @@ class MaskedPatchPrediction(Objective):
                          "mean colour, 512 classes, the paper's), downsampled_colour (3-bit "
                          "colours of a 4x4 grid, 16 x 512), pixels (L2 regression on the "
                          "patch's normalised pixels).", choices=mpp.TARGETS)
-    corruption_rate: float = option(0.5, "Fraction of each image's patches corrupted.")
-    mask_fraction: float = option(0.8, "Of the corrupted: replaced by the [mask] embedding.")
+    corruption_rate: float = option(0.5, "Fraction of each image's patches corrupted.",
+                                    bounds="(0, 1]")
+    mask_fraction: float = option(0.8, "Of the corrupted: replaced by the [mask] embedding.",
+                                  bounds="[0, 1]")
     random_fraction: float = option(0.1, "Of the corrupted: replaced by another patch's "
-                                    "embedding (the rest is kept).")
+                                    "embedding (the rest is kept).", bounds="[0, 1]")
     pretrain_splits: tuple = option(("train",), "Splits whose images are pre-trained on (labels "
                                     "unused), e.g. train,val,test for all digits images.")
     fewshot_shots: tuple = option((1, 5, 10, 25), "Few-shot linear evaluation of the frozen "
                                   "features after training (train split → test split): "
                                   "examples per class, each count on its own; empty: none.")
-    fewshot_seeds: int = option(3, "Draws of the few-shot training examples.")
+    fewshot_seeds: int = option(3, "Draws of the few-shot training examples.", bounds="[1, inf)")
 
     recipes = recipes_lib.MPP_RECIPES
     evaluation = "the few-shot evaluation"
@@ -206,10 +208,16 @@ class MaskedPatchPrediction(Objective):
         self.pretrain_splits = tuple(self.pretrain_splits)
         try:
             self.fewshot_shots = tuple(int(shots) for shots in self.fewshot_shots)
+            if min(self.fewshot_shots, default=1) < 1:
+                raise ValueError
         except ValueError:
             raise ObjectiveOptionError(
-                f"--fewshot_shots takes whole numbers of examples per class (e.g. 1,5,10,25) or "
-                f"nothing; got {','.join(map(str, self.fewshot_shots))!r}.") from None
+                f"--fewshot_shots takes positive whole numbers of examples per class (e.g. "
+                f"1,5,10,25) or nothing; got {','.join(map(str, self.fewshot_shots))!r}.") from None
+        if self.mask_fraction + self.random_fraction > 1:
+            raise ObjectiveOptionError(
+                f"--mask_fraction {self.mask_fraction} + --random_fraction {self.random_fraction} "
+                f"exceed 1: they are fractions of the same corrupted patches.")
 
     def auto_recipe(self, config):
         name = "mpp_digits" if config.dataset == "digits" else "mpp"

@@ -13,13 +13,16 @@
     lock                 while a process runs in the folder: its pid and host (JSON)
 
 Every file is written through a temporary name and `os.replace`, so a killed run never leaves a
-truncated file (the temporary files it may leave are removed when the run resumes).
-`metrics.json` is written last: a folder that has it holds a finished run. Apps that take a
-`.keras` file find the rest beside it with `RunFolder.of_model`.
+truncated file (the temporary files it may leave are removed when the run resumes). Nothing is
+written through a symbolic link: the files this module writes are opened with `O_NOFOLLOW`, and
+a run refuses a folder with a link in it (`refuse_links`). `metrics.json` is written last: a
+folder that has it holds a finished run. Apps that take a `.keras` file find the rest beside it
+with `RunFolder.of_model`.
 """
 
 import contextlib
 import csv
+import errno
 import json
 import os
 import shutil
@@ -29,21 +32,96 @@ import numpy as np
 
 from vit_keras import errors
 
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # POSIX; Windows has no symbolic links to refuse here
+# The entries a run writes in its folder (beside the temporary files of its atomic writes):
+# `--overwrite` deletes a folder's contents only when it holds nothing else.
+RUN_FILES = ("model.keras", "adapters.npz", "metrics.json", "flags.txt", "class_names.json",
+             "history.csv", "training_curves.png", "logs", "backup", "skipped_files.txt", "lock")
+
+
+def open_new_file(path, mode="w", **kwargs):
+    """`open(path, mode)` for writing a file anew, but never through a symbolic link: a link at
+    `path` is an `OSError` (`ELOOP`), its target untouched."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW, 0o644)
+    return os.fdopen(descriptor, mode, **kwargs)
+
+
+def remove_link_or_file(path):
+    """Removes what is at `path` when it is a file or a link (a link's target is untouched), so
+    that a writer that follows links (Keras, h5py) creates a new file there."""
+    if os.path.islink(path) or os.path.isfile(path):
+        os.remove(path)
+
 
 def atomic_save_model(model, path):
-    """`model.save(path)` through a temporary file and `os.replace`, so `path` is always whole."""
+    """`model.save(path)` through a temporary file and `os.replace`, so `path` is always whole
+    (and a link at `path` is replaced, never written through). A write that fails (a full disk)
+    is a one-line `RunFolderWriteError` naming `path`.
+
+    Keras writes a `.keras` file through Python's `zipfile` (the weights' HDF5 is built in
+    memory), so a full disk is an `OSError` here; h5py writing a `.weights.h5` file itself
+    crashes the process when the disk fills (a segmentation fault inside `File.close`)."""
     temporary = f"{path[:-len('.keras')]}.tmp-{os.getpid()}.keras"
-    model.save(temporary)
-    os.replace(temporary, path)
+    with writing(path, temporary):
+        remove_link_or_file(temporary)
+        model.save(temporary)
+        os.replace(temporary, path)
 
 
 def atomic_write_json(data, path):
-    """`data` as indented JSON (NumPy scalars, tuples and sets converted), written atomically."""
+    """`data` as indented JSON (NumPy scalars, tuples and sets converted), written atomically and
+    never through a link."""
+    atomic_write_text(json.dumps(data, indent=2, default=_json_default) + "\n", path)
+
+
+def atomic_write_text(text, path):
+    """`text` written to `path` through a temporary file and `os.replace`, never through a link
+    (`RunFolderWriteError` names `path` when it cannot be written)."""
     temporary = f"{path}.tmp-{os.getpid()}"
-    with open(temporary, "w") as f:
-        json.dump(data, f, indent=2, default=_json_default)
-        f.write("\n")
-    os.replace(temporary, path)
+    with writing(path, temporary):
+        with open_new_file(temporary, encoding="utf-8") as f:
+            f.write(text)
+        os.replace(temporary, path)
+
+
+# What a write fails with when the disk (or the quota, or the file-size limit) is full.
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+@contextlib.contextmanager
+def writing(path, temporary=None):
+    """Turns an `OSError` raised while the block writes `path` (through the file `temporary`,
+    then deleted to give the space back) into a one-line `RunFolderWriteError` naming `path` and
+    what to do (`RunFolderError` for a link)."""
+    try:
+        yield
+    except RunFolderError:
+        raise
+    except OSError as error:
+        if temporary is not None and error.errno != errno.ELOOP:
+            with contextlib.suppress(OSError):
+                remove_link_or_file(temporary)
+        raise write_error(path, error) from None
+
+
+def write_error(path, error):
+    """The `RunFolderError` for an `OSError` writing `path` (a file, or a folder it was in)."""
+    if error.errno == errno.ELOOP:
+        return link_error(error.filename or path)
+    reason = error.strerror or " ".join(str(error).split())
+    if error.errno in DISK_FULL:
+        return RunFolderWriteError(
+            f"Cannot write {path}: {reason}. Free space on its disk (or write elsewhere), then "
+            f"run the same command again (a training run resumes from its last backed-up "
+            f"epoch).")
+    return RunFolderWriteError(f"Cannot write {path}: {reason}.")
+
+
+def link_error(path):
+    """The `RunFolderError` for a symbolic link where a file is to be written."""
+    return RunFolderError(f"{path} is a symbolic link: a run writes its files only inside its "
+                          f"folder, never through a link. Remove the link, or pass another "
+                          f"--run_name.")
 
 
 def _json_default(value):
@@ -89,6 +167,43 @@ class RunFolderError(errors.UserError, RuntimeError):
 
 class RunFolderBusyError(RunFolderError):
     """Another live process holds the run folder's lock."""
+
+
+class RunFolderWriteError(RunFolderError):
+    """A file of the run folder could not be written (a full disk, most often)."""
+
+
+class RunFolderMismatchError(RunFolderError):
+    """The run folder holds a run made with other flags than the ones given."""
+
+
+def check_run_name(name):
+    """Raises `RunFolderError` unless `name` is one folder name: not empty, `.` or `..`, and
+    without a path separator (a run folder is always a new folder inside `--output_dir`)."""
+    separators = [os.sep] + ([os.altsep] if os.altsep else [])
+    if name in ("", ".", "..") or "\0" in name or any(sep in name for sep in separators):
+        raise RunFolderError(
+            f"--run_name {name!r} is not a folder name: a run name is one path component "
+            f"(no {' or '.join(repr(sep) for sep in separators)}, not '.' or '..'); choose "
+            f"where run folders go with --output_dir.")
+
+
+def parse_flags_text(text, booleans=()):
+    """The flags of a `flags.txt` (`--name=value` lines, absl's `--name` / `--noname` for a
+    boolean in `booleans`) as `{name: value string}`; a boolean's value is "true" or "false"."""
+    found = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line.startswith("--"):
+            continue
+        name, has_value, value = line[2:].partition("=")
+        if has_value:
+            found[name] = value
+        elif name.startswith("no") and name[2:] in booleans:
+            found[name[2:]] = "false"
+        else:
+            found[name] = "true"
+    return found
 
 
 def load_class_names(path):
@@ -162,6 +277,8 @@ class RunFolder:
         except RunFolderError:
             raise
         except OSError as error:
+            if error.errno == errno.ELOOP:
+                raise link_error(self.lock) from None
             raise self._unwritable(error) from None
         try:
             yield self
@@ -172,7 +289,7 @@ class RunFolder:
 
     def _acquire(self, fcntl):
         while True:
-            descriptor = os.open(self.lock, os.O_RDWR | os.O_CREAT, 0o644)
+            descriptor = os.open(self.lock, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o644)
             try:
                 fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -204,8 +321,28 @@ class RunFolder:
         """Whether the folder holds a finished run: its `metrics.json`, written last."""
         return self.read_metrics() is not None
 
+    def foreign_entries(self):
+        """The folder's entries that no run writes: neither `RUN_FILES` nor the temporary file of
+        an interrupted atomic write (`NAME.tmp-PID...`)."""
+        return sorted(name for name in os.listdir(self.path)
+                      if name not in RUN_FILES and ".tmp-" not in name)
+
     def clear(self):
-        """Removes everything a run wrote (for `--overwrite`); keeps the folder and its lock."""
+        """Removes everything a run wrote (for `--overwrite`); keeps the folder and its lock.
+
+        Only from a run folder: a folder holding anything a run does not write (another run's
+        folder, a user's file) raises `RunFolderError` and loses nothing, and so does one with a
+        `lock` file inside it that another process holds (`RunFolderBusyError`). Links are
+        removed, never followed. Call while holding the folder's lock."""
+        foreign = self.foreign_entries()
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more"
+                                              if len(foreign) > 5 else "")
+            raise RunFolderError(
+                f"--overwrite deletes only what a run wrote, and {self.path} holds {shown}, "
+                f"which no run writes: it is not a run folder. Pass another --run_name (or "
+                f"--output_dir), or empty the folder yourself.")
+        self._refuse_held_locks()
         for name in os.listdir(self.path):
             path = self._file(name)
             if path == self.lock:
@@ -214,6 +351,38 @@ class RunFolder:
                 shutil.rmtree(path)
             else:
                 os.remove(path)
+
+    def _refuse_held_locks(self):
+        """`RunFolderBusyError` when a `lock` below the folder (not its own) is held: a run
+        folder nested in this one, in use."""
+        try:
+            import fcntl
+        except ImportError:  # no flock (Windows): nothing can be held
+            return
+        for root, _, files in os.walk(self.path):
+            for name in files:
+                path = os.path.join(root, name)
+                if name != "lock" or path == self.lock or os.path.islink(path):
+                    continue
+                descriptor = os.open(path, os.O_RDONLY | _NOFOLLOW)
+                try:
+                    fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise RunFolderBusyError(
+                        f"--overwrite would delete {os.path.dirname(path)}, which another "
+                        f"process is running in (lock file {path}); nothing was deleted.") from None
+                finally:
+                    os.close(descriptor)
+
+    def refuse_links(self):
+        """Raises `RunFolderError` naming the first symbolic link inside the folder (at any
+        depth): the run's writers (Keras' CSVLogger, TensorBoard, h5py, matplotlib) follow
+        links, so a run starts only in a folder without them. The folder itself may be a link."""
+        for root, folders, files in os.walk(self.path):
+            for name in sorted(folders + files):
+                path = os.path.join(root, name)
+                if os.path.islink(path):
+                    raise link_error(path)
 
     def remove_backup(self):
         shutil.rmtree(self.backup, ignore_errors=True)
@@ -228,10 +397,15 @@ class RunFolder:
         return found
 
     def write_flags(self, text):
-        temporary = f"{self.flags}.tmp-{os.getpid()}"
-        with open(temporary, "w") as f:
-            f.write(text)
-        os.replace(temporary, self.flags)
+        atomic_write_text(text, self.flags)
+
+    def read_flags_text(self):
+        """The text of the run's `flags.txt` (`parse_flags_text` reads it), or `None`."""
+        try:
+            with open(self.flags, encoding="utf-8") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
 
     def write_class_names(self, names):
         atomic_write_json(list(names), self.class_names)
@@ -256,10 +430,10 @@ class RunFolder:
 
     def temporary_files(self):
         """Files left by interrupted atomic writes (none after a clean run), relative to the
-        folder: `NAME.tmp-PID[.keras]` beside the outputs, `saving-PID.weights.h5` and
-        `*.tmp-PID` in `backup/`."""
-        found = [name for name in os.listdir(self.path)
-                 if ".tmp-" in name and os.path.isfile(self._file(name))]
+        folder: `NAME.tmp-PID[.keras]` beside the outputs, `*.tmp-PID[.keras]` and (from
+        earlier versions' backups) `saving-PID.weights.h5` in `backup/`."""
+        found = [name for name in os.listdir(self.path) if ".tmp-" in name and (
+            os.path.isfile(self._file(name)) or os.path.islink(self._file(name)))]
         if os.path.isdir(self.backup):
             found += [os.path.join("backup", name) for name in os.listdir(self.backup)
                       if name.startswith("saving-") or ".tmp-" in name]

@@ -20,13 +20,19 @@ from vit_keras import configs as configs_lib
 from vit_keras import geometry, keras_files, layer_decay, masked_patch_prediction, pretrained
 from vit_keras.checkpoints import save_npz
 from vit_keras.tools import callbacks as callbacks_lib
+from vit_keras.tools import config_flags, finetuning, memory, plots
 from vit_keras.tools import distribution as distribution_lib
 from vit_keras.tools import ema as ema_lib
-from vit_keras.tools import finetuning, memory, plots
 from vit_keras.tools import objectives as objectives_lib
 from vit_keras.tools import recipes as recipes_lib
+from vit_keras.tools import run_folder as run_folder_lib
 from vit_keras.tools.config_flags import option
-from vit_keras.tools.run_folder import RunFolder
+from vit_keras.tools.run_folder import (
+    RunFolder,
+    RunFolderError,
+    RunFolderMismatchError,
+    parse_flags_text,
+)
 
 CLASSIFICATION = objectives_lib.Classification()
 
@@ -34,6 +40,13 @@ CLASSIFICATION = objectives_lib.Classification()
 # before the final evaluation (as a kill at that moment would), so that the resumption at the
 # evaluation can be tested without racing a timer.
 KILL_AFTER_TRAINING = "VIT_KERAS_TEST_KILL_AFTER_TRAINING"
+
+# The flags that may differ between two runs into one run folder (a resume, or a rerun of a
+# finished run): where the folder is, how much the run prints, whether tfds may download, and how
+# the processes of a multi-process run find each other. Every other flag says what is trained, so
+# a rerun that changes one is refused (`finished_run`).
+FLAGS_A_RERUN_MAY_CHANGE = ("output_dir", "run_name", "verbose", "download",
+                            "coordinator_address", "process_id", "peer_timeout")
 
 
 @dataclasses.dataclass
@@ -55,7 +68,7 @@ class RunConfig:
         "network; without it the run fails at once with instructions).")
     val_fraction: float = option(
         None, "Fraction of train held out as val when the dataset has no val split (default 0.1 "
-        "for folders, 0.02 for tfds as vit_jax's train[98%:]).")
+        "for folders, 0.02 for tfds as vit_jax's train[98%:]).", bounds="(0, 1)")
     # model
     model: str = option(
         None, "Variant (ViT-Ti/16, ViT-S/16, ViT-B/16, ViT-L/16, ... or the official spelling "
@@ -70,18 +83,30 @@ class RunConfig:
         "hf-hub:REPO_ID, any file vit_keras.load_pretrained reads (vit_jax .npz, timm "
         ".pth/.safetensors, a Hugging Face folder) or a .keras file. A new head is "
         "zero-initialised and position embeddings are resampled to --image_size.")
+    normalization: str = option(
+        None, "With --weights: how the weights' pixels were normalised in training, which the "
+        "model then does itself: inception ((x - 127.5) / 127.5, the paper's), imagenet "
+        "(ImageNet's mean and std: DeiT, DINOv2, MAE) or clip. Default: what the weights say "
+        "(the release table, timm's config.json or model name, the Hugging Face image "
+        "processor), else inception with a warning.", choices=("inception", "imagenet", "clip"))
+    timm_architecture: str = option(
+        None, "With --weights of a timm state dict: the timm model name (e.g. "
+        "vit_base_patch16_clip_quickgelu_224.openai), which says what its keys cannot: CLIP's "
+        "GELU, LayerNorm epsilon, heads, normalisation. Default: the architecture in timm's "
+        "config.json beside the file.")
     classifier: str = option(
         None, "Class token or global average pooling (default: gap for ViT-digits, token "
         "otherwise; with --weights the checkpoint decides).", choices=("token", "gap"))
     image_size: int = option(None, "Training and evaluation resolution (recipe default: 384 "
                              "fine-tuning, 224 pre-training, 16 digits; with --weights on the "
-                             "digits recipe, the weights' own).")
+                             "digits recipe, the weights' own).", bounds="[1, inf)")
     dropout: float = option(None, "Dropout rate (recipe default: 0.0 fine-tuning, 0.1 "
-                            "otherwise).")
-    attention_dropout: float = option(0.0, "Dropout on the attention probabilities.")
-    drop_path_rate: float = option(0.0, "Stochastic depth of the last block.")
+                            "otherwise).", bounds="[0, 1)")
+    attention_dropout: float = option(0.0, "Dropout on the attention probabilities.", bounds="[0, 1)")
+    drop_path_rate: float = option(0.0, "Stochastic depth of the last block.", bounds="[0, 1)")
     representation_size: int = option(
-        None, "Width of a pre-logits layer (Dense + tanh) before the head (new models only).")
+        None, "Width of a pre-logits layer (Dense + tanh) before the head (new models only; 0: "
+        "none).", bounds="[0, inf)")
     # recipe
     recipe: str = option(
         "auto", "Base recipe: auto = digits on the digits data (with or without --weights), "
@@ -92,44 +117,46 @@ class RunConfig:
                             choices=("sgd", "adamw"))
     learning_rate: float = option(
         None, "Peak learning rate (recipe default: 0.03 fine-tuning, 1e-3 pre-training, 3e-3 "
-        "digits).")
-    momentum: float = option(None, "SGD momentum (default 0.9).")
+        "digits).", bounds="(0, inf)")
+    momentum: float = option(None, "SGD momentum (default 0.9).", bounds="[0, 1)")
     weight_decay: float = option(
-        None, "Decoupled weight decay (default 0 fine-tuning, 0.1 pre-training and digits).")
+        None, "Decoupled weight decay (default 0 fine-tuning, 0.1 pre-training and digits).",
+        bounds="[0, inf)")
     grad_clip_norm: float = option(None, "Global-norm gradient clipping; 0 turns it off "
-                                   "(default 1.0).")
+                                   "(default 1.0).", bounds="[0, inf)")
     warmup_steps: int = option(None, "Linear warm-up in optimizer updates (default 500 "
-                               "fine-tuning, 10000 pre-training, 78 digits).")
+                               "fine-tuning, 10000 pre-training, 78 digits).", bounds="[0, inf)")
     decay: str = option(None, "Decay after the warm-up (default cosine fine-tuning, linear "
                         "pre-training).", choices=("cosine", "linear"))
     total_steps: int = option(
         None, "Optimizer updates in all (default 10000 fine-tuning); sets --epochs to "
-        "ceil(total_steps * accum_steps / steps_per_epoch).")
-    epochs: int = option(None, "Epochs (default: from --total_steps; 30 on digits).")
+        "ceil(total_steps * accum_steps / steps_per_epoch).", bounds="[1, inf)")
+    epochs: int = option(None, "Epochs (default: from --total_steps; 30 on digits).", bounds="[1, inf)")
     steps_per_epoch: int = option(None, "Batches per epoch (default: training images // batch "
-                                  "size).")
+                                  "size).", bounds="[1, inf)")
     batch_size: int = option(None, "Global batch size (default 512 fine-tuning, 4096 "
-                             "pre-training, 32 digits).")
-    eval_batch_size: int = option(256, "Batch size of validation and test.")
-    accum_steps: int = option(1, "Gradient accumulation: batches averaged per update.")
-    label_smoothing: float = option(None, "Label smoothing (default 0; 0.1 on digits).")
+                             "pre-training, 32 digits).", bounds="[1, inf)")
+    eval_batch_size: int = option(256, "Batch size of validation and test.", bounds="[1, inf)")
+    accum_steps: int = option(1, "Gradient accumulation: batches averaged per update.",
+                              bounds="[1, inf)")
+    label_smoothing: float = option(None, "Label smoothing (default 0; 0.1 on digits).", bounds="[0, 1)")
     layer_decay: float = option(
         None, "Layer-wise learning-rate decay F in (0, 1] (BEiT/MAE, timm): block i of L at lr * "
         "F^(L-i), the embeddings at lr * F^(L+1), the head at lr (vit_keras.layer_decay). "
-        "Default: off.")
+        "Default: off.", bounds="(0, 1]")
     ema_decay: float = option(
         None, "Exponential moving average of the weights with this decay in (0, 1), e.g. 0.999: "
         "validated each epoch (val_ema_*), and the run's model when it validates better than "
-        "the raw weights (metrics.json's ema). Default: off.")
+        "the raw weights (metrics.json's ema). Default: off.", bounds="(0, 1)")
     # augmentation
     crop_min_area: float = option(
         None, "Inception crop: smallest crop area fraction (default 0.05 as vit_jax; 0.8 on "
-        "digits).")
+        "digits).", bounds="(0, 1]")
     flip: bool = option(None, "Random horizontal flip (default on; off on digits).")
     randaugment: str = option(
         None, "RandAugment as NUM_OPS,MAGNITUDE (e.g. 2,0.5; keras.layers.RandAugment).")
-    mixup: float = option(0.0, "MixUp alpha (0: off; keras.layers.MixUp).")
-    cutmix: float = option(0.0, "CutMix factor (0: off; keras.layers.CutMix).")
+    mixup: float = option(0.0, "MixUp alpha (0: off; keras.layers.MixUp).", bounds="[0, inf)")
+    cutmix: float = option(0.0, "CutMix factor (0: off; keras.layers.CutMix).", bounds="[0, inf)")
     # compute
     mixed_precision: str = option(
         "none", "Mixed precision policy (variables stay float32; float16 adds loss scaling).",
@@ -144,7 +171,7 @@ class RunConfig:
         choices=distribution_lib.DISTRIBUTIONS)
     model_parallel_size: int = option(
         None, "Devices on the mesh's model axis for model_parallel (default: all; with several "
-        "processes, each process's own).")
+        "processes, each process's own).", bounds="[1, inf)")
     # several processes (docs/distributed.md)
     coordinator_address: str = option(
         None, "HOST:PORT of process 0, which every process of a multi-process run (jax) connects "
@@ -154,28 +181,32 @@ class RunConfig:
         None, "Processes in the run, jax only (default $KERAS_DISTRIBUTION_NUM_PROCESSES, else "
         "1); 0 lets JAX detect them (Cloud TPU pod slice, SLURM, Open MPI). --batch_size stays "
         "the global batch; process 0 alone writes the run folder, which must be on a "
-        "filesystem every process reads, for resuming.")
+        "filesystem every process reads, for resuming.", bounds="[0, inf)")
     process_id: int = option(
         None, "This process's number, 0 to num_processes - 1 (default "
-        "$KERAS_DISTRIBUTION_PROCESS_ID).")
+        "$KERAS_DISTRIBUTION_PROCESS_ID).", bounds="[0, inf)")
     peer_timeout: int = option(
         distribution_lib.DEFAULT_PEER_TIMEOUT, "Seconds without a heartbeat from another "
-        "process after which the others stop with an error (multi-process runs).")
+        "process after which the others stop with an error, and that every process waits for the "
+        "others to join at the start (multi-process runs).", bounds="[1, inf)")
     # run
     output_dir: str = option("saved_models", "Where run folders are written.")
     run_name: str = option(
-        None, "Run folder name (default APP_DATASET_MODEL); the same name resumes an unfinished "
-        "run and leaves a finished one (its metrics.json) as it is.")
+        None, "Run folder name, one folder inside --output_dir (default "
+        "APP_DATASET_MODEL[_METHOD]_BACKEND, e.g. finetune_digits_ViT-digits_jax); the same name "
+        "resumes an unfinished run and leaves a finished one (its metrics.json) as it is. A run "
+        "into a folder whose flags.txt records other flags is refused.")
     overwrite: bool = option(
         False, "Start the run over: delete what the run folder holds (a finished run's model and "
-        "metrics, an unfinished run's backup) and train afresh. Never written to flags.txt.")
+        "metrics, an unfinished run's backup) and train afresh; a folder holding anything a run "
+        "does not write is refused, nothing deleted. Never written to flags.txt.")
     # fine-tuning a part of the weights (vit_keras.tools.finetuning)
     lora_rank: int = option(
         None, "LoRA rank R: adapters on the attention projections and the MLP of every block; "
         "all else frozen but the head. model.keras has them merged; adapters.npz holds them alone "
-        "(finetuning.apply_adapters). 0 or none: off.")
+        "(finetuning.apply_adapters). 0 or none: off.", bounds="[0, inf)")
     lora_alpha: float = option(None, "LoRA scale numerator: updates are scaled by alpha / rank "
-                               "(default: the rank, a scale of 1).")
+                               "(default: the rank, a scale of 1).", bounds="(0, inf)")
     lora_train_norms: bool = option(False, "With --lora_rank, train the LayerNorms too.")
     linear_probe: bool = option(
         False, "Linear evaluation: the encoder frozen and run as at inference (no dropout), only "
@@ -183,8 +214,10 @@ class RunConfig:
     remat: bool = option(
         False, "Recompute each encoder block in the backward pass instead of storing its "
         "activations: less memory for a slower step (larger --batch_size fits).")
-    seed: int = option(0, "Seed of the initialisation, the data order and the splits.")
-    verbose: int = option(1, "Keras fit verbosity: 1 progress bars, 2 one line per epoch.")
+    seed: int = option(0, "Seed of the initialisation, the data order and the splits.",
+                       bounds="[0, 4294967295]")  # NumPy's seeds are 32-bit
+    verbose: int = option(1, "Keras fit verbosity: 0 silent, 1 progress bars, 2 one line per "
+                          "epoch.", bounds="[0, 2]")
     flags_text: str = None          # written to flags.txt (the app's --flagfile); not a flag
 
 def resolve_recipe(config, objective=CLASSIFICATION):
@@ -206,8 +239,13 @@ def resolve_recipe(config, objective=CLASSIFICATION):
     return dataclasses.replace(base, **overrides), reason
 
 
-def default_run_name(config, app="finetune"):
-    """A deterministic name, so the same command finds the same run folder (and resumes it)."""
+def default_run_name(config, app="finetune", backend=None):
+    """A deterministic name, so the same command finds the same run folder (and resumes it):
+    `APP_DATASET_MODEL[_METHOD]_BACKEND`, where MODEL is the variant (with the release name) or
+    the weights file's name (a run's `model.keras`: its run folder's), METHOD the fine-tuning
+    method (`lora4`, `linear-probe`, `layer-decay0.75`) and BACKEND the Keras backend (default:
+    the one in use). Runs that differ in anything else share the name, and a rerun with other
+    flags is refused (`finished_run`)."""
     dataset = config.dataset.replace("folder:", "folder-").strip("/").replace("/", "_")
     model = (config.model or (recipes_lib.DIGITS_VIT["name"] if config.dataset == "digits" and
                               not config.weights else "ViT-B_16")).replace("/", "_")
@@ -218,7 +256,40 @@ def default_run_name(config, app="finetune"):
         model = os.path.splitext(os.path.basename(path))[0]
         if os.path.basename(path) == "model.keras":  # a run's model: name it by its run
             model = os.path.basename(os.path.dirname(os.path.abspath(path))) or model
-    return f"{app}_{dataset}_{model}"
+    methods = [f"lora{config.lora_rank}" if finetuning.lora_on(config) else None,
+               "linear-probe" if config.linear_probe else None,
+               f"layer-decay{config.layer_decay:g}" if config.layer_decay is not None else None]
+    return "_".join([app, dataset, model, *filter(None, methods),
+                     backend or keras.backend.backend()])
+
+
+def run_flags_text(config, objective=CLASSIFICATION):
+    """The run's `flags.txt`: `config.flags_text` (the app's flags), or for a run started from
+    Python the same lines made from `config` and the objective's options (with `--backend`), so
+    the file replays it with the app and guards its folder as an app's does."""
+    if config.flags_text is not None:
+        return config.flags_text
+    lines = [*config_flags.flag_lines(config, leave_out=("overwrite", *objective.left_out_flags)),
+             *(config_flags.flag_lines(objective) if dataclasses.is_dataclass(objective) else []),
+             f"--backend={keras.backend.backend()}"]
+    return "".join(f"{line}\n" for line in sorted(lines))
+
+
+def _boolean_flags(objective=CLASSIFICATION):
+    configs = [RunConfig] + ([type(objective)] if dataclasses.is_dataclass(objective) else [])
+    return {field.name for config in configs for field in config_flags.flag_fields(config)
+            if field.type in (bool, "bool")}
+
+
+def differing_flags(recorded, given, objective=CLASSIFICATION):
+    """`[(flag, value in recorded, value in given)]` for each flag but
+    `FLAGS_A_RERUN_MAY_CHANGE` whose value differs between two flags.txt texts (`None`: not
+    given), in name order."""
+    booleans = _boolean_flags(objective)
+    recorded = parse_flags_text(recorded, booleans)
+    given = parse_flags_text(given, booleans)
+    return [(name, recorded.get(name), given.get(name)) for name in sorted({*recorded, *given})
+            if name not in FLAGS_A_RERUN_MAY_CHANGE and recorded.get(name) != given.get(name)]
 
 
 def set_precision(mixed_precision):
@@ -256,11 +327,13 @@ def build_run_model(config, recipe, num_classes, log=print):
     if config.weights:
         # A release name without --model: pretrained.release_of raises ReleaseNeedsVariantError
         # (one check, one message; the apps make it before the data loads).
+        given = {"representation_size": config.representation_size,
+                 "normalization": config.normalization,
+                 "timm_architecture": config.timm_architecture}
         return pretrained.build_model_from_checkpoint(
             config.weights, variant=config.model, image_size=recipe.image_size,
             num_classes=num_classes, include_top=True,
-            **({"representation_size": config.representation_size}
-               if config.representation_size else {}), **options)
+            **{name: value for name, value in given.items() if value}, **options)
     variant = config.model or (recipes_lib.DIGITS_VIT if config.dataset == "digits" else "ViT-B/16")
     is_digits_model = isinstance(variant, dict) or variant == recipes_lib.DIGITS_VIT["name"]
     if variant == recipes_lib.DIGITS_VIT["name"]:
@@ -321,30 +394,64 @@ def model_image_size(model):
                                               geometry.token_pixels(model))
 
 
-def finished_run(folder, overwrite=False, processes=distribution_lib.Processes(), log=print):
+def finished_run(folder, overwrite=False, processes=distribution_lib.Processes(), log=print,
+                 flags_text=None, objective=CLASSIFICATION):
     """What a run folder holds before a run starts in it, decided by process 0 for all (call
     while holding the folder's lock).
 
+    Without `overwrite`, a folder whose `flags.txt` records other flags than `flags_text` (the
+    new run's, `run_flags_text`) in anything but `FLAGS_A_RERUN_MAY_CHANGE` holds another run:
+    `RunFolderMismatchError` names each differing flag with both values, and nothing changes.
     Returns the finished run's metrics (from `metrics.json`, with `"already_complete": True`)
     when the folder holds one and `overwrite` is false: nothing is to be done. Otherwise returns
-    `None` after removing, on process 0, what `overwrite` discards (everything) and the
-    temporary files of interrupted writes (an unfinished run then resumes from its backup)."""
-    complete = processes.is_chief and not overwrite and folder.is_complete()
-    if distribution_lib.process_values(int(complete), processes)[0]:
+    `None` after removing, on process 0, what `overwrite` discards (everything, from a run
+    folder only: `RunFolder.clear`) and the temporary files of interrupted writes (an unfinished
+    run then resumes from its backup). `RunFolderError` when the folder has a symbolic link in
+    it (`RunFolder.refuse_links`)."""
+    refusal, complete = None, False
+    if processes.is_chief and not overwrite:
+        recorded = folder.read_flags_text() if flags_text is not None else None
+        differing = differing_flags(recorded, flags_text, objective) if recorded else []
+        if differing:
+            refusal = (
+                f"{folder.path} holds a run made with other flags (its flags.txt): "
+                + "; ".join(f"--{name} {_shown(old)} there, {_shown(new)} now"
+                            for name, old, new in differing)
+                + ". Pass another --run_name for a new run, or --overwrite to delete this one "
+                  "and start over (only --" + ", --".join(FLAGS_A_RERUN_MAY_CHANGE)
+                + " may change between runs in one folder).")
+        complete = refusal is None and folder.is_complete()
+    status = distribution_lib.process_values(2 if refusal else int(complete), processes)[0]
+    if status == 2:
+        raise RunFolderMismatchError(refusal or f"Process 0 refused the run folder {folder.path}: "
+                                                f"its flags.txt records other flags (see its log).")
+    if status == 1:
         log(f"Run {folder.path} is complete (its metrics.json is written): nothing to do. Pass "
             f"--overwrite to train it again, or another --run_name.")
         return {**(folder.read_metrics() or {}), "already_complete": True}
+    error = None
     if processes.is_chief:
-        if overwrite and [name for name in os.listdir(folder.path)
-                          if os.path.join(folder.path, name) != folder.lock]:
-            log(f"--overwrite: deleting what {folder.path} holds and starting the run over.")
-            folder.clear()
-        removed = folder.remove_temporary_files()
-        if removed:
-            log(f"Removed {len(removed)} temporary files of interrupted writes from "
-                f"{folder.path}: {', '.join(removed)}.")
-    distribution_lib.process_values(0, processes)  # the others wait until that is done
+        try:
+            if overwrite and [name for name in os.listdir(folder.path)
+                              if os.path.join(folder.path, name) != folder.lock]:
+                log(f"--overwrite: deleting what {folder.path} holds and starting the run over.")
+                folder.clear()
+            removed = folder.remove_temporary_files()
+            if removed:
+                log(f"Removed {len(removed)} temporary files of interrupted writes from "
+                    f"{folder.path}: {', '.join(removed)}.")
+            folder.refuse_links()
+        except RunFolderError as raised:
+            error = raised
+    # The others wait until that is done, and stop with process 0 when it could not.
+    if distribution_lib.process_values(int(error is not None), processes)[0]:
+        raise error or RunFolderError(f"Process 0 could not use the run folder {folder.path} "
+                                      f"(see its log).")
     return None
+
+
+def _shown(value):
+    return "unset" if value is None else value
 
 
 def run(config, app="finetune", log=print, started=None, objective=CLASSIFICATION):
@@ -358,18 +465,25 @@ def run(config, app="finetune", log=print, started=None, objective=CLASSIFICATIO
     `"already_complete": True`) and changes nothing, unless `config.overwrite` starts it over.
     An unfinished run resumes: from the last completed epoch's backup, or, when training had
     finished, at the final evaluation. Another process running in the folder is refused at once
-    (`run_folder.RunFolderBusyError`), and so is a folder that cannot be written
-    (`run_folder.RunFolderError`).
+    (`run_folder.RunFolderBusyError`), and so is a folder that cannot be written, holds a
+    symbolic link, or, with `overwrite`, holds files no run writes (`run_folder.RunFolderError`),
+    and a run name that is not one folder name. A folder whose `flags.txt` records other flags
+    than this run's (`run_flags_text`) in anything but `FLAGS_A_RERUN_MAY_CHANGE` is refused
+    without `overwrite` (`run_folder.RunFolderMismatchError`, naming the flags).
     With several processes (`config.num_processes`, `distribution.initialize_processes`), every
     process trains, evaluates and saves (saving is collective on JAX), but only process 0 writes
     the run folder (and holds its lock); the others write into a private temporary folder
     deleted at the end.
-    Raises `callbacks.NonFiniteLossError` when the loss becomes NaN or infinite,
+    Raises `config_flags.FlagRangeError` for a setting outside its flag's range (before anything
+    loads), `callbacks.NonFiniteLossError` when the loss becomes NaN or infinite,
     `memory.ActivationMemoryError` when a training step cannot fit in memory, and
     `distribution.MultiProcessError` when several processes cannot be set up.
     """
     started = started or time.perf_counter()
-    finetuning.check_options(config, objective)  # one line, before anything loads
+    config_flags.check_ranges(config)  # one line each, before anything loads
+    if dataclasses.is_dataclass(objective):
+        config_flags.check_ranges(objective)
+    finetuning.check_options(config, objective)
     layer_decay.check_layer_decay(config.layer_decay)
     ema_lib.check_ema_decay(config.ema_decay, objective.validation_split)
     # First: JAX must join the other processes before it computes anything.
@@ -377,15 +491,22 @@ def run(config, app="finetune", log=print, started=None, objective=CLASSIFICATIO
                                                       config.num_processes, config.process_id,
                                                       config.peer_timeout)
     run_name = config.run_name or default_run_name(config, app)
+    run_folder_lib.check_run_name(run_name)
     folder = RunFolder(os.path.join(config.output_dir, run_name))
     with folder.locked() if processes.is_chief else contextlib.nullcontext():
-        finished = finished_run(folder, config.overwrite, processes, log)
+        finished = finished_run(folder, config.overwrite, processes, log,
+                                run_flags_text(config, objective), objective)
         if finished is not None:
             return finished
         state = _RunState(config, objective, run_name, folder, processes, log, started)
-        _prepare(state)
-        fit_seconds = _train(state)
-        return _report(state, fit_seconds)
+        try:
+            _prepare(state)
+            fit_seconds = _train(state)
+            return _report(state, fit_seconds)
+        except OSError as error:  # history.csv, TensorBoard, the curves: a full disk, one line
+            if error.errno not in run_folder_lib.DISK_FULL:
+                raise
+            raise run_folder_lib.write_error(error.filename or folder.path, error) from None
 
 
 @dataclasses.dataclass
@@ -452,8 +573,8 @@ def _prepare(state):
     if processes.multi:
         log(f"Process {processes.index} of {processes.count}"
             + ("" if processes.is_chief else f": process 0 writes {state.folder.path}") + ".")
-    if config.flags_text is not None and processes.is_chief:
-        state.folder.write_flags(config.flags_text)
+    if processes.is_chief:
+        state.folder.write_flags(run_flags_text(config, state.objective))
     _rng_seed(config.seed)
     state.splits = data.load_splits(config.dataset, data_dir=config.data_dir,
                                     val_fraction=config.val_fraction,
@@ -625,9 +746,12 @@ def _fit(state, train_ds, val_ds):
         if state.processes.is_chief:
             state.folder.remove_backup()
         epoch, batch, loss = nan_guard.bad_step
+        kept = (f"{state.folder.model} keeps the last epoch that ended with a finite loss"
+                if os.path.exists(state.folder.model) else
+                "no epoch ended with a finite loss, so no model.keras was written")
         raise callbacks_lib.NonFiniteLossError(
             f"The training loss became {loss} at epoch {epoch + 1}, batch {batch + 1}; the run "
-            f"stopped and {state.folder.model} keeps the last finite epoch. Lower "
+            f"stopped and {kept}. Lower "
             f"--learning_rate (now {state.recipe.learning_rate:g}), keep --grad_clip_norm on "
             f"(now {state.recipe.grad_clip_norm:g}), lengthen --warmup_steps, or use "
             f"--mixed_precision bfloat16 instead of float16.")
