@@ -103,21 +103,8 @@ def resolve_weights(weights, variant=None, image_size=None):
 
 
 def read_release(path, release):
-    """Reads the file at `path` as `release`'s, checking that it is (see
-    `vit_keras.release_files.read_release`): a checkpoint that reads whole (every array's CRC-32,
-    for an `.npz`), finite, with the release variant's architecture, head, representation layer
-    and resolution, and for the family's releases their LayerNorm epsilon and GELU.
-
-    Args:
-      path: a checkpoint file.
-      release: the `vit_keras.Release` the file should be.
-
-    Returns:
-      The `vit_keras.checkpoints.Checkpoint`.
-
-    Raises:
-      ValueError: naming the file and what is wrong with it.
-    """
+    """The `Checkpoint` at `path`, checked to be `release`'s; see
+    `vit_keras.release_files.read_release`, which this names in the public API."""
     return release_files.read_release(path, release)
 
 

@@ -82,6 +82,18 @@ _DEFLATE_MAX_RATIO = 1100
 _COMPRESSION_NAMES = {9: "deflate64", 12: "bzip2", 14: "lzma", 93: "zstandard"}
 
 
+def npy_header(archive, member):
+    """`(shape, dtype, header bytes)` of the `.npy` `member` of the zip `archive`, read from its
+    header alone (no array data is read or allocated). Raises `ValueError` for an invalid header,
+    and zip and zlib errors for a damaged member."""
+    with archive.open(member) as f:
+        version = np.lib.format.read_magic(f)
+        read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                       else np.lib.format.read_array_header_2_0)
+        shape, _, dtype = read_header(f)
+        return tuple(shape), dtype, f.tell()
+
+
 def _check_npz_members(path, archive):
     """Refuses an `.npz` member that a reader could not read, or whose sizes are not its own: a
     compression NumPy does not write, a declared size that deflate cannot reach, an array header
@@ -103,12 +115,7 @@ def _check_npz_members(path, archive):
         if not info.filename.endswith(".npy"):
             continue
         try:
-            with archive.open(info) as member:
-                version = np.lib.format.read_magic(member)
-                read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                               else np.lib.format.read_array_header_2_0)
-                shape, _, dtype = read_header(member)
-                header_size = member.tell()
+            shape, dtype, header_size = npy_header(archive, info)
         except ValueError as error:
             raise errors.CheckpointError(
                 f"{path!r} is a corrupt .npz file: array {key!r} has no valid header "

@@ -28,11 +28,13 @@ model is compiled:
 import functools
 import os
 import zipfile
+import zlib
 
 import keras
 import numpy as np
 
 from vit_keras import errors
+from vit_keras.checkpoints import files
 from vit_keras.layers import HeadsProjection, TransformerBlock
 from vit_keras.tools import callbacks as callbacks_lib
 
@@ -330,15 +332,11 @@ def _array_headers(archive, path):
             raise AdaptersError(f"{path} holds {member.filename!r}, which is no NumPy array: "
                                 f"it is not an adapters file of vit_keras.")
         try:
-            with archive.open(member) as f:
-                version = np.lib.format.read_magic(f)
-                read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                               else np.lib.format.read_array_header_2_0)
-                shape, _, dtype = read_header(f)
-        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as error:
+            shape, dtype, _ = files.npy_header(archive, member)
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as error:
             raise AdaptersError(f"{path}: {member.filename} is not a readable NumPy array "
                                 f"({error}).") from None
-        headers[member.filename[:-len(".npy")]] = (tuple(shape), dtype)
+        headers[member.filename[:-len(".npy")]] = (shape, dtype)
     return headers
 
 
