@@ -12,6 +12,10 @@ import vit_keras
 
 from conftest import TINY_CONFIG, run_app
 
+# The apps' own checks of their command line and inputs, made before any backend computes
+# anything: the same on every backend, so one pass runs them (the torch pass, conftest.py).
+pytestmark = pytest.mark.backend_independent
+
 
 def _assert_one_line_error(result, *expected):
     """Exit status 2, one `ERROR: ...` line last on stderr holding `expected`, no traceback and no
