@@ -72,10 +72,11 @@ flags.DEFINE_bool("overwrite", False,
 flags.DEFINE_bool("dynamic_image_size", False,
                   "Export a model that takes images of any size (sides multiples of the patch "
                   "size): position embeddings resampled in the graph, exact at the trained size.")
-flags.DEFINE_integer("max_image_size", None,
-                     "With a model of dynamic image size: the largest side, in pixels, its "
-                     "SavedModel serves (larger images are refused, so that no request asks the "
-                     "server for unbounded memory). Default: 4 times the trained size.")
+config_flags.define_number("max_image_size", None,
+                           "With a model of dynamic image size: the largest side, in pixels, its "
+                           "SavedModel serves (larger images are refused, so that no request asks "
+                           "the server for unbounded memory). Default: 4 times the trained size.",
+                           bounds="[1, inf)", kind=int)
 FLAGS = flags.FLAGS
 
 
