@@ -360,7 +360,7 @@ def training_app(name, started, recipe="auto", recipe_help=None, objective=None)
             print(f"\nProcess {process['index']} of {process['count']}: process 0 writes "
                   f"{RunFolder.of_model(metrics['model_path']).path}.")
             return 0
-        print(f"\n{'Model:' if metrics.get('already_complete') else 'Saved model:'} "
+        print(f"\n{'Model:      ' if metrics.get('already_complete') else 'Saved model:'} "
               f"{metrics['model_path']}")
         print(f"Metrics:     {RunFolder.of_model(metrics['model_path']).metrics}")
         return 0
