@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import vit_keras
+from vit_keras import attention as attention_kernels
 from vit_keras import layers, xla_cpu
 from vit_keras.model import transformer_blocks
 
@@ -136,25 +137,27 @@ def test_fused_and_explicit_attention_kernels_match_a_numpy_reference(fused, mon
 
 
 def test_attention_kernel_is_chosen_when_built_for_the_backend_device_and_dtype():
-    """Fused where `keras.ops.dot_product_attention` reaches a fused kernel (torch; JAX unless the
-    XLA:CPU workarounds are active when the layer is built), explicit on TensorFlow and for
-    float16. (That a built model keeps its kernel when the switch changes is checked on JAX in
-    test_xla_cpu.py.)"""
+    """torch's own kernel on torch; `keras.ops.dot_product_attention` on JAX unless the XLA:CPU
+    workarounds are active when the layer is built; explicit on TensorFlow and for float16 (the
+    GPU rows of the table: tests/test_attention.py). (That a built model keeps its kernel when
+    the switch changes is checked on JAX in test_xla_cpu.py.)"""
     def built(**kwargs):
         layer = layers.MultiHeadDotProductAttention(4, **kwargs)
-        assert layer.fused is False  # nothing chosen before build
+        assert layer.attention_kernel is None and layer.fused is False  # chosen in build
         layer.build((None, 7, 32))
         return layer
 
     backend = keras.backend.backend()
+    fused = {"torch": "torch", "jax": "fused", "tensorflow": "explicit"}[backend]
     default = built()
-    assert default.fused is (backend == "torch" or (
-        backend == "jax" and not xla_cpu.workarounds_active()))
+    assert default.attention_kernel == (
+        "explicit" if xla_cpu.workarounds_active() else fused)
+    assert default.fused is (default.attention_kernel != "explicit")
     with xla_cpu.set_workarounds(False):
         plain = built()
         half = built(dtype="mixed_float16")
-    assert plain.fused is (backend in ("torch", "jax"))
-    assert half.fused is False
+    assert plain.attention_kernel == fused
+    assert half.attention_kernel == "explicit"
 
 
 def test_attention_rejects_hidden_size_not_divisible_by_heads():
@@ -166,17 +169,18 @@ _PROJECTIONS = ("query", "key", "value", "out")
 
 
 def _force_attention_kernel(monkeypatch, fused):
-    """Every backend checks both attention kernels: the fused one (`keras.ops.dot_product_attention`,
-    an unfused softmax where no kernel exists) and the explicit one its backend may not take.
-    Layers built afterwards take it."""
-    choose = xla_cpu.choose_attention
+    """Every backend checks both of its attention kernels: the fused one (torch's own on torch,
+    `keras.ops.dot_product_attention` elsewhere, an unfused softmax where no kernel exists) and
+    the explicit one its backend may not take. Layers built afterwards take it."""
+    choose = attention_kernels.choose_attention
 
-    def forced(compute_dtype, probabilities=False):
+    def forced(compute_dtype, head_dim=None, probabilities=False):
         if fused and not probabilities:
-            return xla_cpu.FusedAttention()
-        return choose(compute_dtype, probabilities=True)
+            return attention_kernels.kernel_named(
+                "torch" if keras.backend.backend() == "torch" else "fused")
+        return choose(compute_dtype, head_dim, probabilities=True)
 
-    monkeypatch.setattr(xla_cpu, "choose_attention", forced)
+    monkeypatch.setattr(attention_kernels, "choose_attention", forced)
 
 
 def _attention_layers(model):

@@ -10,7 +10,8 @@ import math
 import keras
 from keras import ops
 
-from vit_keras import interpolation_ops, xla_cpu
+from vit_keras import attention as attention_kernels
+from vit_keras import interpolation_ops, kernels, xla_cpu
 from vit_keras.configs import GELUS
 
 _PACKAGE = "vit_keras"
@@ -77,7 +78,7 @@ class PatchEmbedding(keras.layers.Layer):
         self.bias = self.add_weight(
             name="bias", shape=(self.hidden_size,), initializer=self.bias_initializer
         ) if self.use_bias else None
-        self._einsum = xla_cpu.choose_einsum()  # bfloat16 products on XLA:CPU
+        self._linear = kernels.choose_linear()  # torch's linear; bfloat16 products on XLA:CPU
 
     def call(self, images):
         _, height, width, channels = images.shape
@@ -100,7 +101,7 @@ class PatchEmbedding(keras.layers.Layer):
         x = ops.transpose(x, (0, 1, 3, 2, 4, 5))  # (batch, rows, cols, p, p, channels): HWI order
         x = ops.reshape(x, (-1, rows * cols, p * p * channels))
         kernel = ops.reshape(self.kernel, (p * p * channels, self.hidden_size))
-        patches = self._add_bias(self._einsum("bnk,kd->bnd", x, kernel))
+        patches = self._linear(x, kernel, self.bias)
         return patches if self.flatten else ops.reshape(patches, (-1, rows, cols, self.hidden_size))
 
     def _add_bias(self, patches):
@@ -337,12 +338,12 @@ class MultiHeadDotProductAttention(keras.layers.Layer):
     Weights: `query|key|value/kernel` `(hidden, heads, head_dim)`, `.../bias` `(heads, head_dim)`,
     `out/kernel` `(heads, head_dim, hidden)`, `out/bias` `(hidden,)`.
 
-    How q, k and v are laid out and attended is the kernel's, chosen when the layer is built
-    (`vit_keras.xla_cpu.choose_attention`): `keras.ops.dot_product_attention` where that reaches a
-    fused kernel (`fused`), else an explicit float32 softmax over q, k and v from one matrix
-    multiply in a head-major layout, which is also the kernel for attention dropout and
-    `return_attention_scores`. Quantized (`model.quantize`) or LoRA-enabled (`enable_lora`)
-    projections are called as layers by either kernel, so their own arithmetic applies.
+    How q, k and v are projected, laid out and attended is the kernel's, chosen when the layer is
+    built (`vit_keras.attention`: torch's fused attention, cuDNN's on NVIDIA GPUs under JAX,
+    `keras.ops.dot_product_attention`, or an explicit float32 softmax, which is also the kernel
+    for attention dropout and `return_attention_scores`); `attention_kernel` names it. Quantized
+    (`model.quantize`) or LoRA-enabled (`enable_lora`) projections are called as layers by every
+    kernel, so their own arithmetic applies.
     """
 
     def __init__(self, num_heads, attention_dropout=0.0, **kwargs):
@@ -371,15 +372,21 @@ class MultiHeadDotProductAttention(keras.layers.Layer):
             "bthk,hkd->btd", output_shape=(None, hidden), bias_axes="d",
             kernel_initializer=init, dtype=self.dtype_policy, name="out")
         self.out.build((input_shape[0], input_shape[1], self.num_heads, head_dim))
-        self._attention_kernel = xla_cpu.choose_attention(self.compute_dtype)
-        self._probabilities_kernel = xla_cpu.choose_attention(
-            self.compute_dtype, probabilities=True)
+        self._attention_kernel = attention_kernels.choose_attention(self.compute_dtype, head_dim)
+        self._probabilities_kernel = attention_kernels.choose_attention(
+            self.compute_dtype, head_dim, probabilities=True)
+
+    @property
+    def attention_kernel(self):
+        """The name of the kernel a call without attention scores or attention dropout takes
+        (`vit_keras.attention.KERNELS`), chosen when the layer was built; None before."""
+        return None if self._attention_kernel is None else self._attention_kernel.name
 
     @property
     def fused(self):
-        """Whether a call without attention scores or attention dropout goes through
-        `keras.ops.dot_product_attention` (chosen when the layer was built; False before)."""
-        return self._attention_kernel is not None and self._attention_kernel.name == "fused"
+        """Whether a call without attention scores or attention dropout takes a fused kernel
+        (chosen when the layer was built; False before)."""
+        return self.attention_kernel not in (None, "explicit")
 
     def call(self, x, training=None, return_attention_scores=False):
         dropout = training and self.attention_dropout > 0
@@ -403,6 +410,12 @@ class MultiHeadDotProductAttention(keras.layers.Layer):
                 "attention_dropout": self.attention_dropout}
 
 
+def _dropped(dropout, x, training):
+    """`dropout(x, training=training)`, without the layer call where it drops nothing: on torch
+    every layer call costs the host time that the GPU then waits for."""
+    return dropout(x, training=training) if dropout.rate > 0 else x
+
+
 def gelu_variant(gelu=None, approximate_gelu=False):
     """The GELU a layer computes: `"exact"` (erf; timm, Hugging Face), `"tanh"` (Flax's
     approximation) or `"quick"` (`x * sigmoid(1.702 x)`, OpenAI CLIP's). `gelu=None` takes the
@@ -423,7 +436,7 @@ def _quick_gelu(x):
 
 def _choose_gelu(gelu):
     """The GELU function of a layer built now (exact and tanh in each backend's fastest form)."""
-    return _quick_gelu if gelu == "quick" else xla_cpu.choose_gelu(gelu == "tanh")
+    return _quick_gelu if gelu == "quick" else kernels.choose_gelu(gelu == "tanh")
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
@@ -474,15 +487,15 @@ class MlpBlock(keras.layers.Layer):
             hidden, kernel_initializer=_xavier_uniform(self.mlp_dim, hidden),
             bias_initializer=_mlp_bias_initializer(), dtype=self.dtype_policy, name="Dense_1")
         self.dense_1.build((*input_shape[:-1], self.mlp_dim))
-        # Chosen once for this backend and device (see vit_keras.xla_cpu): `dense(x)` or, on
-        # XLA:CPU, an einsum with its kernel for bfloat16 products; GELU in its fastest form.
-        self._project = xla_cpu.choose_projection()
+        # Chosen once for this backend and device (see vit_keras.kernels): `dense(x)`, torch's
+        # linear, or on XLA:CPU an einsum with bfloat16 products; GELU in its fastest form.
+        self._project = kernels.choose_projection()
         self._gelu = _choose_gelu(self.gelu)
 
     def call(self, x, training=None):
         x = self._gelu(self._project(self.dense_0, x))
-        x = self._dropout(x, training=training)
-        return self._dropout(self._project(self.dense_1, x), training=training)
+        x = _dropped(self._dropout, x, training)
+        return _dropped(self._dropout, self._project(self.dense_1, x), training)
 
     def get_config(self):
         return {**super().get_config(), "mlp_dim": self.mlp_dim, "dropout": self.dropout,
@@ -539,6 +552,7 @@ class TransformerBlock(keras.layers.Layer):
         # An identity; on XLA:CPU one whose gradient XLA computes once per block instead of fusing
         # it into every consumer (see vit_keras.xla_cpu).
         self._block_boundary = xla_cpu.choose_block_boundary()
+        self._norm = kernels.choose_layer_norm()  # torch's own kernel on torch
 
     def _drop_path(self, branch, training):
         if not (training and self.drop_path_rate > 0):
@@ -549,15 +563,15 @@ class TransformerBlock(keras.layers.Layer):
 
     def call(self, x, training=None, return_attention_scores=False):
         x = self._block_boundary(x)
-        y = self.attention(self.norm_0(x), training=training,
+        y = self.attention(self._norm(self.norm_0, x), training=training,
                            return_attention_scores=return_attention_scores)
         if return_attention_scores:
             y, scores = y
-        y = self._dropout(y, training=training)
+        y = _dropped(self._dropout, y, training)
         if self.scale_1 is not None:
             y = self.scale_1(y)
         x = x + self._drop_path(y, training)
-        y = self.mlp(self.norm_2(x), training=training)
+        y = self.mlp(self._norm(self.norm_2, x), training=training)
         if self.scale_3 is not None:
             y = self.scale_3(y)
         x = x + self._drop_path(y, training)

@@ -1,0 +1,276 @@
+"""How `MultiHeadDotProductAttention` attends: one kernel per backend and device, chosen once when
+the layer is built from what is known then, never by trying a kernel and catching its failure.
+
+`choose_attention(compute_dtype, head_dim)` reads this table, first row that applies:
+
+1. a call that returns or drops the probabilities: `explicit`;
+2. torch, not float16: `torch`;
+3. JAX on an NVIDIA GPU with cuDNN's flash attention (compute capability 8.0 or later), bfloat16
+   or float16, heads of a multiple of 8 up to 128 (256 from compute capability 9.0): `cudnn`;
+4. JAX, not float16, unless on a CPU with the XLA:CPU workarounds active: `fused`;
+5. everything else (TensorFlow, JAX's CPU, float16): `explicit`.
+
+- `torch`: the projections as `torch.nn.functional.linear` (one matrix product with the bias in
+  its epilogue, no layout copies) and `scaled_dot_product_attention` (flash or memory-efficient
+  attention on GPUs, the fused CPU kernel on CPU) in the head-major layout it takes.
+- `cudnn` (`PaddedAttention`): cuDNN's fused attention through `jax.nn.dot_product_attention`.
+  cuDNN trains at a token count only in some lengths (ViT's 197 tokens: forward yes, backward
+  "Unsupported sequence length"), so q, k and v are padded to a multiple of `PAD_MULTIPLE` tokens
+  and the padding is masked through the sequence-length arguments: the same function, fused in
+  both directions, and no attention matrix is kept for the backward pass.
+- `fused`: `keras.ops.dot_product_attention`, Splash attention on TPU, XLA's attention elsewhere
+  (`flash_attention=False` on GPUs: Keras would otherwise try cuDNN, log its refusal with a
+  traceback on every trace, and fall back).
+- `explicit`: softmax attention written out, head-major, with a float32 softmax; XLA:CPU (JAX and
+  TensorFlow) differentiates it faster than the token-major one. The kernel for attention scores,
+  attention dropout and float16 (whose fused kernels accumulate float16 products in float32,
+  which XLA:CPU cannot do: jax: "precision F16_F16_F32 is not supported").
+
+Every kernel has three steps, each given the attention layer (its `query`, `key`, `value` and
+`out` projections): `project(layer, x)` → q, k, v in the kernel's layout; `attend(q, k, v)` → the
+attended values in that layout and the float32 probabilities (None for a fused kernel);
+`out(layer, attended)` → `(batch, tokens, hidden)`. Quantized or LoRA-enabled projections are
+called as layers by every kernel, so their own arithmetic applies.
+"""
+
+import functools
+import math
+
+import keras
+from keras import ops
+
+from vit_keras import xla_cpu
+
+# cuDNN's fused attention trains at 208 and 256 tokens where it refuses 197 (H100, cuDNN 9,
+# jax 0.11; docs/performance.md); a multiple of 16 pads ViT-B/16's 197 tokens by 11.
+PAD_MULTIPLE = 16
+
+KERNELS = ("explicit", "fused", "cudnn", "torch")
+
+
+def choose_attention(compute_dtype, head_dim=None, *, probabilities=False):
+    """The kernel (one of `KERNELS`, as an object) for an attention layer built now, whose calls
+    compute in `compute_dtype` with heads of `head_dim` (None: unknown, then no kernel that
+    depends on it). `probabilities=True`: the kernel for calls that return or drop the attention
+    probabilities, always `explicit`. The table is in this module's docstring."""
+    if probabilities:
+        return kernel_named("explicit")
+    backend = keras.backend.backend()
+    if backend == "torch":
+        return kernel_named("explicit" if compute_dtype == "float16" else "torch")
+    if backend == "jax":
+        if _cudnn_takes(compute_dtype, head_dim):
+            return kernel_named("cudnn")
+        if compute_dtype != "float16" and not xla_cpu.workarounds_active():
+            return kernel_named("fused")
+    return kernel_named("explicit")
+
+
+def kernel_named(name):
+    """The kernel called `name` (one of `KERNELS`), whatever this backend and device would choose:
+    for tests that check each kernel where it runs (`cudnn` runs only on a GPU; `PaddedAttention`
+    with `implementation="xla"` computes the same padded and masked function anywhere on JAX)."""
+    if name == "explicit":
+        return ExplicitAttention(xla_cpu.choose_einsum())
+    if name == "fused":
+        return FusedAttention()
+    if name == "cudnn":
+        return PaddedAttention("cudnn")
+    if name == "torch":
+        return TorchAttention()
+    raise ValueError(f"Unknown attention kernel {name!r}; expected one of {KERNELS}.")
+
+
+def _cudnn_takes(compute_dtype, head_dim):
+    """Whether JAX's first device is an NVIDIA GPU whose cuDNN has fused (flash) attention for
+    heads of `head_dim` in `compute_dtype`: jax's own conditions (`check_is_flash_attention`)."""
+    if compute_dtype not in ("bfloat16", "float16") or head_dim is None or head_dim % 8:
+        return False
+    capability = _gpu_compute_capability()
+    if capability is None or capability < (8, 0):
+        return False
+    return head_dim <= (256 if capability >= (9, 0) else 128)
+
+
+@functools.cache
+def _gpu_compute_capability():
+    """(major, minor) of JAX's first device if it is an NVIDIA GPU, else None."""
+    import jax  # pylint: disable=import-outside-toplevel
+
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return None
+    try:  # NVIDIA's "9.0"; ROCm's devices name their architecture ("gfx90a") or nothing
+        return tuple(int(part) for part in str(device.compute_capability).split(".")[:2])
+    except (AttributeError, ValueError):
+        return None
+
+
+def _adapted(*projections):
+    """Whether a projection is quantized or LoRA-enabled: its `kernel` is then not the weight its
+    call multiplies by (int8 values without their scale, no LoRA delta), so it must be called.
+
+    Read where the kernels project, once per trace, not when the attention layer is built:
+    `model.quantize` and `enable_lora` change the projections afterwards, on the projections
+    themselves, without telling the layer that holds them.
+    """
+    return any(projection.quantization_mode or projection.lora_enabled
+               for projection in projections)
+
+
+class FusedAttention:
+    """`keras.ops.dot_product_attention` over q, k and v in the projections' token-major layout
+    `(batch, tokens, heads, head_dim)`."""
+
+    name = "fused"
+
+    def project(self, layer, x):
+        """`(batch, tokens, hidden)` → q, k, v, each `(batch, tokens, heads, head_dim)`."""
+        return layer.query(x), layer.key(x), layer.value(x)
+
+    def attend(self, q, k, v, dropout=None):
+        """`(batch, tokens, heads, head_dim)` each → the attended values in the same layout, and
+        None. No probabilities to drop: the layer takes `explicit` for that."""
+        _no_dropout(self, dropout)
+        # On a GPU Keras would try cuDNN first and log its refusal with a traceback.
+        flash = False if _gpu_compute_capability() is not None else None
+        return ops.dot_product_attention(q, k, v, flash_attention=flash), None
+
+    def out(self, layer, attended):
+        """`(batch, tokens, heads, head_dim)` → `(batch, tokens, hidden)`."""
+        return layer.out(attended)
+
+
+class PaddedAttention(FusedAttention):
+    """`jax.nn.dot_product_attention` with `implementation` (`"cudnn"`: the fused kernel) over q,
+    k and v padded to a multiple of `PAD_MULTIPLE` tokens, the padded keys and queries masked
+    through the sequence-length arguments. Layouts as `FusedAttention`'s (token-major).
+
+    `implementation="xla"` computes the same padded and masked function with XLA's attention on
+    any JAX device: the tests' stand-in for cuDNN.
+    """
+
+    name = "cudnn"
+
+    def __init__(self, implementation="cudnn"):
+        self.implementation = implementation
+
+    def attend(self, q, k, v, dropout=None):
+        """`(batch, tokens, heads, head_dim)` each → the attended values in the same layout, and
+        None."""
+        import jax  # pylint: disable=import-outside-toplevel
+        import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+        _no_dropout(self, dropout)
+        batch, tokens = q.shape[0], q.shape[1]
+        padded = -(-tokens // PAD_MULTIPLE) * PAD_MULTIPLE
+        if padded != tokens:
+            padding = ((0, 0), (0, padded - tokens), (0, 0), (0, 0))
+            q, k, v = (jnp.pad(t, padding) for t in (q, k, v))
+        lengths = jnp.full((batch,), tokens, jnp.int32)
+        attended = jax.nn.dot_product_attention(
+            q, k, v, query_seq_lengths=lengths, key_value_seq_lengths=lengths,
+            implementation=self.implementation)
+        return attended[:, :tokens], None
+
+
+class TorchAttention:
+    """The projections as `torch.nn.functional.linear` and `scaled_dot_product_attention` in the
+    head-major layout `(batch, heads, tokens, head_dim)` it takes, as views of the projections'
+    outputs: five matrix products with their biases in them and one fused attention kernel, where
+    Keras' `EinsumDense` and `dot_product_attention` add a bias kernel per projection and copy
+    q, k, v and the output between layouts."""
+
+    name = "torch"
+
+    def project(self, layer, x):
+        """`(batch, tokens, hidden)` → q, k, v, each `(batch, heads, tokens, head_dim)`."""
+        projections = (layer.query, layer.key, layer.value)
+        if _adapted(*projections, layer.out):
+            return [ops.transpose(projection(x), (0, 2, 1, 3)) for projection in projections]
+        import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
+
+        batch, tokens, hidden = x.shape
+        q_k_v = []
+        for projection in projections:
+            kernel = ops.convert_to_tensor(projection.kernel)  # (hidden, heads, head_dim)
+            heads, head_dim = kernel.shape[1], kernel.shape[2]
+            y = F.linear(x, kernel.reshape(hidden, heads * head_dim).T,
+                         ops.convert_to_tensor(projection.bias).reshape(heads * head_dim))
+            q_k_v.append(y.view(batch, tokens, heads, head_dim).transpose(1, 2))
+        return q_k_v
+
+    def attend(self, q, k, v, dropout=None):
+        """`(batch, heads, tokens, head_dim)` each → the attended values in the same layout, and
+        None."""
+        import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
+
+        _no_dropout(self, dropout)
+        return F.scaled_dot_product_attention(q, k, v), None
+
+    def out(self, layer, attended):
+        """`(batch, heads, tokens, head_dim)` → `(batch, tokens, hidden)`."""
+        batch, heads, tokens, head_dim = attended.shape
+        if _adapted(layer.query, layer.key, layer.value, layer.out):
+            return layer.out(ops.transpose(attended, (0, 2, 1, 3)))
+        import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
+
+        kernel = ops.convert_to_tensor(layer.out.kernel)  # (heads, head_dim, hidden)
+        merged = attended.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
+        return F.linear(merged, kernel.reshape(heads * head_dim, -1).T,
+                        ops.convert_to_tensor(layer.out.bias))
+
+
+class ExplicitAttention:
+    """Softmax attention written out, in a head-major layout, with a float32 softmax.
+
+    q, k and v come from one matrix multiply in the layout `(batch, heads, tokens, head_dim)`,
+    which XLA:CPU (JAX and TensorFlow) differentiates faster than the token-major softmax of
+    `keras.ops.dot_product_attention`; the products go through `einsum`
+    (`vit_keras.xla_cpu.choose_einsum`: bfloat16 products on XLA:CPU). The kernel for attention
+    scores, attention dropout and float16.
+    """
+
+    name = "explicit"
+
+    def __init__(self, einsum):
+        self.einsum = einsum
+
+    def project(self, layer, x):
+        """`(batch, tokens, hidden)` → q, k, v, each `(batch, heads, tokens, head_dim)`.
+
+        One matrix multiply with the three kernels side by side: on CPU a few large products use
+        the cores better than many small ones.
+        """
+        projections = (layer.query, layer.key, layer.value)
+        if _adapted(*projections, layer.out):
+            return [ops.transpose(projection(x), (0, 2, 1, 3)) for projection in projections]
+        kernel = ops.concatenate([projection.kernel for projection in projections], axis=1)
+        bias = ops.concatenate([projection.bias for projection in projections], axis=0)
+        qkv = self.einsum("btd,dhk->bhtk", x, kernel) + ops.expand_dims(bias, 1)
+        return ops.split(qkv, 3, axis=1)
+
+    def attend(self, q, k, v, dropout=None):
+        """`(batch, heads, tokens, head_dim)` each → the attended values in the same layout, and
+        the probabilities `(batch, heads, tokens, tokens)` in float32. `dropout`, a Dropout layer,
+        drops probabilities (called with `training=True`)."""
+        # Scaling q before the product keeps float16 logits in range; softmax runs in float32.
+        logits = self.einsum("bhqd,bhkd->bhqk", q * (1.0 / math.sqrt(q.shape[-1])), k)
+        probabilities = ops.softmax(ops.cast(logits, "float32"), axis=-1)
+        weights = ops.cast(probabilities, q.dtype)
+        if dropout is not None:
+            weights = dropout(weights, training=True)
+        return self.einsum("bhqk,bhkd->bhqd", weights, v), probabilities
+
+    def out(self, layer, attended):
+        """`(batch, heads, tokens, head_dim)` → `(batch, tokens, hidden)`."""
+        if _adapted(layer.query, layer.key, layer.value, layer.out):
+            return layer.out(ops.transpose(attended, (0, 2, 1, 3)))
+        return self.einsum("bhtk,hkd->btd", attended, layer.out.kernel) + layer.out.bias
+
+
+def _no_dropout(kernel, dropout):
+    if dropout is not None:
+        raise ValueError(f"The {kernel.name} attention kernel has no probabilities to drop; "
+                         "attention dropout takes the explicit kernel "
+                         "(choose_attention(..., probabilities=True)).")
