@@ -148,13 +148,26 @@ def _exit_with_error(message):
     sys.exit(2)
 
 
+def keep_tensorflow_off_the_gpus():
+    """Hides the GPUs from TensorFlow, if it is installed: on JAX and torch the apps use it for
+    tf.data alone, and a TensorFlow that sees a GPU starts a CUDA context on it and takes its
+    memory from the backend that trains. Before TensorFlow's first op; the apps' business, not
+    the library's (a library changes no process-wide state)."""
+    if importlib.util.find_spec("tensorflow") is None:
+        return
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    tf.config.set_visible_devices([], "GPU")
+
+
 def start_app(only=None, help_text=None):
     """Reads `--backend`, defines its absl flag and sets the apps' runtime defaults.
 
     Call before importing keras or vit_keras. An unknown backend or a `--flagfile` loop ends the
     app with one line, `ERROR: ...`, and status 2; so does any other flag error once the app runs
     `app.run(main, flags_parser=parse_flags)`. It silences the libraries' start-up noise and
-    prints warnings as `WARNING: ...` (`_app_output`). On JAX it also calls
+    prints warnings as `WARNING: ...` (`_app_output`). On JAX and torch it hides the GPUs from
+    TensorFlow (`keep_tensorflow_off_the_gpus`). On JAX it also calls
     `vit_keras.keep_freed_host_memory()` before JAX starts its CPU client (the app's first array),
     unless `VIT_KERAS_KEEP_HOST_MEMORY=0`: see `vit_keras.xla_cpu`.
 
@@ -179,6 +192,8 @@ def start_app(only=None, help_text=None):
         # again. Importing keras on JAX starts no CPU client yet, so this still comes first.
         keep_freed_host_memory()
     _app_output.set_up()  # before TensorFlow, JAX or torch loads: their noise, one warning format
+    if (backend or os.environ.get("KERAS_BACKEND")) in ("jax", "torch"):
+        keep_tensorflow_off_the_gpus()
     from absl import flags  # pylint: disable=import-outside-toplevel
 
     # Filed under the calling app's module: an app's `--help` lists only its own flags.

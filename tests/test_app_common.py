@@ -95,11 +95,25 @@ def test_start_app_defines_the_backend_flag_once_and_sets_defaults(monkeypatch):
     monkeypatch.setenv(_backend.KEEP_HOST_MEMORY, "0")  # leave this test process's malloc alone
     set_up = []  # and its logging and warnings (test_an_app_prints_only_its_own_lines checks them)
     monkeypatch.setattr(_backend._app_output, "set_up", lambda: set_up.append(True))
+    hidden = []
+    monkeypatch.setattr(_backend, "keep_tensorflow_off_the_gpus", lambda: hidden.append(True))
     assert _backend.start_app() == keras.backend.backend()
     assert _backend.start_app() == keras.backend.backend()  # a second app module: no duplicate flag
     assert "backend" in flags.FLAGS
     assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
     assert set_up == [True, True]
+    # tf.data's TensorFlow keeps off the GPUs that JAX or torch train on.
+    assert hidden == ([True, True] if keras.backend.backend() in ("jax", "torch") else [])
+
+
+def test_tensorflow_is_shown_no_gpu(monkeypatch):
+    """What `keep_tensorflow_off_the_gpus` tells TensorFlow (here, with no GPU, recorded)."""
+    tf = pytest.importorskip("tensorflow")
+    calls = []
+    monkeypatch.setattr(tf.config, "set_visible_devices",
+                        lambda devices, device_type=None: calls.append((devices, device_type)))
+    _backend.keep_tensorflow_off_the_gpus()
+    assert calls == [([], "GPU")]
 
 
 # Runs apps/predict.py --help with ctypes' mallopt replaced by a recorder that also notes whether
