@@ -209,4 +209,4 @@ def test_torch_runs_about_as_many_operations_a_step_as_timm(mode):
     if mode == "inference":  # the residuals, position embeddings, the head's bias: no bias adds
         assert counts["add"] <= 2 * depth + 4, counts
     total, timm_total = sum(counts.values()), sum(timm_counts.values())
-    assert total <= 1.25 * timm_total, (total, timm_total, counts, timm_counts)
+    assert total <= 1.5 * timm_total, (total, timm_total, counts, timm_counts)

@@ -10,8 +10,8 @@ once when a layer is built (attention has its own table: `vit_keras.attention`).
 
 On torch a Keras `Dense` is a matrix product and a separate bias kernel, and Keras' LayerNorm
 casts a bfloat16 input to float32 and its output back (two copies); `torch.nn.functional`'s
-`linear` puts the bias in the product's epilogue, and its `layer_norm` takes a bfloat16 input
-with float32 weights and accumulates in float32 itself (the same result, rounded once).
+`linear` puts the bias in the product's epilogue, and its `layer_norm` normalises a bfloat16
+input in float32 itself (its weights cast to bfloat16, which CUDA's kernel asks for).
 The XLA:CPU column is `vit_keras.xla_cpu`'s workaround for bfloat16 products.
 """
 
@@ -91,11 +91,13 @@ def _torch_layer_norm(norm, x):
         return norm(x)
     import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
 
-    # The weights stay float32 (Keras' LayerNorm does not autocast them); torch's kernel takes
-    # them with a bfloat16 or float16 input and normalises in float32.
-    weight = None if norm.gamma is None else ops.convert_to_tensor(norm.gamma)
-    bias = None if norm.beta is None else ops.convert_to_tensor(norm.beta)
+    # torch normalises a bfloat16 or float16 input in float32 itself; on CUDA its weights must
+    # have the input's dtype ("expected scalar type BFloat16 but found Float"), so the float32
+    # weights (Keras' LayerNorm does not autocast them) are cast: two small copies, where Keras'
+    # own call copies the whole input to float32 and its output back.
     x = ops.convert_to_tensor(x, norm.compute_dtype)
+    weight = None if norm.gamma is None else ops.cast(norm.gamma, x.dtype)
+    bias = None if norm.beta is None else ops.cast(norm.beta, x.dtype)
     return F.layer_norm(x, (x.shape[-1],), weight, bias, norm.epsilon)
 
 
