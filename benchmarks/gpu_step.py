@@ -387,7 +387,7 @@ def plan_cases(args, work):
     cases = [dict(common, kind="parity", implementation=implementation, model=parity_model,
                   parity_images=args.parity_images, parity_tolerance=args.parity_tolerance,
                   modes=[None], batch_size=args.parity_images)
-             for implementation in ("timm",) + PARITY_IMPLEMENTATIONS]
+             for implementation in ("timm",) + PARITY_IMPLEMENTATIONS if not args.no_parity]
     cases.append(dict(common, kind="gemm", implementation="torch", model=None, batch_size=None,
                       gemm_size=args.gemm_size, modes=[None]))
     for model, batch_size, implementations in plan:
@@ -639,6 +639,8 @@ def main():
                         help=f"images of the parity check (default {DEFAULTS['parity_images']})")
     parser.add_argument("--parity_tolerance", type=float, default=1e-5,
                         help="largest relative logit difference the parity check accepts")
+    parser.add_argument("--no_parity", action="store_true",
+                        help="leave out the parity cases (a quick re-measure of the steps)")
     parser.add_argument("--case_timeout", type=float, default=240, help="seconds per case")
     parser.add_argument("--deadline", type=float, default=450,
                         help="seconds for the whole run: no case starts later than "

@@ -26,9 +26,10 @@ the layer is built from what is known then, never by trying a kernel and catchin
   attention dropout and float16 (whose fused kernels accumulate float16 products in float32,
   which XLA:CPU cannot do: jax: "precision F16_F16_F32 is not supported").
 
-Every kernel has three steps, each given the attention layer (its `query`, `key`, `value` and
-`out` projections): `project(layer, x)` → q, k, v in the kernel's layout; `attend(q, k, v)` → the
-attended values in that layout and the float32 probabilities (None for a fused kernel);
+A kernel is called as `kernel(layer, x, dropout)` → `(batch, tokens, hidden)` and the float32
+probabilities (None for a fused kernel), given the attention layer (its `query`, `key`, `value`
+and `out` projections). Most are three steps: `project(layer, x)` → q, k, v in the kernel's
+layout; `attend(q, k, v)` → the attended values in that layout and the probabilities;
 `out(layer, attended)` → `(batch, tokens, hidden)`. Quantized or LoRA-enabled projections are
 called as layers by every kernel, so their own arithmetic applies.
 """
@@ -118,7 +119,16 @@ def _adapted(*projections):
                for projection in projections)
 
 
-class FusedAttention:
+class _Kernel:
+    """project, attend, out: `(batch, tokens, hidden)` → `(batch, tokens, hidden)` and the
+    probabilities (or None)."""
+
+    def __call__(self, layer, x, dropout=None):
+        attended, probabilities = self.attend(*self.project(layer, x), dropout=dropout)
+        return self.out(layer, attended), probabilities
+
+
+class FusedAttention(_Kernel):
     """`keras.ops.dot_product_attention` over q, k and v in the projections' token-major layout
     `(batch, tokens, heads, head_dim)`."""
 
@@ -142,9 +152,15 @@ class FusedAttention:
 
 
 class PaddedAttention(FusedAttention):
-    """`jax.nn.dot_product_attention` with `implementation` (`"cudnn"`: the fused kernel) over q,
-    k and v padded to a multiple of `PAD_MULTIPLE` tokens, the padded keys and queries masked
+    """`jax.nn.dot_product_attention` with `implementation` (`"cudnn"`: the fused kernel) over a
+    sequence padded to a multiple of `PAD_MULTIPLE` tokens, the padded keys and queries masked
     through the sequence-length arguments. Layouts as `FusedAttention`'s (token-major).
+
+    The layer's input is padded, not q, k and v: XLA fuses the padding into the LayerNorm before
+    and the cut into the residual addition after, where padding q, k and v and cutting the
+    attended values costs four copies of a `(batch, tokens, hidden)` tensor a block (10% of a
+    ViT-B/16 inference step on an H100); the projections compute the padded rows (2% more
+    products).
 
     `implementation="xla"` computes the same padded and masked function with XLA's attention on
     any JAX device: the tests' stand-in for cuDNN.
@@ -155,26 +171,31 @@ class PaddedAttention(FusedAttention):
     def __init__(self, implementation="cudnn"):
         self.implementation = implementation
 
-    def attend(self, q, k, v, dropout=None):
-        """`(batch, tokens, heads, head_dim)` each → the attended values in the same layout, and
-        None."""
+    def __call__(self, layer, x, dropout=None):
+        _no_dropout(self, dropout)
+        tokens = x.shape[1]
+        padded = -(-tokens // PAD_MULTIPLE) * PAD_MULTIPLE
+        if padded != tokens:
+            x = ops.pad(x, ((0, 0), (0, padded - tokens), (0, 0)))
+        attended = self.attend(*self.project(layer, x), valid_tokens=tokens)
+        return self.out(layer, attended)[:, :tokens], None
+
+    def attend(self, q, k, v, dropout=None, valid_tokens=None):
+        """`(batch, padded tokens, heads, head_dim)` each, of which the first `valid_tokens` are
+        the sequence (None: all) → the attended values in the same layout (padded rows: zeros).
+        """
         import jax  # pylint: disable=import-outside-toplevel
         import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
         _no_dropout(self, dropout)
-        batch, tokens = q.shape[0], q.shape[1]
-        padded = -(-tokens // PAD_MULTIPLE) * PAD_MULTIPLE
-        if padded != tokens:
-            padding = ((0, 0), (0, padded - tokens), (0, 0), (0, 0))
-            q, k, v = (jnp.pad(t, padding) for t in (q, k, v))
-        lengths = jnp.full((batch,), tokens, jnp.int32)
-        attended = jax.nn.dot_product_attention(
+        lengths = jnp.full((q.shape[0],), q.shape[1] if valid_tokens is None else valid_tokens,
+                           jnp.int32)
+        return jax.nn.dot_product_attention(
             q, k, v, query_seq_lengths=lengths, key_value_seq_lengths=lengths,
             implementation=self.implementation)
-        return attended[:, :tokens], None
 
 
-class TorchAttention:
+class TorchAttention(_Kernel):
     """The projections as `torch.nn.functional.linear` and `scaled_dot_product_attention` in the
     head-major layout `(batch, heads, tokens, head_dim)` it takes, as views of the projections'
     outputs: five matrix products with their biases in them and one fused attention kernel, where
@@ -221,7 +242,7 @@ class TorchAttention:
                         ops.convert_to_tensor(layer.out.bias))
 
 
-class ExplicitAttention:
+class ExplicitAttention(_Kernel):
     """Softmax attention written out, in a head-major layout, with a float32 softmax.
 
     q, k and v come from one matrix multiply in the layout `(batch, heads, tokens, head_dim)`,

@@ -393,9 +393,7 @@ class MultiHeadDotProductAttention(keras.layers.Layer):
         kernel = self._attention_kernel
         if return_attention_scores or dropout:  # probabilities to return or to drop
             kernel = self._probabilities_kernel
-        q, k, v = kernel.project(self, x)
-        attended, probabilities = kernel.attend(q, k, v, dropout=self._dropout if dropout else None)
-        y = kernel.out(self, attended)
+        y, probabilities = kernel(self, x, dropout=self._dropout if dropout else None)
         return (y, probabilities) if return_attention_scores else y
 
     def compute_output_spec(self, x, training=None, return_attention_scores=False):
