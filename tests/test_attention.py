@@ -33,28 +33,32 @@ def gpu(monkeypatch):
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="the GPU rows are JAX's")
-@pytest.mark.parametrize("capability, dtype, head_dim, kernel", [
-    ((9, 0), "bfloat16", 64, "cudnn"),      # ViT-B/16 on an H100
-    ((9, 0), "float16", 64, "cudnn"),
-    ((9, 0), "bfloat16", 256, "cudnn"),     # Hopper takes heads up to 256
-    ((8, 0), "bfloat16", 256, "fused"),     # Ampere up to 128
-    ((8, 0), "bfloat16", 128, "cudnn"),
-    ((9, 0), "bfloat16", 60, "fused"),      # not a multiple of 8
-    ((7, 5), "bfloat16", 64, "fused"),      # no flash attention before Ampere
-    ((9, 0), "float32", 64, "fused"),       # cuDNN's fused attention is 16-bit only
-    ((9, 0), "float16", 60, "explicit"),    # float16 without cuDNN: explicit, as on CPU
-    (None, "bfloat16", 64, None),           # JAX's CPU: fused or explicit by the switch
+@pytest.mark.parametrize("capability, dtype, head_dim, kernel, tokens", [
+    ((9, 0), "bfloat16", 64, "cudnn", 197),      # ViT-B/16 on an H100
+    ((9, 0), "bfloat16", 64, "cudnn", None),     # dynamic image size: any count
+    ((9, 0), "bfloat16", 64, "fused", 50),       # ViT-B/32: XLA's is faster below 128 tokens
+    ((9, 0), "bfloat16", 64, "cudnn", 128),
+    ((9, 0), "float16", 64, "cudnn", 197),
+    ((9, 0), "bfloat16", 256, "cudnn", 197),     # Hopper takes heads up to 256
+    ((8, 0), "bfloat16", 256, "fused", 197),     # Ampere up to 128
+    ((8, 0), "bfloat16", 128, "cudnn", 197),
+    ((9, 0), "bfloat16", 60, "fused", 197),      # not a multiple of 8
+    ((7, 5), "bfloat16", 64, "fused", 197),      # no flash attention before Ampere
+    ((9, 0), "float32", 64, "fused", 197),       # cuDNN's fused attention is 16-bit only
+    ((9, 0), "float16", 60, "explicit", 197),    # float16 without cuDNN: explicit, as on CPU
+    (None, "bfloat16", 64, None, 197),           # JAX's CPU: fused or explicit by the switch
 ])
 def test_jax_chooses_cudnn_where_its_fused_attention_trains(gpu, capability, dtype, head_dim,
-                                                            kernel):
+                                                            kernel, tokens):
     gpu(capability)
     if kernel is None:
         kernel = "explicit" if xla_cpu.workarounds_active() else "fused"
-    assert attention.choose_attention(dtype, head_dim).name == kernel
-    assert attention.choose_attention(dtype, head_dim, probabilities=True).name == "explicit"
-    layer = layers.MultiHeadDotProductAttention(head_dim and 2, dtype=keras.DTypePolicy(
+    assert attention.choose_attention(dtype, head_dim, tokens).name == kernel
+    assert attention.choose_attention(dtype, head_dim, tokens,
+                                      probabilities=True).name == "explicit"
+    layer = layers.MultiHeadDotProductAttention(2, dtype=keras.DTypePolicy(
         "mixed_" + dtype if dtype != "float32" else dtype))
-    layer.build((None, 197, 2 * head_dim))
+    layer.build((None, tokens, 2 * head_dim))
     assert layer.attention_kernel == kernel
 
 
@@ -120,7 +124,7 @@ def test_a_vit_attention_layer_with_the_padded_kernel_matches_the_explicit_one(m
     explicit = layers.MultiHeadDotProductAttention(4)
     explicit.build((None, 13, 32))
     randomize_weights(explicit, scale=0.3)
-    monkeypatch.setattr(attention, "choose_attention", lambda dtype, head_dim=None, **kw: (
+    monkeypatch.setattr(attention, "choose_attention", lambda dtype, head_dim=None, tokens=None, **kw: (
         attention.kernel_named("explicit") if kw.get("probabilities")
         else attention.PaddedAttention("xla")))
     padded = layers.MultiHeadDotProductAttention(4)

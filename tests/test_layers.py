@@ -174,11 +174,11 @@ def _force_attention_kernel(monkeypatch, fused):
     the explicit one its backend may not take. Layers built afterwards take it."""
     choose = attention_kernels.choose_attention
 
-    def forced(compute_dtype, head_dim=None, probabilities=False):
+    def forced(compute_dtype, head_dim=None, tokens=None, probabilities=False):
         if fused and not probabilities:
             return attention_kernels.kernel_named(
                 "torch" if keras.backend.backend() == "torch" else "fused")
-        return choose(compute_dtype, head_dim, probabilities=True)
+        return choose(compute_dtype, head_dim, tokens, probabilities=True)
 
     monkeypatch.setattr(attention_kernels, "choose_attention", forced)
 

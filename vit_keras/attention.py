@@ -6,7 +6,8 @@ the layer is built from what is known then, never by trying a kernel and catchin
 1. a call that returns or drops the probabilities: `explicit`;
 2. torch, not float16: `torch`;
 3. JAX on an NVIDIA GPU with cuDNN's flash attention (compute capability 8.0 or later), bfloat16
-   or float16, heads of a multiple of 8 up to 128 (256 from compute capability 9.0): `cudnn`;
+   or float16, heads of a multiple of 8 up to 128 (256 from compute capability 9.0), and at least
+   `CUDNN_MIN_TOKENS` tokens (or a token count unknown when built): `cudnn`;
 4. JAX, not float16, unless on a CPU with the XLA:CPU workarounds active: `fused`;
 5. everything else (TensorFlow, JAX's CPU, float16): `explicit`.
 
@@ -45,22 +46,28 @@ from vit_keras import xla_cpu
 # cuDNN's fused attention trains at 208 and 256 tokens where it refuses 197 (H100, cuDNN 9,
 # jax 0.11; docs/performance.md); a multiple of 16 pads ViT-B/16's 197 tokens by 11.
 PAD_MULTIPLE = 16
+# Below it XLA's attention is faster than cuDNN's padded one (H100, forward and backward, batch
+# 64, 12 heads: 50 tokens 0.13 against 0.25 ms, 65 tokens 0.19 against 0.24; 197: 0.87 against
+# 0.38), and the attention matrix XLA keeps is small.
+CUDNN_MIN_TOKENS = 128
 
 KERNELS = ("explicit", "fused", "cudnn", "torch")
 
 
-def choose_attention(compute_dtype, head_dim=None, *, probabilities=False):
+def choose_attention(compute_dtype, head_dim=None, tokens=None, *, probabilities=False):
     """The kernel (one of `KERNELS`, as an object) for an attention layer built now, whose calls
     compute in `compute_dtype` with heads of `head_dim` (None: unknown, then no kernel that
-    depends on it). `probabilities=True`: the kernel for calls that return or drop the attention
-    probabilities, always `explicit`. The table is in this module's docstring."""
+    depends on it) over `tokens` tokens (None: unknown, any size). `probabilities=True`: the
+    kernel for calls that return or drop the attention probabilities, always `explicit`. The
+    table is in this module's docstring."""
     if probabilities:
         return kernel_named("explicit")
     backend = keras.backend.backend()
     if backend == "torch":
         return kernel_named("explicit" if compute_dtype == "float16" else "torch")
     if backend == "jax":
-        if _cudnn_takes(compute_dtype, head_dim):
+        if _cudnn_takes(compute_dtype, head_dim) and (tokens is None
+                                                      or tokens >= CUDNN_MIN_TOKENS):
             return kernel_named("cudnn")
         if compute_dtype != "float16" and not xla_cpu.workarounds_active():
             return kernel_named("fused")

@@ -372,9 +372,10 @@ class MultiHeadDotProductAttention(keras.layers.Layer):
             "bthk,hkd->btd", output_shape=(None, hidden), bias_axes="d",
             kernel_initializer=init, dtype=self.dtype_policy, name="out")
         self.out.build((input_shape[0], input_shape[1], self.num_heads, head_dim))
-        self._attention_kernel = attention_kernels.choose_attention(self.compute_dtype, head_dim)
+        self._attention_kernel = attention_kernels.choose_attention(
+            self.compute_dtype, head_dim, input_shape[1])
         self._probabilities_kernel = attention_kernels.choose_attention(
-            self.compute_dtype, head_dim, probabilities=True)
+            self.compute_dtype, head_dim, input_shape[1], probabilities=True)
 
     @property
     def attention_kernel(self):
