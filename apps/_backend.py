@@ -155,6 +155,9 @@ def keep_tensorflow_off_the_gpus():
     the library's (a library changes no process-wide state)."""
     if importlib.util.find_spec("tensorflow") is None:
         return
+    # Keras (and with it torch, which loads triton) before TensorFlow, as the apps always imported
+    # them: triton loaded after TensorFlow crashes the process (README, "Install").
+    import keras  # noqa: F401  # pylint: disable=import-outside-toplevel,unused-import
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
     tf.config.set_visible_devices([], "GPU")
