@@ -1,7 +1,7 @@
 """How `MultiHeadDotProductAttention` attends: one kernel per backend and device, chosen once when
 the layer is built from what is known then, never by trying a kernel and catching its failure.
 
-`choose_attention(compute_dtype, head_dim)` reads this table, first row that applies:
+`choose_attention(compute_dtype, head_dim, tokens)` reads this table, first row that applies:
 
 1. a call that returns or drops the probabilities: `explicit`;
 2. torch, not float16: `torch`;
@@ -16,7 +16,7 @@ the layer is built from what is known then, never by trying a kernel and catchin
   attention on GPUs, the fused CPU kernel on CPU) in the head-major layout it takes.
 - `cudnn` (`PaddedAttention`): cuDNN's fused attention through `jax.nn.dot_product_attention`.
   cuDNN trains at a token count only in some lengths (ViT's 197 tokens: forward yes, backward
-  "Unsupported sequence length"), so q, k and v are padded to a multiple of `PAD_MULTIPLE` tokens
+  "Unsupported sequence length"), so the sequence is padded to a multiple of `PAD_MULTIPLE` tokens
   and the padding is masked through the sequence-length arguments: the same function, fused in
   both directions, and no attention matrix is kept for the backward pass.
 - `fused`: `keras.ops.dot_product_attention`, Splash attention on TPU, XLA's attention elsewhere
