@@ -38,7 +38,9 @@ compile time). Peak memory is `torch.cuda.max_memory_allocated` or JAX's `peak_b
 (with `XLA_PYTHON_CLIENT_PREALLOCATE=false`). MFU: images/s x analytic FLOPs per image
 (`throughput.forward_flops`, x3 for a training step) over the GEMM's FLOP/s. For vit_keras-jax the
 cuDNN fused-attention calls (`__cudnn$fmha*` custom calls) are counted in the optimised HLO that
-XLA dumps when it compiles `train_on_batch`'s and `predict_on_batch`'s own steps. Each case's
+XLA dumps when it compiles `train_on_batch`'s and `predict_on_batch`'s own steps, and its
+inference is also timed as a jitted `stateless_call` whose logits stay on the device (what
+`predict_on_batch` adds is the difference). Each case's
 stdout and stderr go to `OUT/logs/`; its ERROR lines (the word ERROR, or absl's `E0123 ...`
 severity) and tracebacks are counted (the issue asks for none).
 
@@ -327,12 +329,33 @@ def vit_keras_case(spec, backend):
                 dump, "jit_predict_step" if mode == "inference" else "jit_train_step")
             extra = {"cudnn_fmha_calls": None if calls is None else sum(calls.values()),
                      "cudnn_fmha_targets": calls}
+            if mode == "inference":
+                extra["stateless_images_per_s"] = stateless_forward_rate(model, x, spec)
         else:
             peak = torch.cuda.max_memory_allocated() if where == "cuda" else None
             extra = {}
         emit({"mode": mode, **row, **step_row(spec, first, times, peak), **extra})
     if dump:
         shutil.rmtree(dump, ignore_errors=True)
+
+
+def stateless_forward_rate(model, x, spec):
+    """images/s of the same forward pass as one jitted `stateless_call` whose logits stay on the
+    device: the gap to `predict_on_batch` is what Keras' predict adds (its data handling, the copy
+    of the logits to NumPy on every step)."""
+    import jax  # pylint: disable=import-outside-toplevel
+
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+    forward = jax.jit(lambda t, n, x: model.stateless_call(t, n, x, training=False)[0])
+    logits = []
+
+    def step():
+        logits[:] = [forward(trainable, non_trainable, x)]
+
+    _, times = time_steps(step, lambda: logits[0].block_until_ready(), spec["warmup"],
+                          spec["steps"])
+    return spec["batch_size"] / statistics.median(times)
 
 
 def run_case(spec):
@@ -565,6 +588,11 @@ def markdown(report):
                 f"absolute {row['max_abs']:.2e}), {verdict} the tolerance {row['tolerance']:.0e}; "
                 f"argmax agrees on {100 * row['argmax_agree']:.0f}%; ERROR lines / tracebacks "
                 f"{row['error_lines']} / {row['traceback_lines']}.")
+        elif row.get("stateless_images_per_s") and row["status"] == "ok":
+            lines.append(
+                f"{row['implementation']} {row['model']} inference as a jitted stateless_call, "
+                f"logits left on the device: {row['stateless_images_per_s']:.1f} images/s "
+                f"(predict_on_batch: {row['images_per_s']:.1f}).")
         elif row["kind"] == "gemm":
             lines.append(
                 f"bfloat16 GEMM {row.get('gemm_size', '')}³ (torch, best of 10): "
