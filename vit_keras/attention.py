@@ -42,6 +42,7 @@ import keras
 from keras import ops
 
 from vit_keras import xla_cpu
+from vit_keras.kernels import adapted, torch_linear
 
 # cuDNN's fused attention trains at 208 and 256 tokens where it refuses 197 (H100, cuDNN 9,
 # jax 0.11; docs/performance.md); a multiple of 16 pads ViT-B/16's 197 tokens by 11.
@@ -114,18 +115,6 @@ def _gpu_compute_capability():
         return None
 
 
-def _adapted(*projections):
-    """Whether a projection is quantized or LoRA-enabled: its `kernel` is then not the weight its
-    call multiplies by (int8 values without their scale, no LoRA delta), so it must be called.
-
-    Read where the kernels project, once per trace, not when the attention layer is built:
-    `model.quantize` and `enable_lora` change the projections afterwards, on the projections
-    themselves, without telling the layer that holds them.
-    """
-    return any(projection.quantization_mode or projection.lora_enabled
-               for projection in projections)
-
-
 class _Kernel:
     """project, attend, out: `(batch, tokens, hidden)` → `(batch, tokens, hidden)` and the
     probabilities (or None)."""
@@ -186,16 +175,14 @@ class PaddedAttention(FusedAttention):
         attended = self.attend(*self.project(layer, x), valid_tokens=tokens)
         return self.out(layer, attended)[:, :tokens], None
 
-    def attend(self, q, k, v, dropout=None, valid_tokens=None):
+    def attend(self, q, k, v, dropout=None, *, valid_tokens):
         """`(batch, padded tokens, heads, head_dim)` each, of which the first `valid_tokens` are
-        the sequence (None: all) → the attended values in the same layout (padded rows: zeros).
-        """
+        the sequence → the attended values in the same layout."""
         import jax  # pylint: disable=import-outside-toplevel
         import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
         _no_dropout(self, dropout)
-        lengths = jnp.full((q.shape[0],), q.shape[1] if valid_tokens is None else valid_tokens,
-                           jnp.int32)
+        lengths = jnp.full((q.shape[0],), valid_tokens, jnp.int32)
         return jax.nn.dot_product_attention(
             q, k, v, query_seq_lengths=lengths, key_value_seq_lengths=lengths,
             implementation=self.implementation)
@@ -213,17 +200,15 @@ class TorchAttention(_Kernel):
     def project(self, layer, x):
         """`(batch, tokens, hidden)` → q, k, v, each `(batch, heads, tokens, head_dim)`."""
         projections = (layer.query, layer.key, layer.value)
-        if _adapted(*projections, layer.out):
+        if adapted(*projections, layer.out):
             return [ops.transpose(projection(x), (0, 2, 1, 3)) for projection in projections]
-        import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
-
         batch, tokens, hidden = x.shape
         q_k_v = []
         for projection in projections:
             kernel = ops.convert_to_tensor(projection.kernel)  # (hidden, heads, head_dim)
             heads, head_dim = kernel.shape[1], kernel.shape[2]
-            y = F.linear(x, kernel.reshape(hidden, heads * head_dim).T,
-                         ops.convert_to_tensor(projection.bias).reshape(heads * head_dim))
+            y = torch_linear(x, kernel.reshape(hidden, heads * head_dim),
+                             ops.convert_to_tensor(projection.bias).reshape(heads * head_dim))
             q_k_v.append(y.view(batch, tokens, heads, head_dim).transpose(1, 2))
         return q_k_v
 
@@ -238,14 +223,11 @@ class TorchAttention(_Kernel):
     def out(self, layer, attended):
         """`(batch, heads, tokens, head_dim)` → `(batch, tokens, hidden)`."""
         batch, heads, tokens, head_dim = attended.shape
-        if _adapted(layer.query, layer.key, layer.value, layer.out):
+        if adapted(layer.query, layer.key, layer.value, layer.out):
             return layer.out(ops.transpose(attended, (0, 2, 1, 3)))
-        import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
-
         kernel = ops.convert_to_tensor(layer.out.kernel)  # (heads, head_dim, hidden)
         merged = attended.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
-        return F.linear(merged, kernel.reshape(heads * head_dim, -1).T,
-                        ops.convert_to_tensor(layer.out.bias))
+        return torch_linear(merged, kernel.reshape(heads * head_dim, -1), layer.out.bias)
 
 
 class ExplicitAttention(_Kernel):
@@ -270,7 +252,7 @@ class ExplicitAttention(_Kernel):
         the cores better than many small ones.
         """
         projections = (layer.query, layer.key, layer.value)
-        if _adapted(*projections, layer.out):
+        if adapted(*projections, layer.out):
             return [ops.transpose(projection(x), (0, 2, 1, 3)) for projection in projections]
         kernel = ops.concatenate([projection.kernel for projection in projections], axis=1)
         bias = ops.concatenate([projection.bias for projection in projections], axis=0)
@@ -291,7 +273,7 @@ class ExplicitAttention(_Kernel):
 
     def out(self, layer, attended):
         """`(batch, heads, tokens, head_dim)` → `(batch, tokens, hidden)`."""
-        if _adapted(layer.query, layer.key, layer.value, layer.out):
+        if adapted(layer.query, layer.key, layer.value, layer.out):
             return layer.out(ops.transpose(attended, (0, 2, 1, 3)))
         return self.einsum("bhtk,hkd->btd", attended, layer.out.kernel) + layer.out.bias
 

@@ -23,10 +23,15 @@ from keras import ops
 from vit_keras import xla_cpu
 
 
-def _adapted(layer):
-    """Whether `layer` is quantized or LoRA-enabled: its `kernel` is then not the weight its call
-    multiplies by, so it must be called. Read on every trace (see `vit_keras.attention`)."""
-    return bool(layer.quantization_mode or layer.lora_enabled)
+def adapted(*layers):
+    """Whether a projection layer is quantized or LoRA-enabled: its `kernel` is then not the weight
+    its call multiplies by (int8 values without their scale, no LoRA delta), so it must be called.
+
+    Read on every call (once per trace where the backend traces), not when the layer that holds
+    the projections is built: `model.quantize` and `enable_lora` change the projections
+    afterwards, on the projections themselves, without telling the layer that holds them.
+    """
+    return any(layer.quantization_mode or layer.lora_enabled for layer in layers)
 
 
 def choose_projection():
@@ -42,15 +47,15 @@ def _dense_call(dense, x):
 
 
 def _einsum_projection(dense, x):
-    if _adapted(dense) or dense.activation is not keras.activations.linear:
+    if adapted(dense) or dense.activation is not keras.activations.linear:
         return dense(x)
     return xla_cpu.bfloat16_einsum("btd,dn->btn", x, dense.kernel) + dense.bias
 
 
 def _torch_linear(dense, x):
-    if _adapted(dense) or dense.activation is not keras.activations.linear:
+    if adapted(dense) or dense.activation is not keras.activations.linear:
         return dense(x)
-    return _torch_linear_product(x, dense.kernel, dense.bias)
+    return torch_linear(x, dense.kernel, dense.bias)
 
 
 def choose_linear():
@@ -58,7 +63,7 @@ def choose_linear():
     `kernel` `(in, out)`, `bias` `(out,)` or None: torch's `F.linear` on torch, else an einsum
     (`vit_keras.xla_cpu.choose_einsum`: bfloat16 products on XLA:CPU) and an addition."""
     if keras.backend.backend() == "torch":
-        return _torch_linear_product
+        return torch_linear
     einsum = xla_cpu.choose_einsum()
 
     def linear(x, kernel, bias):
@@ -67,7 +72,9 @@ def choose_linear():
     return linear
 
 
-def _torch_linear_product(x, kernel, bias):
+def torch_linear(x, kernel, bias):
+    """`x @ kernel + bias` as `torch.nn.functional.linear`: one product with the bias in its
+    epilogue; `kernel` `(in, out)` (a variable or tensor, read as the caller's autocast asks)."""
     import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
 
     bias = None if bias is None else ops.convert_to_tensor(bias)
