@@ -187,15 +187,16 @@ def verify_reload(model, path, tolerance=1e-5, shown_as=None):
     """
     import keras
 
+    import vit_keras
+
     reloaded = keras.models.load_model(path)
     shown_as = shown_as or path
     images = np.random.default_rng(0).uniform(0, 255, (1, *model.input_shape[1:])).astype(
         "float32")
 
     def outputs(m):
-        names = {layer.name for layer in m.layers}
-        probe = keras.Model(m.input, [m.output, *([m.get_layer("head").input]
-                                                  if "head" in names else [])])
+        heads = m.heads if isinstance(m, vit_keras.ViT) else []
+        probe = keras.Model(m.input, [m.output, *[head.input for head in heads]])
         return [np.asarray(a, dtype=np.float64) for a in probe.predict_on_batch(images)]
 
     expected, found = outputs(model), outputs(reloaded)

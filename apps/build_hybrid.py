@@ -74,8 +74,8 @@ def main(argv):
     model = vit_keras.build_model(
         variant, image_size=image_size, num_classes=num_classes,
         hybrid_numerics=FLAGS.hybrid_numerics, weights=FLAGS.weights)
-    _, rows, cols, channels = model.get_layer("resnet").output.shape
-    tokens = model.get_layer("posembed_input").output.shape[1]
+    _, rows, cols, channels = model.stem.output.shape
+    tokens = model.position_embedding.output.shape[1]
     height, width = model.input_shape[1:3]
     print(f"{variant}: {model.count_params():,} parameters; {height}x{width} images, "
           f"{model.output_shape[-1]} classes; feature map {rows}x{cols}x{channels}; sequence "

@@ -52,7 +52,7 @@ def load_model(spec):
 
     if os.path.exists(spec):
         vit_keras.check_keras_file(spec)
-        return keras.models.load_model(spec, compile=False)
+        return vit_keras.ViT.of(keras.models.load_model(spec, compile=False))
     try:
         vit_keras.get_config(spec)  # a variant name, in either spelling (ViT-B/16, ViT-B_16)
         is_variant = True
@@ -104,15 +104,13 @@ def resize_images(images, height, width, channels):
 def model_inputs(model, images):
     """Pixels in [0, 255] → what the model takes: models built with `include_preprocessing=False`
     take [-1, 1] (the original weights' convention)."""
-    names = {layer.name for layer in model.layers}
-    return images if "rescale" in names else images / 127.5 - 1.0
+    return images if model.rescale is not None else images / 127.5 - 1.0
 
 
 def image_titles(model, inputs, paths):
     """File names, with the predicted class and its probability when the model has a head."""
     names = [os.path.basename(path) for path in paths]
-    has_head = "head" in {layer.name for layer in model.layers}
-    if not has_head or model.outputs[0].shape[-1] in (None, 1):
+    if not model.heads or model.outputs[0].shape[-1] in (None, 1):
         return names
     import keras
 

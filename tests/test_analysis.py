@@ -7,7 +7,6 @@ import pytest
 
 import vit_keras
 from vit_keras import analysis
-from vit_keras import layers as vit_layers
 
 from conftest import random_images, randomize_weights
 
@@ -202,24 +201,13 @@ def test_token_grid_and_pixels_of_a_rectangular_model(tiny_config):
     assert analysis.patch_embedding_kernel(model).shape == (4, 4, 3, 32)
 
 
-def hybrid_like_model(tiny_config):
-    """A stride-4 convolution stem before a patch-size-1 embedding, as hybrids have a ResNet."""
-    images = keras.Input((32, 32, 3))
-    x = keras.layers.Conv2D(8, 4, strides=4, name="stem")(images)
-    x = vit_layers.PatchEmbedding(1, 32, name="embedding")(x)
-    x = vit_layers.ClassToken(name="cls")(x)
-    x = vit_layers.AddPositionEmbs(name="posembed_input")(x)
-    for index in range(2):
-        x = vit_layers.TransformerBlock(4, 64, name=f"encoderblock_{index}")(x)
-    x = vit_layers.TokenPooling("token", name="pooling")(x)
-    return keras.Model(images, keras.layers.Dense(3, name="head")(x))
-
-
 def test_token_grid_of_a_hybrid_is_the_feature_map_grid(tiny_config):
-    model = hybrid_like_model(tiny_config)
+    # The ResNet root alone (stride 4) before a patch-size-1 embedding: 32 px → an 8x8 grid.
+    model = vit_keras.build_model({**tiny_config, "patch_size": 1, "resnet_layers": ()},
+                                  image_size=32, num_classes=3)
     assert analysis.token_grid(model) == (8, 8)
     assert analysis.token_size_pixels(model) == (4.0, 4.0)
-    assert analysis.patch_embedding_kernel(model).shape == (1, 1, 8, 32)
+    assert analysis.patch_embedding_kernel(model).shape == (1, 1, 64, 32)
     attentions = vit_keras.attention_scores(model, random_images(1, 32, 32))
     assert analysis.attention_rollout(attentions, (8, 8)).shape == (1, 8, 8)
 
@@ -248,7 +236,7 @@ def test_analysis_of_a_model_gives_well_formed_maps(tiny_config, classifier):
 
 def test_model_without_a_patch_embedding_is_refused():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)], name="mlp")
-    with pytest.raises(ValueError, match="no layer named 'embedding'"):
+    with pytest.raises(ValueError, match="'mlp' is not a vit_keras ViT"):
         analysis.token_grid(model)
 
 

@@ -231,7 +231,7 @@ def test_a_block_config_of_before_gelu_existed_still_loads():
     (layers.LayerScale(1e-6), (2, 5, 8)),
     (layers.RegisterTokens(3, insert_at=1), (2, 5, 8)),
     (layers.DistillationToken(), (2, 5, 8)),
-    (layers.TokenPooling("gap", num_prefix_tokens=2), (2, 5, 8)),
+    (heads.TokenPooling("gap", num_prefix_tokens=2), (2, 5, 8)),
     (heads.MAPHead(2, 16, layer_norm_epsilon=1e-5, gelu="quick", num_prefix_tokens=1), (2, 5, 8)),
     (layers.TransformerBlock(2, 16, layer_scale_init=0.1, gelu="quick"), (2, 5, 8)),
 ])

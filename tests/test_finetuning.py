@@ -51,7 +51,7 @@ def lora_run(tiny_config):
     """A randomised tiny ViT, its weights, and a LoRA-enabled copy trained a few steps."""
     base = randomize_weights(tiny_model(tiny_config))
     before = _values(base)
-    model = keras.Model.from_config(base.get_config())
+    model = type(base).from_config(base.get_config())
     model.set_weights(base.get_weights())
     finetuning.enable_lora(model, RANK)
     return base, before, _trained(model)
@@ -105,7 +105,7 @@ def test_a_lora_models_weights_file_keeps_its_adapters(lora_run, tmp_path):
     _random_adapters(model)
     path = str(tmp_path / "backup.weights.h5")
     model.save_weights(path)
-    rebuilt = finetuning.enable_lora(keras.Model.from_config(model.get_config()), RANK)
+    rebuilt = finetuning.enable_lora(type(model).from_config(model.get_config()), RANK)
     rebuilt.load_weights(path)
     for saved, restored in zip(model.weights, rebuilt.weights):
         np.testing.assert_array_equal(keras.ops.convert_to_numpy(restored),
@@ -208,7 +208,7 @@ def adapters_file(tmp_path_factory):
     """A randomised tiny ViT, its weights, and the adapters.npz of a LoRA copy of it (random
     adapters and head: no training needed to be refused)."""
     base = randomize_weights(tiny_model(dict(TINY_CONFIG)))
-    model = keras.Model.from_config(base.get_config())
+    model = type(base).from_config(base.get_config())
     model.set_weights(base.get_weights())
     _random_adapters(finetuning.enable_lora(model, RANK))
     path = str(tmp_path_factory.mktemp("adapters") / "adapters.npz")
@@ -423,10 +423,10 @@ def _loss_and_gradients(model, x, y):
 
 def test_remat_gives_the_same_loss_and_gradients(tiny_config):
     model = randomize_weights(tiny_model(tiny_config))
-    remat = keras.Model.from_config(model.get_config())
+    remat = type(model).from_config(model.get_config())
     remat.set_weights(model.get_weights())
     finetuning.rematerialize(remat)
-    assert [getattr(b, "rematerialized", False) for b in finetuning._blocks(remat)] == [True] * 2
+    assert [getattr(b, "rematerialized", False) for b in remat.blocks] == [True] * 2
     x, y = tiny_data(n=4)
     loss, grads = _loss_and_gradients(model, x, y)
     remat_loss, remat_grads = _loss_and_gradients(remat, x, y)
@@ -452,7 +452,7 @@ def test_remat_and_lora_train_together_with_dropout_and_drop_path(tiny_config):
 def test_run_model_of_linear_probe_with_remat_is_both(tiny_config):
     config = dataclasses.replace(RunConfig(), linear_probe=True, remat=True)
     model = finetuning.prepare_run_model(tiny_model(tiny_config), config, log=lambda _: None)
-    assert all(getattr(b, "rematerialized", False) for b in finetuning._blocks(model))
+    assert all(getattr(b, "rematerialized", False) for b in model.blocks)
     assert [w.path for w in model.trainable_weights] == ["head/kernel", "head/bias"]
 
 

@@ -103,8 +103,7 @@ def test_the_compiled_train_step_scales_each_update(tiny_config):
     change times its layer's scale."""
     x, y = tiny_data(n=8, size=8, num_classes=3)
     plain = _model(tiny_config)
-    decayed = keras.models.clone_model(plain)
-    decayed.set_weights(plain.get_weights())
+    decayed = plain.rebuilt()
     scales = layer_decay.layer_decay_scales(decayed, DECAY)
     start = [np.array(v) for v in plain.trainable_variables]
     for model, optimizer in (

@@ -9,7 +9,7 @@ import pytest
 
 import vit_keras
 from vit_keras import attention as attention_kernels
-from vit_keras import layers, xla_cpu
+from vit_keras import heads, layers, xla_cpu
 from vit_keras.model import transformer_blocks
 
 from conftest import random_images, randomize_weights, tiny_data, tiny_model
@@ -25,7 +25,7 @@ def _layer_cases():
         (layers.MlpBlock(32, dropout=0.2, approximate_gelu=True), (2, 7, 16)),
         (layers.TransformerBlock(4, 32, dropout=0.1, attention_dropout=0.1, drop_path_rate=0.2,
                                  layer_norm_epsilon=1e-5, approximate_gelu=True, seed=3), (2, 7, 16)),
-        (layers.TokenPooling("gap"), (2, 7, 16)),
+        (heads.TokenPooling("gap"), (2, 7, 16)),
     ]
 
 
@@ -331,11 +331,11 @@ def test_drop_path_drops_whole_residual_branches_per_example_only_in_training():
 
 def test_token_pooling_takes_class_token_or_mean():
     x = np.random.default_rng(5).normal(size=(2, 5, 3)).astype("float32")
-    np.testing.assert_array_equal(keras.ops.convert_to_numpy(layers.TokenPooling("token")(x)), x[:, 0])
-    np.testing.assert_allclose(keras.ops.convert_to_numpy(layers.TokenPooling("gap")(x)),
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(heads.TokenPooling("token")(x)), x[:, 0])
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(heads.TokenPooling("gap")(x)),
                                x.mean(1), rtol=1e-6)
     with pytest.raises(ValueError, match="Unknown pooling mode 'max'"):
-        layers.TokenPooling("max")
+        heads.TokenPooling("max")
 
 
 def test_public_layers_are_exported():

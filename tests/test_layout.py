@@ -123,15 +123,64 @@ def test_nothing_in_the_package_imports_apps_or_benchmarks():
         assert not {i for i in _imports(name) if i.split(".")[0] in ("apps", "benchmarks")}, name
 
 
-def test_build_model_takes_build_vits_arguments_and_weights():
-    # vit_keras.build_model (the facade) and model.build_vit (the architecture) list the same
-    # arguments with the same defaults, so neither can drift from the other.
+def test_build_model_passes_on_exactly_the_vit_arguments():
+    # One list of the architecture's arguments: ViT's signature. build_model names weights and
+    # the three a release decides, and passes the rest on (checked against ViT.ARGUMENTS).
     import vit_keras
-    from vit_keras import model
 
-    facade = dict(inspect.signature(vit_keras.build_model).parameters)
-    assert facade.pop("weights").default is None
-    assert facade == dict(inspect.signature(model.build_vit).parameters)
+    signature = inspect.signature(vit_keras.ViT.__init__).parameters
+    keywords = [name for name, p in signature.items() if p.kind is p.KEYWORD_ONLY]
+    assert list(vit_keras.ViT.ARGUMENTS) == keywords
+    facade = inspect.signature(vit_keras.build_model).parameters
+    assert set(facade) - {"variant", "weights", "arguments"} <= set(keywords)
+    with pytest.raises(TypeError, match="unknown arguments \\['dropuot'\\]"):
+        vit_keras.build_model("ViT-Ti/16", dropuot=0.1)
+
+
+# The names `ViT` gives its layers. Only the model (and the checkpoint name tables, whose keys
+# are these names) may spell them: everything else asks the model for its parts.
+_LAYER_NAMES = {"embedding", "posembed_input", "encoder_norm", "fc_norm", "pre_norm", "head",
+                "head_dist", "pre_logits", "rescale", "resnet", "cls", "dist", "reg", "pooling",
+                "pooling_dist", "MAPHead_0", "distilled_average", "patch_tokens"}
+_MAY_NAME_LAYERS = ("vit_keras.model", "vit_keras.checkpoints.")
+
+
+def _layer_lookups(path):
+    """`(line, what)` of every `get_layer` call, comparison with a layer name (`layer.name ==
+    "head"`, `"rescale" in names`) and `encoderblock_` regular expression in a source file."""
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "get_layer":
+            found.append((node.lineno, "get_layer"))
+        elif isinstance(node, ast.Compare):
+            for side in [node.left, *node.comparators]:
+                if isinstance(side, ast.Constant) and side.value in _LAYER_NAMES:
+                    found.append((node.lineno, repr(side.value)))
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
+              and "encoderblock_" in node.value and "\\d" in node.value):
+            found.append((node.lineno, repr(node.value)))
+    return found
+
+
+def test_no_module_outside_the_model_finds_a_layer_by_name():
+    paths = {name: path for name, path in MODULES.items() if not name.startswith(_MAY_NAME_LAYERS)}
+    apps = os.path.join(REPO_ROOT, "apps")
+    paths.update({f"apps.{file[:-3]}": os.path.join(apps, file) for file in os.listdir(apps)
+                  if file.endswith(".py")})
+    offenders = {name: lookups for name, path in sorted(paths.items())
+                 if (lookups := _layer_lookups(path))}
+    assert not offenders, f"layer lookups by name outside vit_keras.model: {offenders}"
+
+
+def test_the_layout_check_sees_a_lookup_by_name(tmp_path):
+    offender = tmp_path / "offender.py"
+    offender.write_text('head = model.get_layer("head")\npattern = r"^encoderblock_(\\d+)$"\n'
+                        'norms = [layer for layer in model.layers if layer.name == "fc_norm"]\n'
+                        'dense = keras.layers.Dense(4, name="head")  # naming a new layer is fine\n')
+    assert sorted(_layer_lookups(str(offender))) == [
+        (1, "get_layer"), (2, repr(r"^encoderblock_(\d+)$")), (3, "'fc_norm'")]
 
 
 def _fit_calls(path):

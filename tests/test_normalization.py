@@ -309,7 +309,7 @@ def test_the_normalization_is_saved_in_keras_files_and_npz(tmp_path, tiny_config
     assert loaded.get_layer("rescale").normalization.name == "clip"
     vit_keras.save_npz(model, tmp_path / "model.npz")
     rebuilt = vit_keras.build_model_from_checkpoint(str(tmp_path / "model.npz"))
-    assert normalization.of_model(rebuilt).name == "clip"
+    assert vit_keras.ViT.of(rebuilt).normalization.name == "clip"
     pixels = raw_pixels(8).astype("float32")
     np.testing.assert_allclose(keras.ops.convert_to_numpy(rebuilt(pixels)),
                                keras.ops.convert_to_numpy(model(pixels)), rtol=1e-5, atol=1e-6)
@@ -321,7 +321,7 @@ def test_an_official_npz_gets_the_original_normalization_without_a_warning(tmp_p
                        tmp_path / "paper.npz")
     with caplog.at_level(logging.WARNING, logger="vit_keras"):
         model = vit_keras.build_model_from_checkpoint(str(tmp_path / "paper.npz"))
-    assert normalization.of_model(model).name == "inception"
+    assert vit_keras.ViT.of(model).normalization.name == "inception"
     assert "normalised" not in caplog.text
 
 
@@ -333,7 +333,7 @@ def test_build_model_with_a_checkpoint_file_takes_its_normalization(tmp_path):
         {"name": "small", "patch_size": 14, "hidden_size": 64, "mlp_dim": 256, "num_heads": 2,
          "num_layers": 2, "layer_scale_init": 1e-5},
         weights=str(folder / "model.safetensors"), image_size=28, num_classes=7)
-    assert normalization.of_model(built).name == "imagenet"
+    assert vit_keras.ViT.of(built).normalization.name == "imagenet"
     pixels = raw_pixels(28)
     assert relative_error(built.predict(pixels, verbose=0), timm_logits(model, pixels)) <= RTOL
 
@@ -362,11 +362,15 @@ def test_a_malformed_normalization_is_refused_with_what_was_expected(value, tiny
         vit_keras.build_model(tiny_config, image_size=8, normalization=value)
 
 
-def test_old_models_with_a_rescaling_layer_still_say_their_normalization(tiny_config):
-    images = keras.Input((8, 8, 3))
-    x = keras.layers.Rescaling(1 / 127.5, offset=-1.0, name="rescale")(images)
-    old = keras.Model(images, keras.layers.Flatten()(x))
-    assert normalization.of_model(old).name == "inception"
+def test_old_models_with_a_rescaling_layer_still_say_their_normalization():
+    # Models saved before PixelNormalization normalised with a Rescaling layer named `rescale`;
+    # ViT.of reads their normalisation from it when it adopts them.
+    from vit_keras.model import _legacy_normalization
+
+    paper = keras.layers.Rescaling(1 / 127.5, offset=-1.0, name="rescale")
+    assert _legacy_normalization(paper).name == "inception"
+    other = _legacy_normalization(keras.layers.Rescaling(1 / 255.0, name="rescale"))
+    assert other.mean == (0.0,) and other.std == (1.0,)
 
 
 def test_timm_config_json_is_read_as_timm_writes_it(tmp_path):

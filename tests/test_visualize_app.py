@@ -12,7 +12,7 @@ from PIL import Image
 import pytest
 
 import vit_keras
-from vit_keras import analysis
+from vit_keras import analysis, heads
 from vit_keras import layers as vit_layers
 from vit_keras.tools import plots
 
@@ -82,7 +82,7 @@ def test_app_uses_the_feature_map_grid_of_a_hybrid_and_skips_its_filters(tmp_pat
     x = vit_layers.PatchEmbedding(1, 16, name="embedding")(x)
     x = vit_layers.AddPositionEmbs(name="posembed_input")(x)
     x = vit_layers.TransformerBlock(2, 32, name="encoderblock_0")(x)
-    x = vit_layers.TokenPooling("gap", name="pooling")(x)
+    x = heads.TokenPooling("gap", name="pooling")(x)
     keras.Model(images, keras.layers.Dense(3, name="head")(x)).save(tmp_path / "hybrid.keras")
     result = run_app("--model", str(tmp_path / "hybrid.keras"), "--images",
                      write_images(tmp_path)[0], "--out", str(tmp_path / "out"))

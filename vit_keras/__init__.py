@@ -23,7 +23,7 @@ from vit_keras.analysis import (
 from vit_keras.checkpoints import load_pretrained, save_npz
 from vit_keras.configs import VARIANTS, ViTConfig, get_config
 from vit_keras.features import build_feature_extractor, intermediate_features
-from vit_keras.heads import MAPHead
+from vit_keras.heads import MAPHead, TokenPooling
 from vit_keras.host_memory import keep_freed_host_memory
 from vit_keras.keras_files import check_keras_file
 from vit_keras.labels import class_names
@@ -37,11 +37,10 @@ from vit_keras.layers import (
     MultiHeadDotProductAttention,
     PatchEmbedding,
     RegisterTokens,
-    TokenPooling,
     TransformerBlock,
 )
 from vit_keras.masked_patch_prediction import build_pretraining_model, pretrained_encoder
-from vit_keras.model import attention_scores, with_dynamic_image_size
+from vit_keras.model import ViT, attention_scores, with_dynamic_image_size
 from vit_keras.normalization import NORMALIZATIONS, Normalization, PixelNormalization
 from vit_keras.patch_resize import resample_patch_embedding
 from vit_keras.posemb import resample_position_embeddings
@@ -52,6 +51,7 @@ from vit_keras.resnet import ResidualUnit, ResNetStage, ResNetStem, StdConv2D
 __version__ = "0.1.0"
 
 __all__ = [
+    "ViT",
     "build_model",
     "build_model_from_checkpoint",
     "with_dynamic_image_size",

@@ -17,12 +17,14 @@ tokens in row-major order on a `(rows, cols)` grid; the number of prefix tokens 
 `tokens - rows * cols`. The grid is the model's token grid (`token_grid(model)`),
 which for hybrid models is the ResNet feature map's grid, not the raw image's.
 
-This module imports neither Keras' backends nor matplotlib; `vit_keras.tools.plots` draws the figures.
+The arrays come out of a model through the `vit_keras.ViT` it is (its parts, not layer names);
+matplotlib is not imported here: `vit_keras.tools.plots` draws the figures.
 """
 
 import numpy as np
 
 from vit_keras import geometry
+from vit_keras import model as model_lib
 
 __all__ = [
     "attention_rollout",
@@ -232,50 +234,22 @@ def embedding_filter_components(kernel, num_components=28):
 # Arrays out of a model (a `build_model` model or a loaded one; hybrids included).
 
 
-def _get_layer(model, name, what):
-    try:
-        return model.get_layer(name)
-    except ValueError:
-        raise ValueError(
-            f"Model {model.name!r} has no layer named {name!r} ({what}); expected a vit_keras "
-            f"model from `build_model` or loaded from a vit_keras .keras file.") from None
-
-
 def _to_numpy(variable):
     return np.asarray(variable.numpy())
-
-
-# The layers that put tokens before the patches (names of `build_model`), in token order.
-_PREFIX_LAYERS = (("cls", "class"), ("dist", "distillation"), ("reg", "register"))
 
 
 def prefix_tokens(model):
     """The kinds of the model's tokens before the patch tokens, in the encoder's order: `"class"`,
     `"distillation"`, then one `"register"` per register token. `[]` for GAP and MAP models
     without registers; `["class", "register", "register", "register", "register"]` for
-    DINOv2-reg."""
-    names = {layer.name: layer for layer in model.layers}
-    kinds = []
-    for name, kind in _PREFIX_LAYERS:
-        if name in names:
-            kinds += [kind] * int(getattr(names[name], "num_tokens", 1))
-    return kinds
+    DINOv2-reg (`vit_keras.ViT.prefix_tokens`)."""
+    return model_lib.ViT.of(model).prefix_tokens
 
 
 def token_grid(model):
-    """The model's patch-token grid `(rows, cols)` (`vit_keras.geometry.token_grid`), checked
-    against the position embedding's token count (the patches', plus the class and distillation
-    tokens' unless they take none, as in DeiT III and DINOv2; registers never take one)."""
-    grid = geometry.token_grid(model)
-    tokens = position_embedding(model).shape[0]
-    _num_prefix_tokens(tokens, grid)
-    covered = sum(kind != "register" for kind in prefix_tokens(model))
-    patches = grid[0] * grid[1]
-    if tokens - patches not in (0, covered):
-        raise ValueError(f"Model {model.name!r} has {tokens} position embeddings for a "
-                         f"{grid[0]}x{grid[1]} patch grid; expected {patches}"
-                         f"{f' or {patches + covered}' if covered else ''}.")
-    return grid
+    """The model's patch-token grid `(rows, cols)` at the size it was built for
+    (`vit_keras.ViT.token_grid`; for hybrids the ResNet feature map's)."""
+    return model_lib.ViT.of(model).token_grid
 
 
 def token_size_pixels(model):
@@ -283,20 +257,18 @@ def token_size_pixels(model):
 
     16 for ViT-B/16 and for hybrids on a stride-16 feature map; floats when the division is uneven.
     """
-    _, height, width, _ = model.inputs[0].shape
-    if height is None or width is None:  # dynamic image size: every size is whole tokens
-        step = geometry.token_pixels(model)
-        return float(step), float(step)
-    rows, cols = token_grid(model)
+    vit = model_lib.ViT.of(model)
+    if vit.dynamic_image_size:  # every size is whole tokens
+        return float(vit.token_pixels), float(vit.token_pixels)
+    (height, width), (rows, cols) = vit.image_size, vit.token_grid
     return height / rows, width / cols
 
 
 def position_embedding(model):
     """The `posembed_input` weight as a NumPy array `(tokens, hidden)` (class token's row first)."""
-    layer = _get_layer(model, "posembed_input", "the position embedding")
-    return _to_numpy(layer.pos_embedding)[0]
+    return _to_numpy(model_lib.ViT.of(model).position_embedding.pos_embedding)[0]
 
 
 def patch_embedding_kernel(model):
     """The `embedding` kernel as a NumPy array `(patch_h, patch_w, channels, hidden)` (HWIO)."""
-    return _to_numpy(_get_layer(model, "embedding", "the patch embedding").kernel)
+    return _to_numpy(model_lib.ViT.of(model).patch_embedding.kernel)

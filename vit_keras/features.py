@@ -17,7 +17,7 @@ import keras
 from keras import ops
 import numpy as np
 
-from vit_keras import analysis, geometry, heads, layers
+from vit_keras import geometry
 from vit_keras import model as vit_model
 
 OUTPUTS = ("tokens", "grid", "pooled")
@@ -105,40 +105,6 @@ def _select_blocks(blocks, count):
     return selected
 
 
-def _layer(model, kind, name, needed_for):
-    """The model's layer of class `kind` (the one named `name` if there are several)."""
-    found = [layer for layer in model.layers if isinstance(layer, kind)]
-    named = [layer for layer in found if layer.name == name]
-    if len(found) == 1 or named:
-        return (named or found)[0]
-    raise ValueError(
-        f"{needed_for} needs the model's {kind.__name__} layer {name!r}; model {model.name!r} has "
-        f"{'none' if not found else [layer.name for layer in found]}. Expected a model from "
-        f"`vit_keras.build_model` or a vit_keras .keras file.")
-
-
-def _has_layer(model, name):
-    return any(layer.name == name for layer in model.layers)
-
-
-def _pooling(model):
-    """The model's own pooling as a function `(batch, tokens, hidden)` → `(batch, hidden)`, made
-    of its layers: its `MAPHead`, DeiT's two token poolings averaged (timm's pre-logits), or its
-    `TokenPooling` (class token or mean of the patch tokens)."""
-    map_heads = [layer for layer in model.layers if isinstance(layer, heads.MAPHead)]
-    if map_heads:
-        return map_heads[0]
-    pooling = _layer(model, layers.TokenPooling, "pooling", 'output="pooled"')
-    if not _has_layer(model, "pooling_dist"):
-        return pooling
-    pooling_dist = model.get_layer("pooling_dist")
-
-    def distilled(x):
-        return keras.layers.Average(dtype=x.dtype)([pooling(x), pooling_dist(x)])
-
-    return distilled
-
-
 def build_feature_extractor(model, blocks=None, output="tokens", norm=True):
     """A `keras.Model` on `model.input` giving the chosen encoder blocks' activations.
 
@@ -176,37 +142,24 @@ def build_feature_extractor(model, blocks=None, output="tokens", norm=True):
     """
     if output not in OUTPUTS:
         raise ValueError(f"Unknown output {output!r}; expected one of {OUTPUTS}.")
-    encoder = vit_model.transformer_blocks(model)
-    if not encoder:
-        raise ValueError(f"Model {model.name!r} has no TransformerBlock layers.")
-    selected = _select_blocks(blocks, len(encoder))
+    vit = vit_model.ViT.of(model)
+    selected = _select_blocks(blocks, len(vit.blocks))
     # A model has a LayerNorm on its tokens (encoder_norm) or one after pooling (fc_norm).
-    fc_norm = model.get_layer("fc_norm") if norm and _has_layer(model, "fc_norm") else None
-    encoder_norm = (_layer(model, keras.layers.LayerNormalization, "encoder_norm", "norm=True")
-                    if norm and fc_norm is None else None)
+    fc_norm = vit.fc_norm if norm else None
+    encoder_norm = vit.encoder_norm if norm else None
     if output == "grid":
-        position = next((layer for layer in model.layers if layer.name == "posembed_input"), None)
-        if getattr(position, "grid_size", None) is not None:  # dynamic image size
-            # Every prefix token: those with position embeddings and registers without.
-            grid, prefix = None, len(analysis.prefix_tokens(model))
-            patch_grid = model.get_layer("embedding").output
-        else:
-            grid = geometry.token_grid(model)
-            tokens = encoder[0].output.shape[1]
-            prefix = tokens - grid[0] * grid[1]
-            if prefix < 0:
-                raise ValueError(f"Model {model.name!r} has {tokens} tokens, fewer than its "
-                                 f"{grid[0]}x{grid[1]} token grid.")
-    if output == "pooled":
-        pooling = _pooling(model)
+        # Every prefix token: those with position embeddings and registers without.
+        prefix = vit.num_prefix_tokens
+        grid = None if vit.dynamic_image_size else vit.token_grid
+        patch_grid = vit.patch_embedding.output if vit.dynamic_image_size else None
 
     outputs = []
     for index in selected:
-        x = encoder[index].output
+        x = vit.blocks[index].output
         if encoder_norm is not None:
             x = encoder_norm(x)
         if output == "pooled":
-            x = pooling(x)
+            x = vit.pooling.pooled(x)
             if fc_norm is not None:
                 x = fc_norm(x)
         # Named outputs, in the dtype they come in (encoder_norm's float32 under mixed precision).
@@ -218,8 +171,8 @@ def build_feature_extractor(model, blocks=None, output="tokens", norm=True):
             x = keras.layers.Identity(dtype=dtype, name=name)(x)
         outputs.append(x)
     # TensorFlow takes a model's name as a name scope, where "+" (in hybrids' names) is refused.
-    extractor_name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{model.name}_features")
-    return keras.Model(model.input, outputs[0] if len(outputs) == 1 else outputs,
+    extractor_name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{vit.name}_features")
+    return keras.Model(vit.input, outputs[0] if len(outputs) == 1 else outputs,
                        name=extractor_name)
 
 

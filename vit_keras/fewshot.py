@@ -21,6 +21,7 @@ import keras
 import numpy as np
 
 from vit_keras import masked_patch_prediction
+from vit_keras import model as model_lib
 
 BIAS_CONSTANT = 100.0
 L2_REG = 2.0 ** 10
@@ -38,18 +39,21 @@ def feature_extractor(model):
     """
     if masked_patch_prediction.is_pretraining_model(model):
         return masked_patch_prediction.pretrained_encoder(model)
-    names = {layer.name for layer in model.layers}
-    if "head_dist" in names:  # DeiT distilled: the mean of its two heads' inputs (timm's pre-logits)
-        return keras.Model(model.input, keras.layers.Average()(
-            [model.get_layer("head").input, model.get_layer("head_dist").input]))
-    if "head" in names:
-        return keras.Model(model.input, model.get_layer("head").input)
-    if len(model.output.shape) != 2:
-        raise ValueError(f"Model {model.name!r} has no 'head' layer and its output has shape "
-                         f"{model.output.shape}, not (batch, features); expected a vit_keras "
-                         f"classifier, a model built with include_top=False or a pre-training "
-                         f"model.")
-    return model
+    try:
+        vit = model_lib.ViT.of(model)
+    except ValueError:  # not a ViT: its output, if it is features
+        if len(model.output.shape) != 2:
+            raise ValueError(
+                f"Model {model.name!r} is no vit_keras ViT and its output has shape "
+                f"{model.output.shape}, not (batch, features); expected a vit_keras classifier, a "
+                f"model built with include_top=False or a pre-training model.") from None
+        return model
+    if not vit.heads:
+        return vit
+    # DeiT distilled: the mean of its two heads' inputs (timm's pre-logits).
+    inputs = [head.input for head in vit.heads]
+    features = inputs[0] if len(inputs) == 1 else keras.layers.Average()(inputs)
+    return keras.Model(vit.input, features)
 
 
 def extract_features(model, images, batch_size=256):

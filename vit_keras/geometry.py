@@ -2,7 +2,7 @@
 
 The model builder, the checkpoint loader, position-embedding resampling and the analysis all ask
 these questions; each asks it here. NumPy-free and Keras-free: plain integers in, plain integers
-out (a built model is read through its layers' attributes only).
+out. A built model answers for itself (`vit_keras.ViT.token_grid`, `token_pixels`).
 """
 
 import numbers
@@ -46,37 +46,3 @@ def image_size_for_grid(config, grid):
     """The image `(height, width)` whose tokens form `grid` `(rows, cols)` under `config`."""
     step = pixels_per_token(config)
     return tuple(side * step for side in pair(grid, "token grid"))
-
-
-def token_grid(model):
-    """A built model's patch-token grid `(rows, cols)`, read from its `embedding` layer: the input
-    feature map (the image, or a hybrid's ResNet feature map) divided by the patch size. For a
-    model of dynamic image size, the grid it was built for (its position embeddings' grid)."""
-    try:
-        embedding = model.get_layer("embedding")
-    except ValueError:
-        raise ValueError(
-            f"Model {model.name!r} has no layer named 'embedding' (the patch embedding); expected a "
-            f"vit_keras model from `build_model` or loaded from a vit_keras .keras file.") from None
-    _, height, width, _ = embedding.input.shape
-    if height is None or width is None:
-        # A model of dynamic image size: the grid its position embeddings were built for.
-        try:
-            built_grid = model.get_layer("posembed_input").grid_size
-        except (ValueError, AttributeError):
-            built_grid = None
-        if built_grid is None:
-            raise ValueError(f"Model {model.name!r} has an unknown input size and no built grid "
-                             f"size; the token grid needs a model built for an image size.")
-        return tuple(built_grid)
-    patch = int(getattr(embedding, "patch_size", 1))
-    return height // patch, width // patch
-
-
-def token_pixels(model):
-    """A built model's input pixels along each side of one token: its patch size times its ResNet's
-    stride (a hybrid's `resnet` layer), e.g. 16 for ViT-B/16 and R50+ViT-B/16. A model of dynamic
-    image size takes images whose sides are multiples of it."""
-    patch = int(getattr(model.get_layer("embedding"), "patch_size", 1))
-    stem = next((layer for layer in model.layers if layer.name == "resnet"), None)
-    return patch * resnet_stride(getattr(stem, "num_layers", None))

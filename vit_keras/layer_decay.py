@@ -24,18 +24,15 @@ torch's AdamW and SGD do with timm's per-group learning rates (weight decay ther
 and tokens out, vit_keras' recipes do not).
 
 Part of the library core so that `import vit_keras` registers the optimizers: a model saved
-with one (its compile config) loads with nothing else imported, on any backend. Imports only
-Keras.
+with one (its compile config) loads with nothing else imported, on any backend. Imports
+Keras and the model.
 """
-
-import re
 
 import keras
 from keras import ops
 
 from vit_keras import errors
-
-BLOCK_NAME = re.compile(r"^encoderblock_(\d+)$")
+from vit_keras import model as model_lib
 
 
 class LayerDecayError(errors.UserError, ValueError):
@@ -50,41 +47,27 @@ def check_layer_decay(layer_decay):
             f"layer_decay ** depth; 0.65-0.75 is usual for ViT-B); got {layer_decay}.")
 
 
-def _graph_layers(model):
-    """The model's layers in graph order, nested models flattened into theirs."""
-    for layer in model.layers:
-        if isinstance(layer, keras.Model):
-            yield from _graph_layers(layer)
-        else:
-            yield layer
-
-
 def layer_decay_scales(model, layer_decay):
-    """`{layer name: learning-rate scale}` of `model`'s layers (the convention above).
+    """`{layer name: learning-rate scale}` of `model`'s layers (the convention above), from the
+    ViT's own depth groups (`vit_keras.ViT.layer_groups`).
 
     Args:
-      model: a ViT from `vit_keras.build_model` (or a model around one, its layers in graph
-        order: the MPP model of `build_pretraining_model`, nested models).
+      model: a ViT from `vit_keras.build_model` (or loaded from a vit_keras .keras file). For a
+        model around a ViT's layers (the MPP model of `build_pretraining_model`), pass the ViT:
+        the layers are the same, and so are the names the table keys.
       layer_decay: F in (0, 1].
 
-    Raises `LayerDecayError` when F is out of range or the model has no `encoderblock_i`."""
+    Raises `LayerDecayError` when F is out of range or the model is no ViT."""
     check_layer_decay(layer_decay)
-    layers = list(_graph_layers(model))
-    blocks = {layer.name: int(BLOCK_NAME.match(layer.name).group(1))
-              for layer in layers if BLOCK_NAME.match(layer.name)}
-    if not blocks:
+    try:
+        groups = model_lib.ViT.of(model).layer_groups()
+    except ValueError:
         raise LayerDecayError(
-            f"--layer_decay needs a model with encoder blocks (layers named encoderblock_0, "
-            f"encoderblock_1, ...); {model.name!r} has none. Drop --layer_decay.")
-    depth = max(blocks.values()) + 1
-    first_block = min(i for i, layer in enumerate(layers) if layer.name in blocks)
-    scales = {}
-    for i, layer in enumerate(layers):
-        if layer.name in blocks:
-            scales[layer.name] = float(layer_decay ** (depth - blocks[layer.name]))
-        elif i < first_block and layer.weights:  # frozen ones too: one table per model
-            scales[layer.name] = float(layer_decay ** (depth + 1))
-    return scales
+            f"--layer_decay needs a model with encoder blocks (a vit_keras ViT); {model.name!r} "
+            f"has none. Drop --layer_decay.") from None
+    depth = len(groups) - 1  # the embeddings' group, then one per block
+    return {layer.name: float(layer_decay ** (depth + 1 - index))
+            for index, (_, layers) in enumerate(groups) for layer in layers if layer.weights}
 
 
 def scale_table(scales):

@@ -5,6 +5,7 @@ Layer and weight names follow the original vit_jax modules (`embedding`, `cls`, 
 original checkpoint layout, so a checkpoint maps onto a model by name (see `checkpoints/`).
 """
 
+import functools
 import math
 
 import keras
@@ -346,10 +347,14 @@ class MultiHeadDotProductAttention(keras.layers.Layer):
     kernel, so their own arithmetic applies.
     """
 
-    def __init__(self, num_heads, attention_dropout=0.0, **kwargs):
+    def __init__(self, num_heads, attention_dropout=0.0, attention=None, **kwargs):
         super().__init__(**kwargs)
         self.num_heads = int(num_heads)
         self.attention_dropout = float(attention_dropout)
+        if attention is not None and attention not in attention_kernels.KERNELS:
+            raise ValueError(f"Unknown attention kernel {attention!r}; expected one of "
+                             f"{attention_kernels.KERNELS} or None (chosen when built).")
+        self.attention = attention
         self._dropout = keras.layers.Dropout(
             self.attention_dropout, dtype=self.dtype_policy, name="attention_dropout")
         self._attention_kernel = self._probabilities_kernel = None  # chosen in build
@@ -372,8 +377,9 @@ class MultiHeadDotProductAttention(keras.layers.Layer):
             "bthk,hkd->btd", output_shape=(None, hidden), bias_axes="d",
             kernel_initializer=init, dtype=self.dtype_policy, name="out")
         self.out.build((input_shape[0], input_shape[1], self.num_heads, head_dim))
-        self._attention_kernel = attention_kernels.choose_attention(
-            self.compute_dtype, head_dim, input_shape[1])
+        self._attention_kernel = (
+            attention_kernels.kernel_named(self.attention) if self.attention is not None
+            else attention_kernels.choose_attention(self.compute_dtype, head_dim, input_shape[1]))
         self._probabilities_kernel = attention_kernels.choose_attention(
             self.compute_dtype, head_dim, input_shape[1], probabilities=True)
 
@@ -406,7 +412,7 @@ class MultiHeadDotProductAttention(keras.layers.Layer):
 
     def get_config(self):
         return {**super().get_config(), "num_heads": self.num_heads,
-                "attention_dropout": self.attention_dropout}
+                "attention_dropout": self.attention_dropout, "attention": self.attention}
 
 
 def _dropped(dropout, x, training):
@@ -514,7 +520,7 @@ class TransformerBlock(keras.layers.Layer):
 
     def __init__(self, num_heads, mlp_dim, dropout=0.0, attention_dropout=0.0, drop_path_rate=0.0,
                  layer_norm_epsilon=1e-6, approximate_gelu=False, seed=None, gelu=None,
-                 layer_scale_init=None, **kwargs):
+                 layer_scale_init=None, attention=None, **kwargs):
         super().__init__(**kwargs)
         self.num_heads = int(num_heads)
         self.mlp_dim = int(mlp_dim)
@@ -525,11 +531,12 @@ class TransformerBlock(keras.layers.Layer):
         self.gelu = gelu_variant(gelu, approximate_gelu)
         self.layer_scale_init = None if layer_scale_init is None else float(layer_scale_init)
         self.seed = seed
+        self.attention_kernel_name = attention
         policy = self.dtype_policy
         self.norm_0 = keras.layers.LayerNormalization(
             epsilon=self.layer_norm_epsilon, dtype=policy, name="LayerNorm_0")
         self.attention = MultiHeadDotProductAttention(
-            self.num_heads, self.attention_dropout, dtype=policy,
+            self.num_heads, self.attention_dropout, attention=attention, dtype=policy,
             name="MultiHeadDotProductAttention_1")
         self._dropout = keras.layers.Dropout(self.dropout, dtype=policy, name="dropout")
         self.norm_2 = keras.layers.LayerNormalization(
@@ -591,39 +598,64 @@ class TransformerBlock(keras.layers.Layer):
             "gelu": self.gelu,
             "layer_scale_init": self.layer_scale_init,
             "seed": self.seed,
+            "attention": self.attention_kernel_name,
         }
 
+    @property
+    def norms(self):
+        """The block's two LayerNorms (before the attention, before the MLP)."""
+        return [self.norm_0, self.norm_2]
 
-@keras.saving.register_keras_serializable(package=_PACKAGE)
-class TokenPooling(keras.layers.Layer):
-    """Reduces the token sequence to one vector per image.
+    @property
+    def lora_targets(self):
+        """The linear layers LoRA adapts: `query`, `key`, `value`, `out` and the MLP's
+        `Dense_0`, `Dense_1`."""
+        attention, mlp = self.attention, self.mlp
+        return [attention.query, attention.key, attention.value, attention.out, mlp.dense_0,
+                mlp.dense_1]
 
-    Input: `(batch, tokens, hidden)`. Output: `(batch, hidden)`: the class token (`mode="token"`),
-    the mean over the patch tokens after the `num_prefix_tokens` class, distillation and register
-    tokens (`mode="gap"`, computed in float32), or DeiT's distillation token, token 1
-    (`mode="distillation"`).
-    """
+    def set_remat(self, enabled=True):
+        """Recomputes the block's forward in the backward pass (`keras.remat`:
+        `jax.checkpoint`, `tf.recompute_grad`, `torch.utils.checkpoint`), or stops; in place,
+        not part of the config.
 
-    MODES = ("token", "gap", "distillation")
+        Not `keras.RematScope(mode="list_of_layers")`: Keras then passes the call's keyword
+        arguments through `jax.checkpoint`, which turns `training=True` into a traced array that
+        the layers cannot branch on in Python. Here the call rematerialises a function of its
+        input alone, `training` bound. A call returning attention scores (analysis, not
+        training) runs as it is."""
+        if not enabled:
+            self.__dict__.pop("call", None)
+        elif "call" not in self.__dict__:
+            self.call = _rematerialized_call(self, type(self).call.__get__(self))
+        return self
 
-    def __init__(self, mode="token", num_prefix_tokens=0, **kwargs):
-        super().__init__(**kwargs)
-        if mode not in self.MODES:
-            raise ValueError(f"Unknown pooling mode {mode!r}; expected one of {self.MODES}.")
-        self.mode = mode
-        self.num_prefix_tokens = int(num_prefix_tokens)
+    @property
+    def rematerialized(self):
+        return "call" in self.__dict__
 
-    def call(self, x):
-        if self.mode == "token":
-            return x[:, 0]
-        if self.mode == "distillation":
-            return x[:, 1]
-        patches = x[:, self.num_prefix_tokens:] if self.num_prefix_tokens else x
-        return ops.cast(ops.mean(ops.cast(patches, "float32"), axis=1), x.dtype)
 
-    def compute_output_shape(self, input_shape):
-        return (input_shape[0], input_shape[-1])
+def _rematerialized_call(block, call):
+    """`call` (a block's, same signature) with its forward recomputed in the backward pass.
 
-    def get_config(self):
-        return {**super().get_config(), "mode": self.mode,
-                "num_prefix_tokens": self.num_prefix_tokens}
+    The block's random generators (dropout, drop path) advance inside the recomputed function;
+    JAX forbids a traced value to leave it but through its outputs, so their states go in and
+    come out as arguments (in `fit`'s stateless scope, where assigning records a new value)."""
+    weights = {id(weight) for weight in block.weights}
+    generators = [variable for variable in block.variables if id(variable) not in weights]
+
+    def forward(x, states, training):
+        for variable, state in zip(generators, states):
+            variable.assign(state)
+        return call(x, training=training), [variable.value for variable in generators]
+
+    def rematerialized_call(x, training=None, return_attention_scores=False):
+        if return_attention_scores:
+            return call(x, training=training, return_attention_scores=True)
+        y, states = keras.remat(functools.partial(forward, training=training))(
+            x, [variable.value for variable in generators])
+        for variable, state in zip(generators, states):
+            variable.assign(state)
+        return y
+
+    return rematerialized_call

@@ -31,7 +31,8 @@ PRETRAINED.keras` fine-tunes from it with a new zero-initialised head.
 import keras
 from keras import ops
 
-from vit_keras import layers
+from vit_keras import heads, layers
+from vit_keras import model as model_lib
 
 _PACKAGE = "vit_keras"
 TARGETS = ("mean_colour", "downsampled_colour", "pixels")
@@ -310,19 +311,19 @@ def build_pretraining_model(vit, target="mean_colour", corruption_rate=0.5, mask
       16 * 512 for `"downsampled_colour"`), `patch_size**2 * channels` values for `"pixels"`.
       Its loss is added by its `MaskedPatchPredictionLoss` layer: compile with `loss=None`.
     """
-    names = {layer.name for layer in vit.layers}
-    if "resnet" in names or not _has(vit, layers.PatchEmbedding):
+    vit = model_lib.ViT.of(vit)
+    if vit.stem is not None:
         raise ValueError(f"Model {vit.name!r} is not a plain ViT from vit_keras.build_model; "
                          f"masked patch prediction needs the patch embedding on the pixels (no "
                          f"hybrid).")
-    if "rescale" not in names:
+    if vit.rescale is None:
         raise ValueError(f"Model {vit.name!r} was built with include_preprocessing=False; masked "
                          f"patch prediction computes its targets from the raw 0..255 pixels the "
                          f"model takes, so build it with include_preprocessing=True.")
     images = keras.Input(vit.input.shape[1:], name="images")
     x, mask, patch_size = images, None, None
     for layer in vit.layers[1:]:
-        if isinstance(layer, layers.TokenPooling):
+        if isinstance(layer, heads.TokenPooling):
             break
         x = layer(x)
         if isinstance(layer, layers.PatchEmbedding):
@@ -351,14 +352,14 @@ def is_pretraining_model(model):
 def pretrained_encoder(model, name=None):
     """The plain ViT inside an MPP pre-training model, without its [mask] embedding and MPP head.
 
-    Its layers are the pre-training model's own (weights shared): images → patch embedding →
-    (class token) → position embeddings → blocks → `encoder_norm` → `TokenPooling` (the class
-    token when the model has one, else the mean of the tokens, as `build_model` pools).
+    Its weights are the pre-training model's (copied): images → patch embedding → (class token)
+    → position embeddings → blocks → `encoder_norm` → `TokenPooling` (the class token when the
+    model has one, else the mean of the tokens, as `build_model` pools).
 
     Returns:
-      A `keras.Model` from images to pooled features `(batch, hidden)`: what a `build_model` ViT
-      with `include_top=False` computes, and what `vit_keras.save_npz` writes as a checkpoint
-      without a head (which `build_model_from_checkpoint` completes with a zero head).
+      A `vit_keras.ViT` without its top, from images to pooled features `(batch, hidden)`: what
+      a `build_model` ViT with `include_top=False` computes, and what `vit_keras.save_npz` writes
+      as a checkpoint without a head (which `build_model_from_checkpoint` completes with a zero head).
     """
     if not is_pretraining_model(model):
         raise ValueError(f"Model {model.name!r} is not a masked patch prediction pre-training "
@@ -366,11 +367,11 @@ def pretrained_encoder(model, name=None):
     images = keras.Input(model.input.shape[1:], name="images")
     x = images
     for layer in model.layers[1:]:
-        if isinstance(layer, (MaskedPatchCorruption, MaskedPatchTargets)):
-            continue
-        x = layer(x)
-        if layer.name == "encoder_norm":
+        if isinstance(layer, PatchTokens):  # the MPP head's input: the encoder ends before it
             break
+        if not isinstance(layer, (MaskedPatchCorruption, MaskedPatchTargets)):
+            x = layer(x)
     mode = "token" if _has(model, layers.ClassToken) else "gap"
-    pooled = layers.TokenPooling(mode, dtype=x.dtype, name="pooling")(x)
-    return keras.Model(images, pooled, name=name or model.name.removesuffix("_mpp"))
+    pooled = heads.TokenPooling(mode, dtype=x.dtype, name="pooling")(x)
+    encoder = keras.Model(images, pooled, name=name or model.name.removesuffix("_mpp"))
+    return model_lib.ViT.of(encoder)

@@ -164,18 +164,3 @@ class PixelNormalization(keras.layers.Layer):
 
     def get_config(self):
         return {**super().get_config(), "mean": list(self.mean), "std": list(self.std)}
-
-
-def of_model(model):
-    """The `Normalization` a vit_keras model applies to its input pixels, or None when it takes
-    normalised inputs (`include_preprocessing=False`). Models saved before the normalisation was
-    stored (a `Rescaling` layer named `rescale`) normalise as the paper's weights do."""
-    layer = next((layer for layer in model.layers if layer.name == "rescale"), None)
-    if isinstance(layer, PixelNormalization):
-        return layer.normalization
-    if isinstance(layer, keras.layers.Rescaling):
-        scale, offset = float(layer.scale), float(layer.offset)
-        if math.isclose(scale, 1 / 127.5) and math.isclose(offset, -1.0):
-            return PAPER
-        return get_normalization(((-offset / (255 * scale),), (1 / (255 * scale),)))
-    return None

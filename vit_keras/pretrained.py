@@ -113,13 +113,9 @@ def _fields(config, fields):
     return {name: getattr(config, name) for name in fields}
 
 
-def build_model(variant, *, weights=None, image_size=None, num_classes=None, include_top=True,
-                include_preprocessing=True, normalization=None, classifier="token",
-                representation_size=None,
-                dropout=0.0, attention_dropout=0.0, drop_path_rate=0.0, channels=3,
-                layer_norm_epsilon=None, approximate_gelu=None, hybrid_numerics="vit_jax",
-                dynamic_image_size=False, name=None):
-    """Builds a Vision Transformer as a functional `keras.Model`.
+def build_model(variant, *, weights=None, image_size=None, num_classes=None,
+                representation_size=None, **arguments):
+    """Builds a Vision Transformer (a `vit_keras.ViT`, a functional `keras.Model`) with weights.
 
     Args:
       variant: a name from `vit_keras.VARIANTS` (e.g. `"ViT-B/16"`), a `ViTConfig`, or a dict of
@@ -136,63 +132,40 @@ def build_model(variant, *, weights=None, image_size=None, num_classes=None, inc
         several), else 224.
       num_classes: size of the classification head. Default: the release's (1000 or 21843),
         else 1000.
-      include_top: with `False` the model ends at the pooled `(batch, features)` representation
-        (after the final LayerNorm and the representation layer, if any) and has no head.
-      include_preprocessing: `True`: inputs are RGB pixels in [0, 255], normalised in the graph
-        as `normalization` says (`vit_keras.normalization.PixelNormalization`, the layer named
-        `rescale`); `False`: inputs are already normalised.
-      normalization: how the graph normalises pixels, `(x / 255 - mean) / std` per channel: a
-        name (`"inception"`: the original weights' `(x - 127.5) / 127.5`; `"imagenet"`: DeiT,
-        DINOv2, MAE; `"clip"`), a `(mean, std)` pair in the [0, 1] scale, or None: the weights'
-        own (the release table's, timm's pretrained config, the Hugging Face image processor,
-        what a checkpoint's keys identify; see `build_model_from_checkpoint`), else
-        `"inception"`. Saved with the model and its exports.
-      classifier: `"token"` (class token), `"gap"` (global average pooling of the patch tokens;
-        no class token unless the config's `class_token` says so) or `"map"` (SigLIP's attention
-        pooling, `vit_keras.heads.MAPHead`).
       representation_size: width of the optional `pre_logits` layer (Dense + tanh) before the head
         (default: none, or the release file's, which has one in the original ImageNet-21k files).
-      dropout: dropout rate after the embeddings, the attention and the MLP.
-      attention_dropout: dropout rate on the attention probabilities.
-      drop_path_rate: stochastic depth of the last block; earlier blocks get linearly less.
-      channels: number of input channels.
-      layer_norm_epsilon: overrides the config's `layer_norm_epsilon` (1e-6, the original
-        models'); None keeps it.
-      approximate_gelu: overrides the config's `gelu`: True the tanh GELU of Flax, False the exact
-        erf GELU of timm and Hugging Face; None keeps the config's.
-      hybrid_numerics: hybrids only: the weight-standardisation and GroupNorm epsilons of
-        `"vit_jax"` (the original models) or `"timm"` (see `vit_keras.resnet.NUMERICS`).
-      dynamic_image_size: `True`: the model takes images of any size, `(batch, None, None,
-        channels)` (each side a multiple of the patch size, or for hybrids of the ResNet's
-        stride times it); the position embeddings, built and loaded for `image_size`, are
-        resampled inside the forward pass to each input's token grid, bicubic with antialiasing
-        as timm's `dynamic_img_size=True` does, and added unchanged at `image_size` itself.
-      name: the model's name (default: the variant's, with "/" and "+" replaced by "_": TensorFlow
-        refuses them in the name scopes of predict and fit).
+      **arguments: the other arguments of `vit_keras.ViT` (`include_top`,
+        `include_preprocessing`, `normalization`, `classifier`, `dropout`, `attention_dropout`,
+        `drop_path_rate`, `channels`, `layer_norm_epsilon`, `approximate_gelu`,
+        `hybrid_numerics`, `dynamic_image_size`, `attention`, `dtype`, `name`), documented
+        there. `normalization` None is the weights' own (the release table's, timm's pretrained
+        config, the Hugging Face image processor, what a checkpoint's keys identify; see
+        `build_model_from_checkpoint`), else the paper's.
 
     Returns:
-      A `keras.Model` mapping `(batch, height, width, channels)` to logits `(batch, num_classes)`
-      (float32 under mixed precision) or, without the top, to features `(batch, features)`.
+      A `vit_keras.ViT` mapping `(batch, height, width, channels)` to logits `(batch,
+      num_classes)` (float32 under mixed precision) or, without the top, to features `(batch,
+      features)`.
     """
+    unknown = set(arguments) - set(model_lib.ViT.ARGUMENTS)
+    if unknown:
+        raise TypeError(f"build_model() got unknown arguments {sorted(unknown)}; it takes "
+                        f"weights, image_size, num_classes, representation_size and those of "
+                        f"vit_keras.ViT: {', '.join(model_lib.ViT.ARGUMENTS)}.")
+    arguments.setdefault("include_top", True)
     checkpoint, release = resolve_weights(weights, variant, image_size)
-    given = {"include_top": include_top, "include_preprocessing": include_preprocessing,
-             "normalization": normalization, "classifier": classifier, "dropout": dropout,
-             "attention_dropout": attention_dropout,
-             "drop_path_rate": drop_path_rate, "channels": channels,
-             "layer_norm_epsilon": layer_norm_epsilon, "approximate_gelu": approximate_gelu,
-             "hybrid_numerics": hybrid_numerics, "dynamic_image_size": dynamic_image_size,
-             "name": name}
     if release is not None:  # the release's file decides the size, head and pre-logits left open
         return build_model_from_checkpoint(
-            checkpoint, variant=variant, image_size=image_size, num_classes=num_classes, **given,
+            checkpoint, variant=variant, image_size=image_size, num_classes=num_classes,
+            **arguments,
             **({} if representation_size is None else {"representation_size": representation_size}))
     if checkpoint is not None:
         checkpoint = loader.read_checkpoint(checkpoint,
                                             num_heads=configs.get_config(variant).num_heads)
-        given["normalization"] = input_normalization(normalization, checkpoint,
-                                                     include_preprocessing)
-    model = model_lib.build_vit(variant, image_size=image_size, num_classes=num_classes,
-                                representation_size=representation_size, **given)
+        arguments["normalization"] = input_normalization(
+            arguments.get("normalization"), checkpoint, arguments.get("include_preprocessing", True))
+    model = model_lib.ViT(variant, image_size=image_size, num_classes=num_classes,
+                          representation_size=representation_size, **arguments)
     if checkpoint is not None:
         loader.load_pretrained(model, checkpoint, check_normalization=False)
     return model
@@ -203,7 +176,7 @@ def input_normalization(normalization, checkpoint, include_preprocessing=True, r
     `release`'s, else the checkpoint's own (see `build_model_from_checkpoint`), else the paper's,
     with a warning that says it was assumed and how to choose. None without preprocessing."""
     if not include_preprocessing:
-        return normalization  # build_vit refuses a normalization without preprocessing
+        return normalization  # ViT refuses a normalization without preprocessing
     if normalization is not None:
         return normalization_lib.get_normalization(normalization)
     if release is not None:
@@ -277,7 +250,7 @@ def build_model_from_checkpoint(path, *, variant=None, image_size=None, num_clas
         overriding what the checkpoint says.
 
     Returns:
-      The loaded `keras.Model`.
+      The loaded `vit_keras.ViT`.
 
     Raises:
       The errors of `resolve_weights`; `vit_keras.errors.CheckpointError` when the checkpoint
@@ -311,7 +284,7 @@ def build_model_from_checkpoint(path, *, variant=None, image_size=None, num_clas
     kwargs["normalization"] = input_normalization(
         kwargs.get("normalization"), checkpoint, kwargs.get("include_preprocessing", True),
         release)
-    model = model_lib.build_vit(config, **kwargs)
+    model = model_lib.ViT(config, **kwargs)
     return loader.load_pretrained(model, checkpoint, strict=strict, interpolation=interpolation,
                                   antialias=antialias, allow_non_finite=allow_non_finite,
                                   check_normalization=False)

@@ -11,7 +11,7 @@ import os
 import keras
 import numpy as np
 
-from vit_keras import configs, errors, geometry, normalization, patch_resize, posemb
+from vit_keras import configs, errors, geometry, patch_resize, posemb
 from vit_keras.checkpoints import files, huggingface, names, npz, timm
 
 logger = logging.getLogger("vit_keras")
@@ -311,7 +311,7 @@ def load_pretrained(model, path, *, strict=True, interpolation=None, antialias=N
     if check_normalization:
         _check_normalization(model, checkpoint)
     params = dict(checkpoint.params)
-    _fit_position_embeddings(checkpoint, params, weights, geometry.token_grid(model), interpolation,
+    _fit_position_embeddings(checkpoint, params, weights, _vit_part(model, "token_grid"), interpolation,
                              antialias, checkpoint_grid)
     _fit_patch_embedding(params, weights)
     zeroed = _reconcile_heads(params, weights)
@@ -363,7 +363,7 @@ def load_pretrained(model, path, *, strict=True, interpolation=None, antialias=N
 
 def _check_normalization(model, checkpoint):
     """Warns when `model` normalises its pixels otherwise than `checkpoint` was trained with."""
-    used, trained = normalization.of_model(model), checkpoint.hints.get("normalization")
+    used, trained = _vit_part(model, "normalization"), checkpoint.hints.get("normalization")
     if used is not None and trained is not None and not used.matches(trained):
         logger.warning(
             "Model %r normalises its input as %s, but %s was trained on pixels normalised as %s "
@@ -383,8 +383,18 @@ def save_npz(model, path):
             raise ValueError(f"Two weights of {model.name!r} map to {key!r}; save_npz expects a "
                              f"model from vit_keras.build_model.")
         params[key] = np.asarray(keras.ops.convert_to_numpy(weight), dtype=np.float32)
-    npz.write(path, params, normalization.of_model(model))
+    npz.write(path, params, _vit_part(model, "normalization"))
     return path
+
+
+def _vit_part(model, part):
+    """What a `vit_keras.ViT` says of itself (read by attribute: the loader imports no model)."""
+    if not hasattr(model, part):
+        raise ValueError(
+            f"Model {model.name!r} is not a vit_keras.ViT; checkpoints load into and save from "
+            f"models of vit_keras.build_model (a model loaded from a .keras file of an earlier "
+            f"vit_keras: pass vit_keras.ViT.of(model)).")
+    return getattr(model, part)
 
 
 def architecture(checkpoint):

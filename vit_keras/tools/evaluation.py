@@ -6,6 +6,8 @@ import warnings
 import keras
 import numpy as np
 
+from vit_keras.model import ViT
+
 
 def softmax(logits):
     """Probabilities `(n, classes)` float64 from logits `(n, classes)`."""
@@ -52,8 +54,11 @@ def quantized_copy(model, mode):
         raise ValueError(f"Unknown quantization {mode!r}; expected one of {QUANTIZATIONS}.")
     if mode == "none":
         return model
-    copy = keras.Model.from_config(model.get_config())
-    copy.set_weights(model.get_weights())
+    if isinstance(model, ViT):
+        copy = model.rebuilt()
+    else:  # a functional model (of an earlier vit_keras, or the user's own)
+        copy = keras.Model.from_config(model.get_config())
+        copy.set_weights(model.get_weights())
     with warnings.catch_warnings():  # one per layer without weights to quantize: noise
         warnings.filterwarnings("ignore", message=".*does not have a `quantize` method")
         copy.quantize(mode)

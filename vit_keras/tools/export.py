@@ -49,6 +49,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from vit_keras.model import ViT
 from vit_keras.tools.run_folder import RunFolder, atomic_write_text
 
 FORMATS = ("saved_model", "tflite", "onnx")
@@ -125,7 +126,11 @@ def load_model(model_path):
     import vit_keras  # noqa: F401  (registers the layers for deserialization)
 
     vit_keras.check_keras_file(model_path)
-    return keras.saving.load_model(model_path, compile=False)
+    model = keras.saving.load_model(model_path, compile=False)
+    try:  # a ViT (adopted when an earlier vit_keras saved it); any other model as it is
+        return ViT.of(model)
+    except ValueError:
+        return model
 
 
 def float32_model(model):
@@ -137,6 +142,8 @@ def float32_model(model):
     """
     if all(layer.dtype_policy.name == "float32" for layer in model.layers):
         return model
+    if isinstance(model, ViT):
+        return model.rebuilt(dtype="float32")
     clone = keras.models.clone_model(model, clone_function=lambda layer: type(layer).from_config(
         {**layer.get_config(), "dtype": "float32"}))
     clone.set_weights(model.get_weights())
@@ -146,12 +153,7 @@ def float32_model(model):
 def is_classifier(model):
     """Whether `model`'s output is class logits: False for a vit_keras backbone built without
     its head (`include_top=False`: pooled features), True for any other model."""
-    from vit_keras.layers import TransformerBlock
-
-    names = {layer.name for layer in model.layers}
-    is_backbone = "head" not in names and any(
-        isinstance(layer, TransformerBlock) for layer in model.layers)
-    return not is_backbone
+    return not (isinstance(model, ViT) and not model.heads)
 
 
 def output_name(model):
@@ -163,20 +165,16 @@ def default_max_image_size(model):
     """The default largest side, in pixels, a model of dynamic image size is served at: 4 times
     the larger side of the size it was built for (16 times its tokens, 256 times its attention
     scores), so that one request cannot ask a server for unbounded memory."""
-    from vit_keras import geometry
-
-    rows, cols = geometry.token_grid(model)
-    return 4 * max(rows, cols) * geometry.token_pixels(model)
+    rows, cols = model.token_grid
+    return 4 * max(rows, cols) * model.token_pixels
 
 
 def _max_image_size(model, max_image_size):
     """`max_image_size` checked against the model (None: `default_max_image_size`)."""
     if max_image_size is None:
         return default_max_image_size(model)
-    from vit_keras import geometry
-
-    step = geometry.token_pixels(model)
-    built = max(geometry.token_grid(model)) * step
+    step = model.token_pixels
+    built = max(model.token_grid) * step
     if int(max_image_size) != max_image_size or max_image_size < built:
         raise ValueError(f"max_image_size must be a whole number of pixels no smaller than the "
                          f"size the model was built for ({built}); got {max_image_size}.")
@@ -185,10 +183,7 @@ def _max_image_size(model, max_image_size):
 
 def is_dynamic(model):
     """Whether `model` takes images of any size (`build_model(..., dynamic_image_size=True)`)."""
-    try:
-        return getattr(model.get_layer("posembed_input"), "grid_size", None) is not None
-    except ValueError:
-        return False
+    return isinstance(model, ViT) and model.dynamic_image_size
 
 
 def image_shape(model):
@@ -211,10 +206,8 @@ def verification_sizes(model, max_image_size=None):
     height, width, _ = image_shape(model)
     if height is not None:
         return [(height, width)]
-    from vit_keras import geometry
-
-    step = geometry.token_pixels(model)
-    rows, cols = geometry.token_grid(model)
+    step = model.token_pixels
+    rows, cols = model.token_grid
     largest = _max_image_size(model, max_image_size) // step
     sizes = [(rows, cols), (rows + 2, max(cols - 1, 1)), (max(rows // 2, 1), cols + 3)]
     return [(min(r, largest) * step, min(c, largest) * step) for r, c in sizes]
@@ -323,9 +316,7 @@ def _archive(model, class_names=None, top_k=5, with_bytes=True, max_image_size=N
     step = None
     check = tf.identity
     if height is None:
-        from vit_keras import geometry
-
-        step = geometry.token_pixels(model)
+        step = model.token_pixels
         max_image_size = _max_image_size(model, max_image_size)
         if check_sizes:
             def check(images):

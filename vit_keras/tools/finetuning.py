@@ -25,7 +25,6 @@ model is compiled:
   memory. The saved model does not carry it.
 """
 
-import functools
 import os
 import zipfile
 import zlib
@@ -35,14 +34,10 @@ import numpy as np
 
 from vit_keras import errors
 from vit_keras.checkpoints import files
-from vit_keras.layers import HeadsProjection, TransformerBlock
+from vit_keras.layers import HeadsProjection
+from vit_keras.model import ViT
 from vit_keras.tools import callbacks as callbacks_lib
 
-# The classifier a LoRA run trains in full (those of the model's layers it has).
-HEAD_LAYERS = ("pre_logits", "head", "head_dist")
-# The linear layers a linear probe trains: the head, and a distilled DeiT's second head, which
-# the model averages with it.
-PROBE_LAYERS = ("head", "head_dist")
 # Keys of adapters.npz that are no weights.
 _RANK_KEY, _ALPHA_KEY = "__lora_rank__", "__lora_alpha__"
 
@@ -121,7 +116,7 @@ def prepare_run_model(vit, config, log=print):
     if config.linear_probe:
         vit = linear_probe_model(vit)
         log(f"Linear probe: the encoder frozen, at inference; only "
-            f"{' and '.join(_present(vit, PROBE_LAYERS))} train.")
+            f"{' and '.join(_names(vit.heads))} train.")
     if config.remat:
         rematerialize(vit)
         log("--remat: each encoder block is recomputed in the backward pass.")
@@ -131,7 +126,7 @@ def prepare_run_model(vit, config, log=print):
                     train_norms=config.lora_train_norms)
         alpha = config.lora_alpha if config.lora_alpha is not None else config.lora_rank
         log(f"LoRA rank {config.lora_rank}, alpha {alpha:g} on the attention projections and "
-            f"the MLP; trained: adapters, {' and '.join(_present(vit, HEAD_LAYERS))}"
+            f"the MLP; trained: adapters, {' and '.join(_names(vit.classifier_layers))}"
             + (", LayerNorms" if config.lora_train_norms else "") + ".")
     return vit
 
@@ -139,7 +134,7 @@ def prepare_run_model(vit, config, log=print):
 def _warn_of_a_rank_beyond_break_even(model, rank, log):
     """Logs a warning when LoRA of `rank` would train more weights than the kernels it adapts
     hold: full fine-tuning of those kernels would then train fewer."""
-    targets = lora_targets(model)
+    targets = model.lora_targets
     kernels = sum(int(np.prod(_base_kernel(layer).shape)) for layer in targets)
     per_rank = sum(int(np.prod(shape)) for layer in targets for shape in adapter_shapes(layer, 1))
     if rank * per_rank >= kernels:
@@ -152,31 +147,24 @@ def _warn_of_a_rank_beyond_break_even(model, rank, log):
 # LoRA --------------------------------------------------------------------------------------------
 
 def lora_targets(model):
-    """The layers LoRA adapts: each encoder block's `query`, `key`, `value`, `out` (EinsumDense)
-    and `Dense_0`, `Dense_1` (Dense), block by block."""
-    targets = []
-    for block in _blocks(model):
-        attention, mlp = block.attention, block.mlp
-        targets += [attention.query, attention.key, attention.value, attention.out,
-                    mlp.dense_0, mlp.dense_1]
-    if not targets:
-        raise ValueError(f"{model.name} has no TransformerBlock: LoRA adapts a vit_keras ViT.")
-    return targets
+    """The layers LoRA adapts (`vit_keras.ViT.lora_targets`): each encoder block's `query`,
+    `key`, `value`, `out` (EinsumDense) and `Dense_0`, `Dense_1` (Dense), block by block."""
+    return _vit(model, "LoRA").lora_targets
 
 
 def enable_lora(model, rank, alpha=None, train_norms=False):
     """Enables LoRA of `rank` (scale `alpha / rank`, default alpha = rank) on `lora_targets` of a
-    built model, in place, and freezes every other weight but the classifier (`HEAD_LAYERS`) and,
-    with `train_norms`, the LayerNorms. `B` starts at zero: the model computes what it did.
-    Returns the model."""
-    for layer in lora_targets(model):
+    built ViT, in place, and freezes every other weight but the classifier
+    (`ViT.classifier_layers`: `pre_logits`, the heads) and, with `train_norms`, the LayerNorms.
+    `B` starts at zero: the model computes what it did. Returns the model."""
+    vit = _vit(model, "LoRA")
+    for layer in vit.lora_targets:
         layer.enable_lora(int(rank), lora_alpha=None if alpha is None else float(alpha))
         _keep_adapters_in_weights_files(layer)
-    trained = {id(weight) for weight in _lora_weights(model)}
-    trained |= {id(weight) for name in HEAD_LAYERS if _has_layer(model, name)
-                for weight in model.get_layer(name).weights}
+    trained = {id(weight) for weight in _lora_weights(vit)}
+    trained |= {id(weight) for layer in vit.classifier_layers for weight in layer.weights}
     if train_norms:
-        trained |= {id(weight) for norm in _layer_norms(model) for weight in norm.weights}
+        trained |= {id(weight) for norm in vit.norms for weight in norm.weights}
     for weight in model.weights:
         weight.trainable = id(weight) in trained
     return model
@@ -225,11 +213,11 @@ def merge_lora(model, into=None):
     every other weight copied. `into`: a plain model of the same config to write into instead of
     building one (a checkpoint callback reuses its own). A model without LoRA is returned as is.
     """
-    targets = [layer for layer in (lora_targets(model) if _blocks(model) else [])
+    targets = [layer for layer in (model.lora_targets if isinstance(model, ViT) else [])
                if layer.lora_enabled]
     if not targets:
         return model
-    plain = into if into is not None else keras.Model.from_config(model.get_config())
+    plain = into if into is not None else ViT.from_config(model.get_config())
     values = {weight.path: keras.ops.convert_to_numpy(weight) for weight in model.weights}
     for layer in targets:
         kernel = _base_kernel(layer)
@@ -256,7 +244,7 @@ def save_adapters(model, path):
     """Writes what a LoRA run trained, alone, to `path` (`.npz`): every trainable weight of the
     LoRA-enabled `model` (adapters, classifier, LayerNorms if trained) by its path, and the rank
     and alpha. A few MB for ViT-B/16 at rank 8 where the model is 340 MB. Returns `path`."""
-    targets = [layer for layer in lora_targets(model) if layer.lora_enabled]
+    targets = [layer for layer in _vit(model, "save_adapters").lora_targets if layer.lora_enabled]
     if not targets:
         raise ValueError(f"{model.name} has no LoRA adapters to save.")
     arrays = {weight.path: keras.ops.convert_to_numpy(weight) for weight in model.trainable_weights}
@@ -300,8 +288,7 @@ def apply_adapters(base_model, path, merge=True):
         if not np.all(np.isfinite(value)):
             raise AdaptersError(f"{path}: {name} holds NaN or infinite values; the run that wrote "
                                 f"it diverged or the file is damaged.")
-    model = keras.Model.from_config(base_model.get_config())
-    model.set_weights(base_model.get_weights())
+    model = _vit(base_model, "LoRA").rebuilt()
     enable_lora(model, rank, alpha)
     weights = {weight.path: weight for weight in model.weights}
     for name, value in arrays.items():
@@ -370,14 +357,14 @@ def _expected_shapes(base_model, rank):
     """`(required, optional)`: `{weight path: shape}` a file of `rank` for `base_model` must hold
     (every adapter, the classifier) and the LayerNorms' it may hold (all or none)."""
     required = {}
-    for layer in lora_targets(base_model):
+    base_model = _vit(base_model, "LoRA")
+    for layer in base_model.lora_targets:
         a, b = adapter_shapes(layer, rank)
         required[f"{layer.path}/lora_kernel_a"] = a
         required[f"{layer.path}/lora_kernel_b"] = b
-    required.update({weight.path: tuple(weight.shape) for name in HEAD_LAYERS
-                     if _has_layer(base_model, name)
-                     for weight in base_model.get_layer(name).weights})
-    norms = {weight.path: tuple(weight.shape) for norm in _layer_norms(base_model)
+    required.update({weight.path: tuple(weight.shape) for layer in base_model.classifier_layers
+                     for weight in layer.weights})
+    norms = {weight.path: tuple(weight.shape) for norm in base_model.norms
              for weight in norm.weights}
     return required, norms
 
@@ -417,7 +404,7 @@ class MergedModelCheckpoint(callbacks_lib.AtomicModelCheckpoint):
         if self.guard and self.guard.bad_step:
             return
         if self._plain is None:
-            self._plain = keras.Model.from_config(self.model.get_config())
+            self._plain = ViT.from_config(self.model.get_config())
         callbacks_lib.atomic_save_model(merge_lora(self.model, into=self._plain), self.path)
 
 
@@ -425,94 +412,43 @@ class MergedModelCheckpoint(callbacks_lib.AtomicModelCheckpoint):
 
 def linear_probe_model(model):
     """A copy of `model` whose encoder is frozen and computes as at inference (dropout and drop
-    path rates 0, so `fit`'s `training=True` changes nothing in it) and whose `head` alone
-    trains (with a distilled DeiT's `head_dist`: `PROBE_LAYERS`)."""
-    if not _has_layer(model, "head"):
-        raise ValueError(f"{model.name} has no head layer to probe with.")
-    config = model.get_config()
-    for layer in config["layers"]:
-        settings = layer["config"]
-        if layer["class_name"] == "Dropout":
-            settings["rate"] = 0.0
-        for rate in ("dropout", "attention_dropout", "drop_path_rate"):
-            if rate in settings and _is_block(layer):
-                settings[rate] = 0.0
-    probe = keras.Model.from_config(config)
-    probe.set_weights(model.get_weights())
+    path rates 0, so `fit`'s `training=True` changes nothing in it) and whose heads alone train
+    (with a distilled DeiT both, `head` and `head_dist`, which the model averages: a frozen new
+    `head_dist` would stay zero and halve every logit for good)."""
+    vit = _vit(model, "The linear probe")
+    if not vit.heads:
+        raise ValueError(f"{vit.name} has no head layer to probe with.")
+    probe = vit.rebuilt(dropout=0.0, attention_dropout=0.0, drop_path_rate=0.0)
+    heads = {id(layer) for layer in probe.heads}
     for layer in probe.layers:
-        layer.trainable = layer.name in PROBE_LAYERS
+        layer.trainable = id(layer) in heads
     return probe
 
 
 # Rematerialisation -------------------------------------------------------------------------------
 
 def rematerialize(model):
-    """Makes each `TransformerBlock` of `model` recompute its forward in the backward pass
-    (`keras.remat`: `jax.checkpoint`, `tf.recompute_grad`, `torch.utils.checkpoint`), in place;
-    returns the model.
-
-    Not `keras.RematScope(mode="list_of_layers")`: Keras then passes the call's keyword arguments
-    through `jax.checkpoint`, which turns `training=True` into a traced array that the layers
-    cannot branch on in Python. Here each block's call rematerialises a function of its input
-    alone, `training` bound. The model's config is unchanged, so a saved model does not carry
-    the rematerialisation.
-    """
-    blocks = _blocks(model)
-    if not blocks:
-        raise ValueError(f"{model.name} has no TransformerBlock to rematerialise.")
-    for block in blocks:
-        if not getattr(block, "rematerialized", False):
-            block.call = _rematerialized_call(block)
-            block.rematerialized = True
+    """Makes each encoder block of `model` recompute its forward in the backward pass
+    (`vit_keras.ViT.set_remat`), in place; returns the model. The model's config is unchanged,
+    so a saved model does not carry the rematerialisation."""
+    _vit(model, "--remat").set_remat(True)
     return model
-
-
-def _rematerialized_call(block):
-    """`block.call` (same signature) with its forward recomputed in the backward pass; a call
-    returning attention scores (analysis, not training) runs as it was.
-
-    The block's random generators (dropout, drop path) advance inside the recomputed function;
-    JAX forbids a traced value to leave it but through its outputs, so their states go in and
-    come out as arguments (in `fit`'s stateless scope, where assigning records a new value)."""
-    call = block.call
-    weights = {id(weight) for weight in block.weights}
-    generators = [variable for variable in block.variables if id(variable) not in weights]
-
-    def forward(x, states, training):
-        for variable, state in zip(generators, states):
-            variable.assign(state)
-        return call(x, training=training), [variable.value for variable in generators]
-
-    def rematerialized_call(x, training=None, return_attention_scores=False):
-        if return_attention_scores:
-            return call(x, training=training, return_attention_scores=True)
-        y, states = keras.remat(functools.partial(forward, training=training))(
-            x, [variable.value for variable in generators])
-        for variable, state in zip(generators, states):
-            variable.assign(state)
-        return y
-
-    return rematerialized_call
 
 
 # Walking the model -------------------------------------------------------------------------------
 
-def _blocks(model):
-    return [layer for layer in model.layers if isinstance(layer, TransformerBlock)]
+def _vit(model, needed_by):
+    """`model` as the `ViT` it is; these functions change it in place, so a functional model of
+    an earlier vit_keras is refused (adopt it first with `vit_keras.ViT.of`)."""
+    if not isinstance(model, ViT):
+        raise ValueError(f"{needed_by} needs a vit_keras.ViT (from vit_keras.build_model); "
+                         f"{model.name!r} is a {type(model).__name__}. For a model loaded from a "
+                         f".keras file of an earlier vit_keras, pass vit_keras.ViT.of(model).")
+    return model
 
 
-def _is_block(layer_config):
-    registered = layer_config.get("registered_name") or layer_config["class_name"]
-    return registered.endswith("TransformerBlock")
-
-
-def _has_layer(model, name):
-    return any(layer.name == name for layer in model.layers)
-
-
-def _present(model, names):
-    """Those of the layer `names` that `model` has."""
-    return [name for name in names if _has_layer(model, name)]
+def _names(layers):
+    return [layer.name for layer in layers]
 
 
 def _base_kernel(layer):
@@ -521,13 +457,5 @@ def _base_kernel(layer):
 
 
 def _lora_weights(model):
-    return [weight for layer in lora_targets(model) if layer.lora_enabled
+    return [weight for layer in model.lora_targets if layer.lora_enabled
             for weight in (layer.lora_kernel_a, layer.lora_kernel_b)]
-
-
-def _layer_norms(model):
-    norms = [layer for layer in model.layers
-             if isinstance(layer, keras.layers.LayerNormalization)]
-    for block in _blocks(model):
-        norms += [block.norm_0, block.norm_2]
-    return norms

@@ -6,8 +6,8 @@ import os
 
 import keras
 
-from vit_keras import errors, geometry
-from vit_keras import layers as vit_layers
+from vit_keras import errors
+from vit_keras.model import ViT
 
 
 class ActivationMemoryError(errors.UserError, ValueError):
@@ -26,17 +26,15 @@ def training_activation_bytes(model, batch_size, image_size=None):
     the MLP's two layers and its GELU). Embeddings, a hybrid's ResNet, the head, gradients and
     the optimizer come on top.
     """
-    blocks = [layer for layer in model.layers if isinstance(layer, vit_layers.TransformerBlock)]
-    if not blocks:
+    if not isinstance(model, ViT):  # e.g. the MPP model: counted by the ViT it was built from
         return 0
     if image_size is None:
-        rows, cols = geometry.token_grid(model)
+        rows, cols = model.token_grid
     else:
-        rows = cols = int(image_size) // geometry.token_pixels(model)
-    has_class_token = any(isinstance(layer, vit_layers.ClassToken) for layer in model.layers)
-    tokens = rows * cols + int(has_class_token)
+        rows = cols = int(image_size) // model.token_pixels
+    tokens = rows * cols + model.num_prefix_tokens
     total = 0
-    for block in blocks:
+    for block in model.blocks:
         hidden = block.attention.query.kernel.shape[0]
         value_bytes = 2 if block.compute_dtype in ("float16", "bfloat16") else 4
         linear = (8 * tokens * hidden + 2 * tokens * block.mlp_dim) * value_bytes

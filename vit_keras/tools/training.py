@@ -17,7 +17,8 @@ import warnings
 import keras
 
 from vit_keras import configs as configs_lib
-from vit_keras import geometry, keras_files, layer_decay, masked_patch_prediction, pretrained
+from vit_keras import keras_files, layer_decay, masked_patch_prediction, pretrained
+from vit_keras import model as model_lib
 from vit_keras.checkpoints import save_npz
 from vit_keras.tools import callbacks as callbacks_lib
 from vit_keras.tools import config_flags, finetuning, memory, plots
@@ -314,9 +315,11 @@ def build_run_model(config, recipe, num_classes, log=print):
             # apps/pretrain.py's model: fine-tune its ViT, without [mask] token and MPP head.
             log(f"{config.weights} is a masked patch prediction model: fine-tuning its encoder.")
             loaded = masked_patch_prediction.pretrained_encoder(loaded)
-        elif loaded.output_shape[-1] == num_classes and recipe.image_size in (None, size):
-            log(f"Continuing from {config.weights} (same classes and image size).")
-            return loaded
+        else:
+            loaded = model_lib.ViT.of(loaded)  # a file of an earlier vit_keras: adopted
+            if loaded.output_shape[-1] == num_classes and recipe.image_size in (None, size):
+                log(f"Continuing from {config.weights} (same classes and image size).")
+                return loaded
         # Another head or resolution: go through the npz layout, which resamples position
         # embeddings and zero-initialises a new head (one mechanism for every weight source).
         with tempfile.TemporaryDirectory() as scratch:
@@ -390,8 +393,7 @@ def model_image_size(model):
     """The side of the square images a built model takes: its input's, or for a model of dynamic
     image size the size it was built for."""
     height = model.input_shape[1]
-    return height if height is not None else (geometry.token_grid(model)[0] *
-                                              geometry.token_pixels(model))
+    return height if height is not None else model_lib.ViT.of(model).image_size[0]
 
 
 def finished_run(folder, overwrite=False, processes=distribution_lib.Processes(), log=print,
@@ -534,6 +536,7 @@ class _RunState:
     backup: callbacks_lib.AtomicBackupAndRestore = None
     resume_epoch: int = 0
     model: keras.Model = None
+    vit: object = None           # the ViT inside `model` (the model itself when classifying)
     augmentation: object = None  # data.Augmentation
     throughput: callbacks_lib.Throughput = None
 
@@ -590,7 +593,7 @@ def _prepare(state):
     with scope:
         _build_and_compile(state)
     if not state.trained:
-        memory.check_activation_memory(state.model, state.recipe.batch_size // state.replicas,
+        memory.check_activation_memory(state.vit, state.recipe.batch_size // state.replicas,
                                        state.recipe.image_size)
     state.augmentation = augmentation_for(config)
     # An image folder's unreadable files are named in skipped_files.txt as they are met; a resumed
@@ -655,7 +658,7 @@ def _build_and_compile(state):
     model = state.objective.build_model(vit, config.seed)
     scales = None
     if config.layer_decay is not None:
-        scales = layer_decay.layer_decay_scales(model, config.layer_decay)
+        scales = layer_decay.layer_decay_scales(vit, config.layer_decay)
         state.log(f"Layer decay {config.layer_decay:g}, learning-rate scales: "
                   f"{layer_decay.describe_scales(scales)}.")
     optimizer = recipes_lib.make_optimizer(recipe, state.total_updates, state.accum,
@@ -667,7 +670,7 @@ def _build_and_compile(state):
         recipes_lib.portable_compile_config(model)
     if recipe.image_size is None:  # the weights' own (resolve_recipe)
         state.recipe = dataclasses.replace(recipe, image_size=model_image_size(model))
-    state.model = model
+    state.model, state.vit = model, vit
 
 
 def _train(state):

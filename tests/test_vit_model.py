@@ -1,0 +1,122 @@
+"""The `ViT` model object: its config is its constructor's arguments, it owns its structure, and
+models saved before it existed still load and are adopted."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import vit_keras
+from vit_keras import heads, layers
+from vit_keras.model import ViT
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+TINY = dict(name="tiny", patch_size=8, hidden_size=32, mlp_dim=64, num_heads=2, num_layers=3)
+
+
+def _images(model, batch=2, seed=0):
+    height, width = model.image_size
+    return np.random.default_rng(seed).uniform(0, 255, (batch, height, width, 3)).astype("float32")
+
+
+def _randomized(model, seed=0):
+    rng = np.random.default_rng(seed)
+    for weight in model.weights:
+        weight.assign(rng.normal(0, 0.1, weight.shape).astype("float32"))
+    return model
+
+
+def test_a_keras_file_of_the_functional_model_before_vit_loads_and_is_adopted_alike():
+    # Written by main at 21b95ce (a functional keras.Model): a DeiT-like tiny model with a
+    # distillation token, a register, LayerScale and position embeddings on the patches only.
+    legacy = keras.models.load_model(os.path.join(DATA, "legacy_vit.keras"))
+    expected = np.load(os.path.join(DATA, "legacy_vit_logits.npz"))
+    np.testing.assert_allclose(legacy.predict(expected["images"], verbose=0), expected["logits"],
+                               rtol=1e-5, atol=1e-5)
+    adopted = ViT.of(legacy)
+    assert isinstance(adopted, ViT) and not isinstance(legacy, ViT)
+    assert adopted.prefix_tokens == ["class", "distillation", "register"]
+    assert not adopted.vit_config.posemb_prefix and adopted.vit_config.layer_scale_init == 0.1
+    np.testing.assert_allclose(adopted.predict(expected["images"], verbose=0), expected["logits"],
+                               rtol=1e-5, atol=1e-5)
+    # What users do with it: features and a dynamic-size copy work on the loaded model.
+    features = vit_keras.intermediate_features(legacy, expected["images"], blocks=[-1],
+                                               output="pooled")
+    assert features.shape == (2, 32)
+    assert vit_keras.with_dynamic_image_size(legacy).dynamic_image_size
+
+
+@pytest.mark.parametrize("arguments", [
+    dict(),
+    dict(classifier="gap"),
+    dict(classifier="map", dynamic_image_size=True),
+    dict(variant={**TINY, "distillation": True, "num_registers": 2}),
+    dict(variant={**TINY, "fc_norm": True, "class_token": True}, classifier="gap",
+         normalization="imagenet"),
+    dict(variant={**TINY, "resnet_layers": (), "patch_size": 1}, image_size=64,
+         representation_size=16),
+], ids=["token", "gap", "map-dynamic", "distilled-registers", "fc_norm", "hybrid"])
+def test_a_vit_saves_and_loads_as_itself_computing_the_same(tmp_path, arguments):
+    model = _randomized(ViT(**{"variant": TINY, "image_size": 32, "num_classes": 5,
+                               **arguments}))
+    images = _images(model)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert type(loaded) is ViT
+    assert loaded.get_config() == model.get_config()
+    np.testing.assert_allclose(loaded.predict(images, verbose=0), model.predict(images, verbose=0),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_the_config_is_the_constructor_arguments_with_the_overrides_folded_in():
+    model = ViT(TINY, image_size=(32, 48), layer_norm_epsilon=1e-5, approximate_gelu=True)
+    config = model.get_config()
+    assert config["variant"]["layer_norm_epsilon"] == 1e-5
+    assert config["variant"]["gelu"] == "tanh"
+    assert config["image_size"] == [32, 48]
+    assert ViT.from_config(config).count_params() == model.count_params()
+
+
+def test_the_model_names_its_parts():
+    model = ViT({**TINY, "num_registers": 1, "pre_norm": True}, image_size=32,
+                representation_size=8)
+    assert [block.name for block in model.blocks] == [f"encoderblock_{i}" for i in range(3)]
+    assert model.token_grid == (4, 4) and model.token_pixels == 8
+    assert model.prefix_tokens == ["class", "register"] and model.num_prefix_tokens == 2
+    assert isinstance(model.patch_embedding, layers.PatchEmbedding)
+    assert isinstance(model.pooling.layers[0], heads.TokenPooling)
+    assert [layer.name for layer in model.classifier_layers] == ["pre_logits", "head"]
+    assert len(model.norms) == 1 + 2 * 3 + 1
+    assert len(model.lora_targets) == 6 * 3
+    groups = model.layer_groups()
+    assert [name for name, _ in groups] == ["embeddings"] + [b.name for b in model.blocks]
+    assert {layer.name for layer in groups[0][1]} == {"embedding", "cls", "reg", "posembed_input",
+                                                      "pre_norm"}
+
+
+def test_rebuilt_keeps_the_weights_and_refuses_unknown_arguments():
+    model = _randomized(ViT(TINY, image_size=32, num_classes=5, dropout=0.1))
+    images = _images(model)
+    copy = model.rebuilt(dropout=0.0)
+    assert copy.get_config()["dropout"] == 0.0
+    np.testing.assert_allclose(copy.predict(images, verbose=0), model.predict(images, verbose=0),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="Unknown ViT arguments"):
+        model.rebuilt(dropuot=0.0)
+    with pytest.raises(ValueError, match="no counterpart|is"):
+        model.rebuilt(num_classes=7)
+
+
+def test_an_attention_kernel_named_as_an_argument_is_every_blocks():
+    model = ViT(TINY, image_size=32, attention="explicit")
+    assert {block.attention.attention_kernel for block in model.blocks} == {"explicit"}
+    with pytest.raises(ValueError, match="Unknown attention kernel"):
+        ViT(TINY, image_size=32, attention="flash")
+
+
+def test_a_model_that_is_no_vit_is_refused_by_name():
+    other = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)], name="mlp")
+    with pytest.raises(ValueError, match="'mlp' is not a vit_keras ViT"):
+        ViT.of(other)
