@@ -63,7 +63,7 @@ def test_jax_chooses_cudnn_where_its_fused_attention_trains(gpu, capability, dty
 
 
 def test_every_kernel_has_a_name_and_an_unknown_one_is_refused():
-    assert attention.KERNELS == ("explicit", "fused", "cudnn", "torch")
+    assert list(attention.KERNELS) == ["explicit", "fused", "cudnn", "torch"]
     with pytest.raises(ValueError, match="Unknown attention kernel 'flash'"):
         attention.kernel_named("flash")
 

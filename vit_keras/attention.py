@@ -41,8 +41,10 @@ import math
 import keras
 from keras import ops
 
-from vit_keras import xla_cpu
+from vit_keras import initializers, xla_cpu
 from vit_keras.kernels import adapted, torch_linear
+
+_PACKAGE = "vit_keras"
 
 # cuDNN's fused attention trains at 208 and 256 tokens where it refuses 197 (H100, cuDNN 9,
 # jax 0.11; docs/performance.md); a multiple of 16 pads ViT-B/16's 197 tokens by 11.
@@ -51,8 +53,6 @@ PAD_MULTIPLE = 16
 # 64, 12 heads: 50 tokens 0.13 against 0.25 ms, 65 tokens 0.19 against 0.24; 197: 0.87 against
 # 0.38), and the attention matrix XLA keeps is small.
 CUDNN_MIN_TOKENS = 128
-
-KERNELS = ("explicit", "fused", "cudnn", "torch")
 
 
 def choose_attention(compute_dtype, head_dim=None, tokens=None, *, probabilities=False):
@@ -79,15 +79,9 @@ def kernel_named(name):
     """The kernel called `name` (one of `KERNELS`), whatever this backend and device would choose:
     for tests that check each kernel where it runs (`cudnn` runs only on a GPU; `PaddedAttention`
     with `implementation="xla"` computes the same padded and masked function anywhere on JAX)."""
-    if name == "explicit":
-        return ExplicitAttention(xla_cpu.choose_einsum())
-    if name == "fused":
-        return FusedAttention()
-    if name == "cudnn":
-        return PaddedAttention("cudnn")
-    if name == "torch":
-        return TorchAttention()
-    raise ValueError(f"Unknown attention kernel {name!r}; expected one of {KERNELS}.")
+    if name not in KERNELS:
+        raise ValueError(f"Unknown attention kernel {name!r}; expected one of {list(KERNELS)}.")
+    return KERNELS[name]()
 
 
 def _cudnn_takes(compute_dtype, head_dim):
@@ -283,3 +277,159 @@ def _no_dropout(kernel, dropout):
         raise ValueError(f"The {kernel.name} attention kernel has no probabilities to drop; "
                          "attention dropout takes the explicit kernel "
                          "(choose_attention(..., probabilities=True)).")
+
+
+KERNELS = {
+    "explicit": lambda: ExplicitAttention(xla_cpu.choose_einsum()),
+    "fused": FusedAttention,
+    "cudnn": lambda: PaddedAttention("cudnn"),
+    "torch": TorchAttention,
+}
+"""The attention implementations by name: each makes a kernel (`kernel(layer, x, dropout)`). A new
+one (rotary embeddings applied to q and k first) is one class and one entry here."""
+
+
+# The attention layer and its projections ---------------------------------------------------------------
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class HeadsProjection(keras.layers.EinsumDense):
+    """The query, key or value projection: `(batch, tokens, hidden)` → `(batch, tokens, heads,
+    head_dim)`, kernel `(hidden, heads, head_dim)`.
+
+    An `EinsumDense` whose LoRA (`enable_lora`) adapts the projection as the one `hidden → hidden`
+    map it is, as the LoRA paper adapts W_q: `A` `(hidden, rank)`, `B` `(rank, heads, head_dim)`,
+    an update of rank <= `rank`. Keras' own factors the kernel's last axis alone (`A` `(hidden,
+    heads, rank)`, `B` `(rank, head_dim)`): a separate update per head, of rank up to
+    `heads * rank` and `heads` times the parameters.
+    """
+
+    def enable_lora(self, rank, lora_alpha=None, a_initializer="he_uniform",
+                    b_initializer="zeros"):
+        if not self.built:
+            raise ValueError("Cannot enable LoRA on a layer that is not built.")
+        if self.lora_enabled:
+            raise ValueError("LoRA is already enabled on this layer; enable it once.")
+        if self.quantization_mode is not None:
+            raise NotImplementedError(
+                f"LoRA on the {self.quantization_mode}-quantized projection {self.name!r} is not "
+                f"supported: enable LoRA before quantizing, and merge it first.")
+        hidden, *head_axes = self._kernel.shape
+        self._tracker.unlock()
+        # float32, as Keras' adapters: a low-precision update would underflow.
+        self.lora_kernel_a = self.add_weight(
+            name="lora_kernel_a", shape=(hidden, rank),
+            initializer=keras.initializers.get(a_initializer), dtype="float32")
+        self.lora_kernel_b = self.add_weight(
+            name="lora_kernel_b", shape=(rank, *head_axes),
+            initializer=keras.initializers.get(b_initializer), dtype="float32")
+        self._kernel.trainable = False
+        self._tracker.lock()
+        self.lora_enabled = True
+        self.lora_rank = rank
+        self.lora_alpha = lora_alpha if lora_alpha is not None else rank
+
+    @property
+    def kernel(self):
+        if not self.lora_enabled:
+            return super().kernel
+        update = ops.tensordot(self.lora_kernel_a, self.lora_kernel_b, axes=1)
+        return ops.cast(ops.add(self._kernel, (self.lora_alpha / self.lora_rank) * update),
+                        self.compute_dtype)
+
+    def quantize(self, mode=None, type_check=True, config=None):
+        if self.lora_enabled:
+            raise NotImplementedError(
+                f"Quantizing the LoRA-enabled projection {self.name!r} is not supported: merge "
+                f"the adapters first (vit_keras.tools.finetuning.merge_lora).")
+        # Keras refuses subclasses unless told: this one's quantized arithmetic is EinsumDense's.
+        return super().quantize(mode, type_check=False, config=config)
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class MultiHeadDotProductAttention(keras.layers.Layer):
+    """Multi-head self-attention with the vit_jax weight layout.
+
+    Input: `(batch, tokens, hidden)`. Output: `(batch, tokens, hidden)`, and with
+    `return_attention_scores=True` also the probabilities `(batch, heads, tokens, tokens)` (float32).
+    Weights: `query|key|value/kernel` `(hidden, heads, head_dim)`, `.../bias` `(heads, head_dim)`,
+    `out/kernel` `(heads, head_dim, hidden)`, `out/bias` `(hidden,)`.
+
+    How q, k and v are projected, laid out and attended is the kernel's, chosen when the layer is
+    built (`vit_keras.attention`: torch's fused attention, cuDNN's on NVIDIA GPUs under JAX,
+    `keras.ops.dot_product_attention`, or an explicit float32 softmax, which is also the kernel
+    for attention dropout and `return_attention_scores`); `attention_kernel` names it. Quantized
+    (`model.quantize`) or LoRA-enabled (`enable_lora`) projections are called as layers by every
+    kernel, so their own arithmetic applies.
+    """
+
+    def __init__(self, num_heads, attention_dropout=0.0, attention=None, **kwargs):
+        super().__init__(**kwargs)
+        self.num_heads = int(num_heads)
+        self.attention_dropout = float(attention_dropout)
+        if attention is not None and attention not in KERNELS:
+            raise ValueError(f"Unknown attention kernel {attention!r}; expected one of "
+                             f"{list(KERNELS)} or None (chosen when built).")
+        self.attention = attention
+        self._dropout = keras.layers.Dropout(
+            self.attention_dropout, dtype=self.dtype_policy, name="attention_dropout")
+        self._attention_kernel = self._probabilities_kernel = None  # chosen in build
+
+    def build(self, input_shape):
+        hidden = input_shape[-1]
+        if hidden % self.num_heads:
+            raise ValueError(
+                f"Hidden size {hidden} is not divisible by the number of heads {self.num_heads}; "
+                f"choose a hidden size that is a multiple of {self.num_heads}.")
+        head_dim = hidden // self.num_heads
+        init = initializers.xavier_uniform(hidden, hidden)
+        for name in ("query", "key", "value"):
+            projection = HeadsProjection(
+                "btd,dhk->bthk", output_shape=(None, self.num_heads, head_dim), bias_axes="hk",
+                kernel_initializer=init, dtype=self.dtype_policy, name=name)
+            projection.build(input_shape)
+            setattr(self, name, projection)
+        self.out = keras.layers.EinsumDense(
+            "bthk,hkd->btd", output_shape=(None, hidden), bias_axes="d",
+            kernel_initializer=init, dtype=self.dtype_policy, name="out")
+        self.out.build((input_shape[0], input_shape[1], self.num_heads, head_dim))
+        self._attention_kernel = (
+            kernel_named(self.attention) if self.attention is not None
+            else choose_attention(self.compute_dtype, head_dim, input_shape[1]))
+        self._probabilities_kernel = choose_attention(
+            self.compute_dtype, head_dim, input_shape[1], probabilities=True)
+
+    @property
+    def attention_kernel(self):
+        """The name of the kernel a call without attention scores or attention dropout takes
+        (`vit_keras.attention.KERNELS`), chosen when the layer was built; None before."""
+        return None if self._attention_kernel is None else self._attention_kernel.name
+
+    @property
+    def lora_targets(self):
+        """The projections LoRA adapts: `query`, `key`, `value`, `out`."""
+        return [self.query, self.key, self.value, self.out]
+
+    @property
+    def fused(self):
+        """Whether a call without attention scores or attention dropout takes a fused kernel
+        (chosen when the layer was built; False before)."""
+        return self.attention_kernel not in (None, "explicit")
+
+    def call(self, x, training=None, return_attention_scores=False):
+        dropout = training and self.attention_dropout > 0
+        kernel = self._attention_kernel
+        if return_attention_scores or dropout:  # probabilities to return or to drop
+            kernel = self._probabilities_kernel
+        y, probabilities = kernel(self, x, dropout=self._dropout if dropout else None)
+        return (y, probabilities) if return_attention_scores else y
+
+    def compute_output_spec(self, x, training=None, return_attention_scores=False):
+        y = keras.KerasTensor(x.shape, dtype=self.compute_dtype)
+        if not return_attention_scores:
+            return y
+        batch, tokens = x.shape[0], x.shape[1]
+        return y, keras.KerasTensor((batch, self.num_heads, tokens, tokens), dtype="float32")
+
+    def get_config(self):
+        return {**super().get_config(), "num_heads": self.num_heads,
+                "attention_dropout": self.attention_dropout, "attention": self.attention}

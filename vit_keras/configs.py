@@ -36,6 +36,11 @@ class ViTConfig:
     # A class token: None follows the classifier ("token" has one, "gap" and "map" none); True
     # keeps one beside another pooling (MAE fine-tuned with mean pooling).
     class_token: bool | None = None
+    # The slots: which implementation the model builds for each part, by the name its table
+    # gives (vit_keras.mlp.MLPS, vit_keras.norms.NORMS, vit_keras.position_embeddings).
+    mlp: str = "gelu"
+    norm: str = "layer_norm"
+    position_embedding: str = "learned"
 
     @property
     def is_hybrid(self):

@@ -13,7 +13,8 @@ builds a model's pooling, `classifier_heads` its Dense heads and `classify` join
 import keras
 from keras import ops
 
-from vit_keras import layers
+from vit_keras import attention as attention_lib
+from vit_keras import mlp as mlp_lib
 
 _PACKAGE = "vit_keras"
 
@@ -38,14 +39,14 @@ class MAPHead(keras.layers.Layer):
         self.num_heads = int(num_heads)
         self.mlp_dim = int(mlp_dim)
         self.layer_norm_epsilon = float(layer_norm_epsilon)
-        self.gelu = layers.gelu_variant(gelu)
+        self.gelu = mlp_lib.gelu_variant(gelu)
         self.num_prefix_tokens = int(num_prefix_tokens)
         policy = self.dtype_policy
-        self.attention = layers.MultiHeadDotProductAttention(
+        self.attention = attention_lib.MultiHeadDotProductAttention(
             self.num_heads, dtype=policy, name="MultiHeadDotProductAttention_0")
         self.norm = keras.layers.LayerNormalization(
             epsilon=self.layer_norm_epsilon, dtype=policy, name="LayerNorm_0")
-        self.mlp = layers.MlpBlock(self.mlp_dim, gelu=self.gelu, dtype=policy, name="MlpBlock_0")
+        self.mlp = mlp_lib.MlpBlock(self.mlp_dim, gelu=self.gelu, dtype=policy, name="MlpBlock_0")
 
     def build(self, input_shape):
         hidden = input_shape[-1]

@@ -131,3 +131,9 @@ def _torch_gelu(x):
 
 def _erf_gelu(x):
     return 0.5 * x * (1.0 + ops.erf(x * (1.0 / math.sqrt(2.0))))
+
+
+def dropped(dropout, x, training):
+    """`dropout(x, training=training)`, without the layer call where it drops nothing: on torch
+    every layer call costs the host time that the GPU then waits for."""
+    return dropout(x, training=training) if dropout.rate > 0 else x

@@ -14,7 +14,7 @@ import re
 import keras
 import numpy as np
 
-from vit_keras import configs, geometry, heads, layers, resnet
+from vit_keras import configs, geometry, heads, layers, norms, position_embeddings, resnet
 from vit_keras import normalization as normalization_lib
 
 CLASSIFIERS = heads.CLASSIFIERS
@@ -137,13 +137,11 @@ class ViT(keras.Model):
         covered = int(class_token) + int(config.distillation)
         prefix = ([layers.DistillationToken(dtype=policy, name="dist")] if config.distillation
                   else []) + ([layers.ClassToken(dtype=policy, name="cls")] if class_token else [])
-        if dynamic_image_size:
-            grid = tuple(side // config.patch_size for side in feature_map)
-            position = layers.AddPositionEmbs(
-                grid_size=grid, num_prefix_tokens=covered if config.posemb_prefix else 0,
-                dtype=policy, name="posembed_input")
-        else:
-            position = layers.AddPositionEmbs(dtype=policy, name="posembed_input")
+        position = position_embeddings.make_position_embedding(
+            config.position_embedding,
+            grid_size=(tuple(side // config.patch_size for side in feature_map)
+                       if dynamic_image_size else None),
+            num_prefix_tokens=covered if config.posemb_prefix else 0, dtype=policy)
         for token in prefix if config.posemb_prefix else ():
             x = token(x)
         x = position(x, patches) if dynamic_image_size else position(x)
@@ -157,8 +155,7 @@ class ViT(keras.Model):
         x = keras.layers.Dropout(dropout, dtype=policy, name="dropout")(x)
         pre_norm = None
         if config.pre_norm:
-            pre_norm = keras.layers.LayerNormalization(epsilon=epsilon, dtype=policy,
-                                                       name="pre_norm")
+            pre_norm = norms.make_norm(config.norm, epsilon, dtype=policy, name="pre_norm")
             x = pre_norm(x)
         blocks = []
         for index, rate in enumerate(np.linspace(0.0, drop_path_rate, config.num_layers)):
@@ -166,19 +163,18 @@ class ViT(keras.Model):
                 config.num_heads, config.mlp_dim, dropout=dropout,
                 attention_dropout=attention_dropout, drop_path_rate=float(rate),
                 layer_norm_epsilon=epsilon, gelu=config.gelu,
-                layer_scale_init=config.layer_scale_init, attention=attention, dtype=policy,
-                name=f"encoderblock_{index}"))
+                layer_scale_init=config.layer_scale_init, attention=attention, mlp=config.mlp,
+                norm=config.norm, dtype=policy, name=f"encoderblock_{index}"))
             x = blocks[-1](x)
         encoder_norm = fc_norm = pre_logits = None
         if not config.fc_norm:
-            encoder_norm = keras.layers.LayerNormalization(epsilon=epsilon, dtype=head_policy,
-                                                           name="encoder_norm")
+            encoder_norm = norms.make_norm(config.norm, epsilon, dtype=head_policy,
+                                           name="encoder_norm")
             x = encoder_norm(x)
         pooling = heads.pooling_for(config, classifier, dtype=head_policy)
         x = pooling(x)
         if config.fc_norm:
-            fc_norm = keras.layers.LayerNormalization(epsilon=epsilon, dtype=head_policy,
-                                                      name="fc_norm")
+            fc_norm = norms.make_norm(config.norm, epsilon, dtype=head_policy, name="fc_norm")
             x = fc_norm(x)
         if representation_size:
             pre_logits = keras.layers.Dense(representation_size, activation="tanh",
