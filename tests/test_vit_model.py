@@ -120,3 +120,32 @@ def test_a_model_that_is_no_vit_is_refused_by_name():
     other = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)], name="mlp")
     with pytest.raises(ValueError, match="'mlp' is not a vit_keras ViT"):
         ViT.of(other)
+
+
+def test_a_new_mlp_is_one_class_and_one_config_value(monkeypatch):
+    # What the slots promise the next family (a gated MLP): register one class, name it in the
+    # config, and the model builds, runs, saves and loads with it; nothing else changes.
+    from vit_keras import mlp
+
+    @keras.saving.register_keras_serializable(package="vit_keras_tests")
+    class DoubledMlp(mlp.MlpBlock):
+        def call(self, x, training=None):
+            return 2.0 * super().call(x, training=training)
+
+    monkeypatch.setitem(mlp.MLPS, "doubled", DoubledMlp)
+    plain = _randomized(ViT(TINY, image_size=32, num_classes=5))
+    doubled = ViT({**TINY, "mlp": "doubled"}, image_size=32, num_classes=5)
+    assert {type(block.mlp) for block in doubled.blocks} == {DoubledMlp}
+    doubled.set_weights(plain.get_weights())  # the same weights: only the MLP's call differs
+    images = _images(plain)
+    assert not np.allclose(doubled.predict(images, verbose=0), plain.predict(images, verbose=0))
+    assert ViT.from_config(doubled.get_config()).get_config()["variant"]["mlp"] == "doubled"
+
+
+def test_an_unknown_slot_value_is_refused_by_name():
+    with pytest.raises(ValueError, match="Unknown MLP 'swiglu'"):
+        ViT({**TINY, "mlp": "swiglu"}, image_size=32)
+    with pytest.raises(ValueError, match="Unknown norm 'rms'"):
+        ViT({**TINY, "norm": "rms"}, image_size=32)
+    with pytest.raises(ValueError, match="Unknown position embedding 'rope'"):
+        ViT({**TINY, "position_embedding": "rope"}, image_size=32)
