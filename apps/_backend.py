@@ -172,7 +172,7 @@ def start_app(only=None, help_text=None):
     prints warnings as `WARNING: ...` (`_app_output`). On JAX and torch it hides the GPUs from
     TensorFlow (`keep_tensorflow_off_the_gpus`). On JAX it also calls
     `vit_keras.keep_freed_host_memory()` before JAX starts its CPU client (the app's first array),
-    unless `VIT_KERAS_KEEP_HOST_MEMORY=0`: see `vit_keras.xla_cpu`.
+    unless `VIT_KERAS_KEEP_HOST_MEMORY=0`: see `vit_keras.model.xla_cpu`.
 
     Args:
       only: a backend the app always runs on (the exporter: "tensorflow"); `--backend` may then

@@ -39,7 +39,7 @@ def read_class_names(path, model_path):
 
 
 def check_weights(weights, variant, image_size=None):
-    """`--weights` checked by the library's one check (`vit_keras.pretrained.release_of`) before
+    """`--weights` checked by the library's one check (`vit_keras.weights.pretrained.release_of`) before
     anything slow loads: the `Release` it names for `--model`'s variant, or None for a file, a
     folder, a hub id or no `--weights`. Downloads nothing; of a `.keras` file it reads only the
     architecture (`check_keras_weights`).
@@ -47,7 +47,8 @@ def check_weights(weights, variant, image_size=None):
     Raises the library's user errors; a release name without a variant names the flag to pass,
     `--model`, in the library's sentence.
     """
-    from vit_keras import errors, pretrained
+    from vit_keras import errors
+    from vit_keras.weights import pretrained
 
     if not weights:  # `--weights=` as no --weights
         return None
@@ -79,7 +80,7 @@ def check_model_file(path, flag="--model"):
     if not (zipfile.is_zipfile(path) and _holds_config(path)):
         raise app.UsageError(f"{flag} {path} is not a Keras model file (a zip archive holding "
                              f"config.json): it is damaged or of another format.")
-    from vit_keras import keras_files  # pylint: disable=import-outside-toplevel
+    from vit_keras.weights import keras_files  # pylint: disable=import-outside-toplevel
 
     try:
         keras_files.check_keras_file(path)
@@ -150,7 +151,7 @@ def check_keras_weights(path, variant):
     """`--weights` as a `.keras` file: refused in one line when it is not one, or when `--model`
     names another architecture than the file holds (the run would train the file's and record
     `--model`'s). Reads the file's `config.json` only."""
-    from vit_keras import configs
+    from vit_keras.model import configs
     from vit_keras.tools import recipes
 
     check_model_file(path, "--weights")

@@ -73,8 +73,8 @@ def main(argv):
     import keras
 
     import vit_keras  # registers the layers for loading
-    from vit_keras import fewshot
     from vit_keras.tools import data, run_folder
+    from vit_keras.training import fewshot
 
     try:
         shots = [int(count) for count in FLAGS.shots]
@@ -101,7 +101,7 @@ def main(argv):
         for split in (FLAGS.train_split, FLAGS.test_split)}
     if splits.skipped_files:
         print(splits.unreadable.summary())
-    # More shots than a class has is a ValueError of vit_keras.fewshot: exit_on_user_error
+    # More shots than a class has is a ValueError of vit_keras.training.fewshot: exit_on_user_error
     # reports it.
     results = fewshot.evaluate(*features[FLAGS.train_split], *features[FLAGS.test_split],
                                shots=shots, seeds=FLAGS.seeds, l2_reg=FLAGS.l2_reg,

@@ -11,7 +11,7 @@ Of each image's patch embeddings 50% are corrupted (80% of those replaced by a l
 embedding, 10% by another patch's embedding, 10% kept), and a linear head on each corrupted
 patch's output token predicts its 3-bit mean colour (512 classes; `--target` selects the paper's
 ablation targets instead). The corruption runs inside the compiled train step
-(`vit_keras.masked_patch_prediction`); the labels of the dataset are never read.
+(`vit_keras.training.masked_patch_prediction`); the labels of the dataset are never read.
 
 Recipe `mpp` (the paper, appendix B.1.2): Adam (no weight decay), base lr 2e-4, 10k warm-up steps,
 cosine decay, batch 4096, 1M steps, inception crop and horizontal flip, global-norm clipping 1,

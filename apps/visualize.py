@@ -132,7 +132,7 @@ def main(argv):
     pictures = read_images(paths)  # a missing or bad file: a one-line error (exit_on_user_error)
 
     import vit_keras  # Keras, after the images are known to be readable
-    from vit_keras import analysis
+    from vit_keras.inspection import analysis
     from vit_keras.tools import plots
 
     model = load_model(FLAGS.model)

@@ -5,7 +5,7 @@ both directions, how fast, and does it compute what XLA's unfused attention comp
 
 For each token count (ViT-B/16 at 224, 256, 384 and 512 px; ViT-B/32 at 224 and 256 px; with a
 distillation token; with 4 registers) and each padding multiple, one jitted forward and backward
-of `vit_keras.attention.PaddedAttention("cudnn")` (bfloat16, heads of 64) against XLA's attention
+of `vit_keras.model.attention.PaddedAttention("cudnn")` (bfloat16, heads of 64) against XLA's attention
 at the unpadded count: milliseconds per call, the cuDNN fused-attention calls in the compiled
 step (two when forward and backward are both fused), and the largest difference of the output
 and the q, k, v gradients relative to the largest value. Also prints which kernel
@@ -23,7 +23,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from vit_keras import attention  # noqa: E402
+from vit_keras.model import attention  # noqa: E402
 
 TOKENS = (197, 257, 577, 1025, 50, 65, 198, 201)
 

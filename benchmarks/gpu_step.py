@@ -289,7 +289,7 @@ def vit_keras_case(spec, backend):
     import keras  # pylint: disable=import-outside-toplevel
 
     import vit_keras  # pylint: disable=import-outside-toplevel
-    from vit_keras.layers import MultiHeadDotProductAttention  # pylint: disable=import-outside-toplevel
+    from vit_keras.model.layers import MultiHeadDotProductAttention  # pylint: disable=import-outside-toplevel
 
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
     keras.utils.set_random_seed(0)

@@ -5,7 +5,7 @@
 2. fine-tuning (`apps/finetune.py`, the digits recipe with the flags below) on 5 and 10 labelled
    images per class drawn from the train split, from the pre-trained model and from scratch, with
    the same flags, scored on the digits test split (360 images);
-3. few-shot linear accuracy (big_vision's least squares, `vit_keras.fewshot`) of the frozen
+3. few-shot linear accuracy (big_vision's least squares, `vit_keras.training.fewshot`) of the frozen
    features of the pre-trained model and of the same architecture at its random initialisation.
 
     python benchmarks/mpp_digits.py --backend jax --seeds 3 --json mpp_digits.json
@@ -77,8 +77,8 @@ def random_init_model(path, image_size, seed):
 def fewshot_accuracy(model_path, shots, seeds, image_size):
     import keras
 
-    from vit_keras import fewshot
     from vit_keras.tools import data
+    from vit_keras.training import fewshot
 
     model = keras.saving.load_model(model_path, compile=False)
     splits = data.load_splits("digits", log=lambda _: None)
@@ -98,8 +98,8 @@ def masking_cost(image_size, batch_size, variant, rounds=8, steps=20):
     import numpy as np
 
     from vit_keras import build_model
-    from vit_keras import masked_patch_prediction as mpp
     from vit_keras.tools import recipes
+    from vit_keras.training import masked_patch_prediction as mpp
 
     class NoCorruption(mpp.MaskedPatchCorruption):
         def call(self, tokens, training=None):

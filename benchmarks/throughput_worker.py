@@ -211,7 +211,7 @@ def main():
                 "model": config["name"], "mode": mode, "batch_size": args.batch_size,
                 "first_call_s": first, "step_s": times,
                 "images_per_s": args.batch_size * len(times) / sum(times),
-                # A step that maps its scratch memory afresh each time (see vit_keras.xla_cpu)
+                # A step that maps its scratch memory afresh each time (see vit_keras.model.xla_cpu)
                 # shows here whatever the machine's load, unlike its time.
                 "page_faults_per_step": faults, **info})
             print(f"  {args.implementation}/{library} {config['name']} {mode}: "

@@ -365,7 +365,7 @@ def test_a_malformed_normalization_is_refused_with_what_was_expected(value, tiny
 def test_old_models_with_a_rescaling_layer_still_say_their_normalization():
     # Models saved before PixelNormalization normalised with a Rescaling layer named `rescale`;
     # ViT.of reads their normalisation from it when it adopts them.
-    from vit_keras.model import _legacy_normalization
+    from vit_keras.model.vit import _legacy_normalization
 
     paper = keras.layers.Rescaling(1 / 127.5, offset=-1.0, name="rescale")
     assert _legacy_normalization(paper).name == "inception"

@@ -61,5 +61,5 @@ def test_a_documented_name_imports(name):
 
 def test_the_api_page_documents_the_model_and_its_slots():
     documented = set(_documented_now())
-    assert {"vit_keras.ViT", "vit_keras.mlp", "vit_keras.norms",
-            "vit_keras.position_embeddings", "vit_keras.heads"} <= documented
+    assert {"vit_keras.ViT", "vit_keras.model.mlp", "vit_keras.model.norms",
+            "vit_keras.model.position_embeddings", "vit_keras.model.heads"} <= documented

@@ -1,0 +1,145 @@
+"""The variant table: every model of the paper as one record of data."""
+
+import dataclasses
+import types
+
+
+@dataclasses.dataclass(frozen=True)
+class ViTConfig:
+    """The architecture of one Vision Transformer.
+
+    `patch_size` is in pixels of the image fed to the Transformer (for hybrids: of the ResNet's
+    feature map). Everything that can differ between two runs of the same architecture (image size,
+    classes, dropout) is an argument of `build_model`, not part of the config.
+    """
+
+    name: str
+    patch_size: int
+    hidden_size: int
+    mlp_dim: int
+    num_heads: int
+    num_layers: int
+    # Hybrids only: units per ResNet stage (`()`: the root alone) and its width multiplier.
+    resnet_layers: tuple | None = None
+    resnet_width: int = 1
+    # The family's switches (DeiT, DeiT III, DINOv2, SigLIP, CLIP, MAE); the defaults are the
+    # paper's model. See docs/checkpoints.md for which family sets which.
+    layer_scale_init: float | None = None  # LayerScale on both residual branches, its init value
+    num_registers: int = 0  # register tokens (DINOv2-reg); they take no position embedding
+    distillation: bool = False  # DeiT's distillation token and its second head `head_dist`
+    posemb_prefix: bool = True  # position embeddings cover the class/distillation tokens
+    pre_norm: bool = False  # LayerNorm before the encoder (CLIP's `ln_pre`)
+    fc_norm: bool = False  # LayerNorm after pooling instead of before it (MAE, BEiT fine-tuning)
+    patch_bias: bool = True  # the patch embedding has a bias (CLIP's has none)
+    layer_norm_epsilon: float = 1e-6
+    gelu: str = "exact"  # "exact" (erf), "tanh" (Flax's approximation) or "quick" (CLIP's)
+    # A class token: None follows the classifier ("token" has one, "gap" and "map" none); True
+    # keeps one beside another pooling (MAE fine-tuned with mean pooling).
+    class_token: bool | None = None
+    # The slots: which implementation the model builds for each part, by the name its table
+    # gives (vit_keras.model.mlp.MLPS, vit_keras.model.norms.NORMS, vit_keras.model.position_embeddings).
+    mlp: str = "gelu"
+    norm: str = "layer_norm"
+    position_embedding: str = "learned"
+
+    @property
+    def is_hybrid(self):
+        return self.resnet_layers is not None
+
+    def has_class_token(self, classifier):
+        """Whether a model of this config with `classifier` has a class token."""
+        return classifier == "token" if self.class_token is None else self.class_token
+
+    def num_prefix_tokens(self, classifier):
+        """Tokens before the patches: class token, distillation token, registers, in that order."""
+        return (int(self.has_class_token(classifier)) + int(self.distillation)
+                + self.num_registers)
+
+    def __post_init__(self):
+        if self.resnet_layers is not None:
+            object.__setattr__(self, "resnet_layers", tuple(self.resnet_layers))
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"{self.name}: hidden size {self.hidden_size} is not divisible by the number of "
+                f"heads {self.num_heads}; choose a hidden size that is a multiple of "
+                f"{self.num_heads}.")
+        for field in ("patch_size", "hidden_size", "mlp_dim", "num_heads", "num_layers"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{self.name}: {field} must be positive; got {getattr(self, field)}.")
+        if self.gelu not in GELUS:
+            raise ValueError(f"{self.name}: unknown gelu {self.gelu!r}; expected one of {GELUS}.")
+        if self.num_registers < 0:
+            raise ValueError(f"{self.name}: num_registers must be 0 or more; got "
+                             f"{self.num_registers}.")
+        if self.distillation and self.class_token is False:
+            raise ValueError(f"{self.name}: a distillation token needs a class token (DeiT reads "
+                             f"both); leave class_token at None or True.")
+
+
+GELUS = ("exact", "tanh", "quick")
+SWITCHES = ("layer_scale_init", "num_registers", "distillation", "posemb_prefix", "pre_norm",
+            "fc_norm", "patch_bias", "layer_norm_epsilon", "gelu", "class_token")
+"""The `ViTConfig` fields that switch a family member's behaviour on (not its sizes)."""
+
+
+def _vit(size, patch, hidden, mlp, heads, layers):
+    return ViTConfig(f"ViT-{size}/{patch}", patch, hidden, mlp, heads, layers)
+
+
+def _hybrid(resnet, vit, patch_size, resnet_layers):
+    """A ResNet stem feeding `vit`'s Transformer with `patch_size` patches of its feature map."""
+    return dataclasses.replace(vit, name=f"{resnet}+{vit.name}", patch_size=patch_size,
+                               resnet_layers=resnet_layers)
+
+
+# Sizes from Table 1 of the paper (Ti and S from "How to train your ViT"); the same sizes with
+# 14-pixel patches are DINOv2's (S, B, L) and CLIP's ViT-L/14.
+_VITS = (
+    _vit("Ti", 16, 192, 768, 3, 12),
+    _vit("S", 14, 384, 1536, 6, 12),
+    _vit("S", 16, 384, 1536, 6, 12),
+    _vit("S", 32, 384, 1536, 6, 12),
+    _vit("B", 8, 768, 3072, 12, 12),
+    _vit("B", 14, 768, 3072, 12, 12),
+    _vit("B", 16, 768, 3072, 12, 12),
+    _vit("B", 32, 768, 3072, 12, 12),
+    _vit("L", 14, 1024, 4096, 16, 24),
+    _vit("L", 16, 1024, 4096, 16, 24),
+    _vit("L", 32, 1024, 4096, 16, 24),
+    _vit("H", 14, 1280, 5120, 16, 32),
+)
+_BY_NAME = {config.name: config for config in _VITS}
+
+# vit_jax's hybrids (configs/models.py). The stem strides by 4 (root) and 2 per stage after the
+# first, so the names' "/16" and "/32" are the effective pixels per token; R+ViT-Ti/16 is named
+# after its Transformer (its 8x8 patches on the stride-4 root map make 32-pixel tokens).
+_HYBRIDS = (
+    _hybrid("R50", _BY_NAME["ViT-B/16"], 1, (3, 4, 9)),
+    _hybrid("R26", _BY_NAME["ViT-S/32"], 1, (2, 2, 2, 2)),
+    _hybrid("R26", _BY_NAME["ViT-B/32"], 1, (2, 2, 2, 2)),
+    _hybrid("R50", _BY_NAME["ViT-L/32"], 1, (3, 4, 6, 3)),
+    _hybrid("R", _BY_NAME["ViT-Ti/16"], 8, ()),
+)
+
+VARIANTS = types.MappingProxyType({config.name: config for config in _VITS + _HYBRIDS})
+"""Every variant of the paper (ViTs and hybrids) by name, read-only."""
+
+
+def get_config(variant):
+    """Resolves a variant name (`"ViT-B/16"`, or `"ViT-B_16"` as the published files spell it), a
+    `ViTConfig` or a mapping of `ViTConfig` fields to a `ViTConfig`."""
+    if isinstance(variant, ViTConfig):
+        return variant
+    if isinstance(variant, dict):
+        fields = {"name": "custom", **variant}
+        unknown = set(fields) - {f.name for f in dataclasses.fields(ViTConfig)}
+        if unknown:
+            raise ValueError(f"Unknown config fields {sorted(unknown)}; a config has the fields of "
+                             f"ViTConfig: {[f.name for f in dataclasses.fields(ViTConfig)]}.")
+        return ViTConfig(**fields)
+    if variant in VARIANTS:
+        return VARIANTS[variant]
+    official = variant.replace("_", "/") if isinstance(variant, str) else None
+    if official in VARIANTS:  # the release files' spelling, "ViT-B_16"
+        return VARIANTS[official]
+    raise ValueError(f"Unknown variant {variant!r}; known variants: {', '.join(VARIANTS)}.")

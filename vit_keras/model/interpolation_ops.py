@@ -1,0 +1,60 @@
+"""Position-embedding resampling inside the forward pass, for token grids known only at run time.
+
+`vit_keras.weights.posemb` resamples in NumPy when weights load; a model built with
+`dynamic_image_size=True` resamples on every call instead, to whatever grid the input image gives,
+so the computation must be made of `keras.ops` that accept a symbolic output size (a SavedModel
+signature of `[None, None, None, 3]` traces it once for every size).
+
+The interpolation is timm's for `dynamic_img_size=True` models: PyTorch's
+`F.interpolate(mode="bicubic", align_corners=False, antialias=True)` (PIL's bicubic filter, a = -0.5,
+whose support widens when downsampling). `keras.ops.image.resize` is not used: its bicubic differs
+between backends and has no antialiased upsampling. At the grid the weights were built for, the
+weight matrices are the identity exactly, so the embeddings come out bit for bit unchanged.
+"""
+
+from keras import ops
+
+_CUBIC_A = -0.5  # PyTorch's antialiased kernels use PIL's a = -0.5, not the -0.75 of plain bicubic.
+
+
+def _cubic(x):
+    """Keys' cubic convolution kernel at `x` (any shape), a = -0.5; zero beyond |x| >= 2."""
+    x = ops.abs(x)
+    a = _CUBIC_A
+    near = ((a + 2.0) * x - (a + 3.0)) * x * x + 1.0
+    far = (((x - 5.0) * x + 8.0) * x - 4.0) * a
+    return ops.where(x < 1.0, near, ops.where(x < 2.0, far, ops.zeros_like(x)))
+
+
+def antialiased_bicubic_weights(in_size, out_size):
+    """The `(out_size, in_size)` float32 matrix that resizes one axis as PyTorch's antialiased
+    bicubic does (`vit_keras.weights.posemb._torch_antialias_weights` in NumPy, which the tests hold to
+    PyTorch itself).
+
+    Args:
+      in_size: the axis' length before resizing, a Python int.
+      out_size: its length after, a Python int or a scalar integer tensor.
+    """
+    in_size = int(in_size)
+    out_float = ops.cast(out_size, "float32")
+    scale = in_size / out_float  # input cells per output cell
+    downsampling = scale >= 1.0
+    support = ops.where(downsampling, 2.0 * scale, 2.0)
+    inverse_scale = ops.where(downsampling, 1.0 / scale, 1.0)
+    center = scale * (ops.cast(ops.arange(out_size), "float32")[:, None] + 0.5)  # (out, 1)
+    # PyTorch's window of taps [first, last): C++ truncation, which equals floor after the clamp.
+    first = ops.maximum(ops.floor(center - support + 0.5), 0.0)
+    last = ops.minimum(ops.floor(center + support + 0.5), float(in_size))
+    source = ops.cast(ops.arange(in_size), "float32")[None, :]  # (1, in)
+    in_window = ops.logical_and(source >= first, source < last)
+    weights = ops.where(in_window, _cubic((source - center + 0.5) * inverse_scale), 0.0)
+    return weights / ops.sum(weights, axis=1, keepdims=True)
+
+
+def resize_grid(grid, new_grid):
+    """Resizes a `(rows, cols, hidden)` float32 grid of static shape to `new_grid` `(rows, cols)`
+    (ints or scalar tensors), separably: `rows' x cols' x hidden`."""
+    rows, cols = new_grid
+    row_weights = antialiased_bicubic_weights(grid.shape[0], rows)
+    col_weights = antialiased_bicubic_weights(grid.shape[1], cols)
+    return ops.einsum("ar,rcd,bc->abd", row_weights, grid, col_weights)

@@ -1,0 +1,269 @@
+"""Hugging Face checkpoints of the ViT family: a `save_pretrained` folder or its weights file, with
+the architecture read from `config.json` beside it when present.
+
+The families (`config.json`'s `model_type`): `vit` (`ViTModel`, `ViTForImageClassification`),
+`deit` (`DeiTModel`, `DeiTForImageClassification[WithTeacher]`), `dinov2` (`Dinov2Model`),
+`dinov2_with_registers`, `clip_vision_model` (`CLIPVisionModel`; a full `clip` folder gives its
+image tower), `siglip_vision_model` (`SiglipVisionModel`; a full `siglip` folder likewise) and
+`vit_mae` (`ViTMAEModel`). The key names are `names.from_huggingface`'s; this module reads what
+only `config.json` says (epsilon, GELU variant, heads, grid) and the defaults each family's config
+class has when a field is left out.
+"""
+
+import logging
+import os
+import re
+
+from vit_keras import errors
+from vit_keras.model import normalization as normalization_lib
+from vit_keras.weights.checkpoints import files, names, timm
+
+logger = logging.getLogger("vit_keras")
+
+CONFIG = "config.json"
+PREPROCESSOR_CONFIG = "preprocessor_config.json"
+# The patch embedding of every family: ViT/DeiT/DINOv2/MAE `embeddings.patch_embeddings.projection`,
+# CLIP/SigLIP `embeddings.patch_embedding`; under `vit.`, `deit.` or `vision_model.` (full CLIP).
+_ANCHOR = re.compile(r"(?:^|\.)embeddings\.patch_embeddings?\.(?:projection\.)?weight$")
+# Hugging Face activation names → `ViTConfig.gelu`.
+_GELU = {"gelu": "exact", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "quick_gelu": "quick"}
+# Each family's config-class defaults for the fields vit_keras reads (transformers leaves a field
+# out of `config.json` when it has the default, in older folders and nested `vision_config`s).
+_DEFAULTS = {
+    "vit": {"layer_norm_eps": 1e-12, "hidden_act": "gelu"},
+    "deit": {"layer_norm_eps": 1e-12, "hidden_act": "gelu"},
+    "vit_mae": {"layer_norm_eps": 1e-12, "hidden_act": "gelu"},
+    "dinov2": {"layer_norm_eps": 1e-6, "hidden_act": "gelu"},
+    "dinov2_with_registers": {"layer_norm_eps": 1e-6, "hidden_act": "gelu"},
+    "clip_vision_model": {"layer_norm_eps": 1e-5, "hidden_act": "quick_gelu"},
+    "siglip_vision_model": {"layer_norm_eps": 1e-6, "hidden_act": "gelu_pytorch_tanh"},
+}
+# The normalisation of each family's published image processors (`preprocessor_config.json` of
+# facebook/deit-*, facebook/dinov2-*, openai/clip-*, google/siglip-*, facebook/vit-mae-*), used when
+# a folder has none. Not transformers' class defaults: `DeiTImageProcessor()` has 0.5, the DeiT
+# weights were trained on ImageNet's mean and std. `vit` folders differ (Google's ViTs 0.5,
+# DINO's ImageNet's), so a `vit` folder without the file has no known normalisation.
+_FAMILY_NORMALIZATION = {"deit": "imagenet", "dinov2": "imagenet",
+                         "dinov2_with_registers": "imagenet", "vit_mae": "imagenet",
+                         "clip_vision_model": "clip", "siglip_vision_model": "inception"}
+FAMILIES = tuple(_DEFAULTS)
+"""The `model_type`s vit_keras reads (`clip` and `siglip` folders: their `vision_config`)."""
+_VISION_TOWERS = {"clip": "clip_vision_model", "siglip": "siglip_vision_model"}
+
+
+def read_json(path):
+    """The JSON object in the file at `path`; a `CheckpointError` naming the file if it is not one
+    (or is too long or too deeply nested to be a configuration, see `files.read_json`)."""
+    value = files.read_json(path)
+    if not isinstance(value, dict):
+        raise errors.CheckpointError(f"{path!r} holds a JSON {type(value).__name__}, not an object.")
+    return value
+
+
+def _shards(index):
+    """The files an `model.safetensors.index.json` names, each a plain name inside its folder."""
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(name, str) for name in weight_map.values()):
+        raise errors.CheckpointError(f"{index!r} has no \"weight_map\" of tensor names to shard files.")
+    folder = os.path.dirname(index)
+    shards = []
+    for shard in sorted(set(weight_map.values())):
+        # Lexically, not with realpath: the hub's snapshot folders hold symlinks into its blobs.
+        path = os.path.normpath(os.path.join(folder, shard))
+        if os.path.isabs(shard) or os.path.dirname(path) != os.path.normpath(folder):
+            raise errors.CheckpointError(
+                f"{index!r} names the shard {shard!r}, which is not a file in its "
+                f"folder; refusing to read outside {folder!r}.")
+        if not os.path.isfile(path):
+            raise errors.CheckpointNotFoundError(
+                f"{index!r} names the shard {shard!r}, which is missing "
+                f"from {folder!r}.")
+        shards.append(path)
+    return shards
+
+
+def weight_files(folder):
+    """The weights of a `save_pretrained` folder: `model.safetensors` (or its shards) first."""
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        return _shards(index)
+    for name in ("pytorch_model.bin", "model.pth", "pytorch_model.pth"):
+        if os.path.exists(os.path.join(folder, name)):
+            return [os.path.join(folder, name)]
+    raise errors.CheckpointNotFoundError(
+        f"No weights in folder {folder!r}: expected model.safetensors, "
+        f"model.safetensors.index.json or pytorch_model.bin (a save_pretrained folder).")
+
+
+def _positive_int(value):
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _check_config(config, path):
+    """Refuses a `config.json` whose fields that vit_keras reads have impossible values, or a model
+    vit_keras cannot hold."""
+    def bad(field, expected):
+        return errors.CheckpointError(f"{path!r}: {field} is {config[field]!r}; expected {expected}.")
+
+    model_type = config.get("model_type", "vit")
+    if model_type not in FAMILIES:
+        raise bad("model_type", f"one of {sorted(FAMILIES + tuple(_VISION_TOWERS))} (the ViT "
+                                f"family vit_keras reads)")
+    for field in ("num_attention_heads", "patch_size"):
+        if field in config and not _positive_int(config[field]):
+            raise bad(field, "a positive whole number")
+    size = config.get("image_size")
+    if "image_size" in config and not (_positive_int(size) or (
+            isinstance(size, (list, tuple)) and len(size) == 2 and all(map(_positive_int, size)))):
+        raise bad("image_size", "a positive whole number or [height, width]")
+    epsilon = config.get("layer_norm_eps", 1.0)
+    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not epsilon > 0:
+        raise bad("layer_norm_eps", "a positive number")
+    if config.get("hidden_act", "gelu") not in _GELU:
+        raise bad("hidden_act", f"one of {sorted(_GELU)} (the activations vit_keras supports)")
+    if config.get("use_swiglu_ffn"):
+        raise bad("use_swiglu_ffn", "false: vit_keras' MLP is Dense-GELU-Dense, not SwiGLU "
+                                    "(DINOv2 giant); it cannot hold this model")
+
+
+def vision_config(config):
+    """The image tower's config in a `config.json` dict: the dict itself, or a full CLIP or
+    SigLIP model's `vision_config` (with its `model_type`); None for None."""
+    if config is None:
+        return None
+    tower = _VISION_TOWERS.get(config.get("model_type"))
+    if tower is None:
+        return config
+    nested = config.get("vision_config")
+    if not isinstance(nested, dict):
+        nested = {}  # every field at its default
+    return {**nested, "model_type": tower}
+
+
+def read_config(folder):
+    """`config.json` in `folder` (its image tower's part, see `vision_config`) as a dict, or None;
+    a `CheckpointError` naming the file and the field when it is not JSON, a field vit_keras
+    reads has an impossible value, or the model is not one of the `FAMILIES`."""
+    path = os.path.join(folder, CONFIG)
+    if not os.path.exists(path):
+        return None
+    config = vision_config(read_json(path))
+    _check_config(config, path)
+    return config
+
+
+def read_normalization(folder, model_type):
+    """`(Normalization, where it comes from)` of a folder's pixels: its image processor's
+    `preprocessor_config.json` (`image_mean`, `image_std`, `rescale_factor`, `do_normalize`), else
+    the published processors of its family `model_type`; `(None, None)` when neither says."""
+    path = os.path.join(folder, PREPROCESSOR_CONFIG)
+    if os.path.isfile(path):
+        config = read_json(path)
+        try:
+            scale = float(config.get("rescale_factor", 1 / 255)) if config.get(
+                "do_rescale", True) else 1.0
+            if not config.get("do_normalize", True):
+                mean, std = (0.0,), (1.0,)
+            else:
+                mean, std = config["image_mean"], config["image_std"]
+            # (x * scale - mean) / std in the [0, 1] scale that `Normalization` takes.
+            mean = [float(m) / (255 * scale) for m in _as_list(mean)]
+            std = [float(s) / (255 * scale) for s in _as_list(std)]
+            return (normalization_lib.get_normalization((mean, std)),
+                    f"{PREPROCESSOR_CONFIG} (image_mean, image_std)")
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:
+            raise errors.CheckpointError(
+                f"{path!r} does not say how pixels are normalised ({type(error).__name__}: "
+                f"{error}); expected image_mean and image_std.") from None
+    name = _FAMILY_NORMALIZATION.get(model_type)
+    if name is None:
+        return None, None
+    return (normalization_lib.NORMALIZATIONS[name],
+            f"the published image processors of the {model_type} family")
+
+
+def _as_list(value):
+    return value if isinstance(value, (list, tuple)) else [value]
+
+
+def matches(state_dict):
+    return any(_ANCHOR.search(key) for key in state_dict)
+
+
+def family(state_dict, config=None):
+    """The family (a `model_type` of `FAMILIES`) of a Hugging Face state dict: `config.json`'s
+    `model_type` when there is one, else told from the keys."""
+    if config and "model_type" in config:
+        return vision_config(config)["model_type"]
+    keys = "\n".join(state_dict)
+    for pattern, found in ((r"embeddings\.class_embedding$", "clip_vision_model"),
+                           (r"embeddings\.patch_embedding\.weight$", "siglip_vision_model"),
+                           (r"embeddings\.register_tokens$", "dinov2_with_registers"),
+                           (r"layer_scale1\.lambda1$", "dinov2"),
+                           (r"embeddings\.distillation_token$", "deit")):
+        if re.search(pattern, keys, re.MULTILINE):
+            return found
+    return "vit"  # ViTMAEModel has ViT's keys and defaults
+
+
+def hints(config, model_type="vit"):
+    """Architecture facts from a `config.json` (dict, or None: the family's defaults) that the
+    weights alone do not carry: `layer_norm_epsilon`, `gelu` (and the older `approximate_gelu`),
+    `num_heads`, `grid`, and the family's position-embedding layout (`posemb_prefix`: every
+    Hugging Face family adds position embeddings to its class and distillation tokens)."""
+    config = vision_config(config) or {}
+    _check_config({"model_type": model_type, **config}, CONFIG)
+    config = {**_DEFAULTS[config.get("model_type", model_type)], **config}
+    gelu = _GELU[config["hidden_act"]]
+    out = {"layer_norm_epsilon": float(config["layer_norm_eps"]), "gelu": gelu,
+           "approximate_gelu": gelu == "tanh", "posemb_prefix": True}
+    if "num_attention_heads" in config:
+        out["num_heads"] = int(config["num_attention_heads"])
+    if "image_size" in config and "patch_size" in config:
+        size = config["image_size"]
+        rows, cols = (size, size) if isinstance(size, int) else size
+        out["grid"] = (rows // config["patch_size"], cols // config["patch_size"])
+    return out
+
+
+def _encoder_and_heads(state_dict, model_type):
+    """`state_dict` without the parts of a family's folder that no vit_keras model holds:
+    `ViTMAEForPreTraining`'s decoder (the hub's `facebook/vit-mae-*` folders; only the encoder is
+    ever fine-tuned), and `DeiTModel`'s pooler, which no published DeiT checkpoint trained (they
+    are `DeiTForImageClassification[WithTeacher]` folders, whose `DeiTModel` has no pooler):
+    vit_keras pools a distilled model as timm and DeiT do, by the mean of the class and
+    distillation tokens, and says so in one log line."""
+    if model_type == "vit_mae":
+        return {k: v for k, v in state_dict.items() if not k.startswith("decoder.")}
+    pooler = [k for k in state_dict if re.search(r"(?:^|\.)pooler\.dense\.", k)]
+    if model_type == "deit" and pooler:
+        logger.warning("DeiT: the checkpoint's pooler (Dense + tanh on the class token) is not "
+                       "loaded; the model pools by the mean of the class and distillation "
+                       "tokens, as DeiT and timm do.")
+        return {k: v for k, v in state_dict.items() if k not in pooler}
+    return state_dict
+
+
+def convert(state_dict, config=None, num_heads=None, folder=None):
+    """`(canonical params, info)`. The heads come from `config.json`, else from `num_heads`, else
+    from the paper's variant of that width; LayerNorm epsilon and GELU variant from `config.json`,
+    else the family's defaults (ViT's epsilon is 1e-12, CLIP's GELU the quick one, ...); the
+    input normalisation from `folder`'s image processor (see `read_normalization`)."""
+    model_type = family(state_dict, config)
+    state_dict = _encoder_and_heads(state_dict, model_type)
+    info = {"format": "huggingface", "interpolation": "bicubic", "antialias": False,
+            **hints(config, model_type)}
+    if folder is not None:
+        normalization, source = read_normalization(folder, model_type)
+        if normalization is not None:
+            info.update(normalization=normalization, normalization_source=source)
+    if num_heads and "num_heads" not in info:  # config.json knows better than the caller
+        info["num_heads"] = num_heads
+    if "num_heads" not in info:
+        hidden = next(v for k, v in state_dict.items() if _ANCHOR.search(k)).shape[0]
+        info["num_heads"] = timm.default_num_heads(hidden)
+    return names.from_huggingface(state_dict, info["num_heads"]), info

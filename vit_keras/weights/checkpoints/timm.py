@@ -1,0 +1,192 @@
+"""timm `VisionTransformer` state dicts (`.pth`, `.bin` or `.safetensors`), the ViT family included.
+
+The keys say most of a timm model's switches (LayerScale `ls1`/`ls2`, `reg_token`, `dist_token`,
+`norm_pre`, `fc_norm`, `attn_pool`, a patch embedding without bias); what they cannot say comes
+from timm's `config.json` beside a hub file (its `architecture`, and the `mean` and `std` of its
+`pretrained_cfg`), else from the timm architecture name (`timm_architecture=`):
+
+| name contains | LayerNorm epsilon | GELU | normalisation |
+|---|---|---|---|
+| `_clip_` (laion, openai, ...) | 1e-5 | exact | `"clip"` (LAION's L/14: `"inception"`) |
+| `_clip_quickgelu_` (openai) | 1e-5 | quick | `"clip"` |
+| `deit`, `_dinov2`, tag `.mae` or `.dino` | 1e-6 | exact | `"imagenet"` |
+| `_siglip`, tag `.augreg*` or `.orig_in21k*` | 1e-6 | exact | `"inception"` |
+| anything else | 1e-6 | exact | not known |
+
+and the heads from its size (`tiny` 3, `small` 6, `base` 12, `large` 16, `huge` 16, `giant` 24,
+`so400m` 16) when the paper's variants do not give one for the width. Without either, the keys
+decide what they can: CLIP's (`norm_pre` and a patch embedding without bias) give its epsilon and
+normalisation, a distillation token DeiT's normalisation; CLIP's GELU variant (quick in OpenAI's
+weights as timm's `_clip_quickgelu_` models hold them, exact in timm's `_clip_` ones) they cannot
+tell, and that is said in one warning.
+"""
+
+import logging
+import os
+import re
+
+from vit_keras import errors
+from vit_keras.model import configs
+from vit_keras.model import normalization as normalization_lib
+from vit_keras.weights.checkpoints import files, names
+
+logger = logging.getLogger("vit_keras")
+
+_ANCHOR = "patch_embed.proj.weight"
+CONFIG = "config.json"
+_HEADS_BY_SIZE = {"tiny": 3, "small": 6, "base": 12, "large": 16, "huge": 16, "giant": 24,
+                  "so400m": 16, "so150m": 16}
+
+
+def matches(state_dict):
+    return _ANCHOR in state_dict
+
+
+def default_num_heads(hidden_size):
+    """The head count of the paper's variants for a hidden size (timm files do not store it)."""
+    heads = {c.num_heads for c in configs.VARIANTS.values() if c.hidden_size == hidden_size}
+    if len(heads) != 1:
+        raise errors.CheckpointError(
+            f"Cannot tell the number of attention heads of a timm checkpoint with hidden size "
+            f"{hidden_size} (not a standard variant); pass num_heads=..., variant=... or "
+            f"timm_architecture=....")
+    return heads.pop()
+
+
+# (pattern on "architecture.tag", normalisation): the first that matches names it. Checked against
+# the mean and std of every timm pretrained config that a pattern claims (tests/test_normalization.py).
+_NORMALIZATION_BY_NAME = (
+    (r"^vit_large_patch14_clip_\d+\.laion2b", "inception"),  # LAION's L/14, unlike its others
+    (r"^vit_large_patch14_clip_\d+$", None),  # without a tag: OpenAI's (CLIP's) or LAION's
+    (r"_clip_", "clip"),
+    (r"^deit|_dinov2|\.mae$|\.dino$", "imagenet"),
+    (r"_siglip|\.augreg|\.orig_in21k", "inception"),
+)
+# Keys of timm ViTs that vit_keras' model has no place for, and what they are.
+_UNSUPPORTED = (
+    (r"\.attn\.[qk]_norm\.", "qk-norm (a norm on queries and keys)"),
+    (r"\.attn\.[qkv]_proj\.", "separate query/key/value projections"),
+    (r"\.attn\.[qv]_bias$", "attention biases on the query and value only (EVA, BEiT)"),
+    (r"\.attn\.norm\.", "a norm inside attention"),
+    (r"\.mlp\.(?:fc1_[gx]|w12|w3)\.", "a gated MLP (SwiGLU)"),
+    (r"\.mlp\.norm\.", "a norm inside the MLP"),
+    (r"(?:^|\.)rope\.", "rotary position embeddings"),
+    (r"\.gamma_[12]$", "EVA's LayerScale"),
+)
+
+
+def architecture_hints(timm_architecture):
+    """What a timm architecture name (`"vit_base_patch16_clip_quickgelu_224.openai"`; the
+    pretrained tag after the dot matters only for the normalisation) says that the keys do not:
+    `layer_norm_epsilon`, `gelu`, `num_heads` where its size names one, and `normalization` where
+    the table above names one."""
+    name = timm_architecture.split(".")[0]
+    hints = {"layer_norm_epsilon": 1e-5 if "_clip_" in name else 1e-6,
+             "gelu": "quick" if "quickgelu" in name else "exact"}
+    size = re.match(r"^(?:vit|deit3?)_([a-z0-9]+)_", name)
+    if size and size.group(1) in _HEADS_BY_SIZE:
+        hints["num_heads"] = _HEADS_BY_SIZE[size.group(1)]
+    normalization = normalization_for_name(timm_architecture)
+    if normalization:
+        hints["normalization"] = normalization_lib.NORMALIZATIONS[normalization]
+        hints["normalization_source"] = f"the timm architecture {timm_architecture!r}"
+    return hints
+
+
+def normalization_for_name(timm_name):
+    """The name of the normalisation (a key of `vit_keras.model.normalization.NORMALIZATIONS`) that a
+    timm model name with or without its pretrained tag says, or None."""
+    return next((found for pattern, found in _NORMALIZATION_BY_NAME
+                 if re.search(pattern, timm_name)), None)  # a None rule ends the search too
+
+
+def config_beside(path):
+    """What timm's `config.json` in the folder of `path` (a hub download, or timm's
+    `save_for_hf`) says, as a dict with any of: `architecture` (with its pretrained tag,
+    `"vit_small_patch14_dinov2.lvd142m"`), `normalization` (the `mean` and `std` of its
+    `pretrained_cfg`) and `num_heads` (of its `model_args`). Empty when there is no such file or
+    it is not timm's: the weights alone decide."""
+    config = os.path.join(os.path.dirname(os.path.abspath(path)), CONFIG)
+    if not os.path.isfile(config):
+        return {}
+    try:
+        config = files.read_json(config)
+        found = {}
+        if isinstance(config.get("architecture"), str):
+            tag = (config.get("pretrained_cfg") or {}).get("tag")
+            found["architecture"] = config["architecture"] + (
+                f".{tag}" if isinstance(tag, str) and tag else "")
+        data = config.get("pretrained_cfg") or {}
+        if "mean" in data and "std" in data:
+            found["normalization"] = normalization_lib.get_normalization(
+                (data["mean"], data["std"]))
+        heads = (config.get("model_args") or {}).get("num_heads")
+        if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0:
+            found["num_heads"] = heads
+        return found
+    except (OSError, ValueError, AttributeError, TypeError, RecursionError):
+        return {}  # not timm's: the weights alone decide
+
+
+def unsupported_features(state_dict):
+    """What the timm state dict holds that vit_keras' ViT has no place for (qk-norm, SwiGLU,
+    rotary embeddings, ...), as phrases; empty for the family vit_keras reads."""
+    found = [what for pattern, what in _UNSUPPORTED
+             if any(re.search(pattern, key) for key in state_dict)]
+    fc1, fc2 = state_dict.get("blocks.0.mlp.fc1.weight"), state_dict.get("blocks.0.mlp.fc2.weight")
+    if fc1 is not None and fc2 is not None and fc1.shape[0] == 2 * fc2.shape[-1]:
+        found.append("a gated MLP (SwiGLU, packed)")
+    if "blocks.0.norm1.weight" in state_dict and "blocks.0.norm1.bias" not in state_dict:
+        found.append("norms without bias (RMSNorm)")
+    if "pos_embed" not in state_dict and any(key.startswith("blocks.") for key in state_dict):
+        found.append("no absolute position embedding")
+    return found
+
+
+def _hints_from_keys(state_dict, warn=True):
+    """What the keys alone decide about numerics: CLIP's epsilon and normalisation from its
+    `norm_pre` and bias-free patch embedding, with a warning (`warn`) that its GELU variant cannot
+    be told; DeiT's normalisation from a distillation token."""
+    if "norm_pre.weight" in state_dict and "patch_embed.proj.bias" not in state_dict:
+        if warn:
+            logger.warning(
+                "The keys of this timm checkpoint are CLIP's (norm_pre, no patch bias): LayerNorm "
+                "epsilon 1e-5 and CLIP's normalisation; its GELU cannot be told from the keys, "
+                "exact assumed (timm's vit_*_clip_*): for OpenAI's quick GELU pass "
+                "timm_architecture='vit_base_patch16_clip_quickgelu_224' (or the model's own "
+                "name; apps: --timm_architecture).")
+        return {"layer_norm_epsilon": 1e-5, "gelu": "exact",
+                "normalization": normalization_lib.NORMALIZATIONS["clip"],
+                "normalization_source": "the keys (CLIP's)"}
+    if "dist_token" in state_dict:
+        return {"normalization": normalization_lib.NORMALIZATIONS["imagenet"],
+                "normalization_source": "the keys (DeiT's distillation token)"}
+    return {}
+
+
+def convert(state_dict, num_heads=None, timm_architecture=None, beside=None):
+    """`(canonical params, info)`. timm resamples state-dict position embeddings bicubic with
+    antialias (`checkpoint_filter_fn`), so that is this format's default. `num_heads` wins over
+    timm's `config.json` (`beside`, see `config_beside`), which wins over the architecture name
+    (`timm_architecture`, else the config's), which wins over the paper's variant of that width;
+    the config's normalisation wins over the name's."""
+    beside = beside or {}
+    timm_architecture = timm_architecture or beside.get("architecture")
+    num_heads = num_heads or beside.get("num_heads")
+    normalization = beside.get("normalization")
+    hints = _hints_from_keys(state_dict, warn=not timm_architecture)
+    if timm_architecture:  # the name decides all but a normalisation it does not name
+        hints = {key: value for key, value in hints.items() if key.startswith("normalization")}
+        hints.update(architecture_hints(timm_architecture))
+    if normalization is not None:
+        hints.update(normalization=normalization,
+                     normalization_source="timm's config.json (pretrained_cfg mean and std)")
+    num_heads = num_heads or hints.pop("num_heads", None) or default_num_heads(
+        state_dict[_ANCHOR].shape[0])
+    hints.pop("num_heads", None)
+    params = names.from_timm(state_dict, num_heads)
+    info = {"format": "timm", "interpolation": "bicubic", "antialias": True,
+            "num_heads": num_heads, **hints}
+    if "gelu" in hints:
+        info["approximate_gelu"] = hints["gelu"] == "tanh"
+    return params, info
