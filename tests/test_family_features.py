@@ -124,18 +124,15 @@ def test_rollout_refuses_a_class_token_that_is_not_there():
         analysis.attention_rollout(_attention(np.eye(4)), (2, 2), class_token=True)
 
 
-def test_token_grid_refuses_position_embeddings_that_fit_no_prefix(monkeypatch):
+def test_registers_and_an_uncovered_class_token_take_no_position_embedding():
     model = vit_keras.build_model(
         {"name": "reg", "patch_size": 8, "hidden_size": 16, "mlp_dim": 32, "num_heads": 2,
          "num_layers": 1, "num_registers": 2, "posemb_prefix": False},
         image_size=16, include_preprocessing=False)
     assert analysis.prefix_tokens(model) == ["class", "register", "register"]
-    assert analysis.token_grid(model) == (2, 2)  # neither registers nor the class token take one
-    # 4 patches and 1 class token: 4 or 5 position embeddings; registers never take one.
-    monkeypatch.setattr(analysis, "position_embedding", lambda _: np.zeros((6, 16)))
-    with pytest.raises(ValueError, match="6 position embeddings for a 2x2 patch grid; "
-                                         "expected 4 or 5"):
-        analysis.token_grid(model)
+    assert analysis.token_grid(model) == (2, 2)
+    # 4 patches: neither the registers nor the class token (posemb_prefix=False) take one.
+    assert analysis.position_embedding(model).shape == (4, 16)
 
 
 # --- position embeddings resampled at another size --------------------------------------------------
