@@ -45,9 +45,17 @@ def _rewritten(saved, out, config=None, config_member=None):
 
 
 def _with_field(config, class_name, field, value):
+    """A functional model's config (an earlier vit_keras's) with `field` of each `class_name`
+    layer set to `value`."""
     for layer in config["config"]["layers"]:
         if layer["class_name"] == class_name:
             layer["config"][field] = value
+    return config
+
+
+def _with_variant_field(config, field, value):
+    """A `vit_keras.ViT`'s config with its variant's `field` set to `value`."""
+    config["config"]["variant"][field] = value
     return config
 
 
@@ -65,7 +73,7 @@ def _inflating_config(target, config):
 
 def _deep(config, depth=5000):
     """The config as JSON text, with a list nested `depth` deep in its first layer's config."""
-    config["config"]["layers"][0]["config"]["nested"] = "DEEP"
+    config["config"]["variant"]["nested"] = "DEEP"
     return json.dumps(config).replace('"DEEP"', "[" * depth + "]" * depth)
 
 
@@ -96,6 +104,15 @@ def test_a_config_json_that_inflates_to_hundreds_of_megabytes_is_refused_unread(
 
 def test_a_layer_size_no_model_has_is_refused_before_building(tmp_path, saved):
     path = _rewritten(saved, tmp_path / "wide.keras",
+                      lambda c: _with_variant_field(c, "mlp_dim", 20_000_000))
+    with pytest.raises(keras_files.KerasFileError,
+                       match=r"layer '\w+' \(ViT\) has mlp_dim 20000000, beyond the 16777216"):
+        vit_keras.check_keras_file(path)
+
+
+def test_a_layer_size_of_a_functional_file_of_an_earlier_version_is_refused(tmp_path):
+    legacy = os.path.join(os.path.dirname(__file__), "data", "legacy_vit.keras")
+    path = _rewritten(legacy, tmp_path / "wide.keras",
                       lambda c: _with_field(c, "TransformerBlock", "mlp_dim", 20_000_000))
     with pytest.raises(keras_files.KerasFileError,
                        match=r"layer 'encoderblock_0' \(TransformerBlock\) has mlp_dim 20000000, "
@@ -107,7 +124,7 @@ def test_a_model_of_more_weights_than_its_file_stores_is_refused(tmp_path, saved
     """mlp_dim 2,000,000 is a size some layer could have; a model of 2 such blocks of width 32 has
     256 M weights, which a file of 200 kB cannot hold."""
     path = _rewritten(saved, tmp_path / "claims.keras",
-                      lambda c: _with_field(c, "TransformerBlock", "mlp_dim", 2_000_000))
+                      lambda c: _with_variant_field(c, "mlp_dim", 2_000_000))
     with pytest.raises(keras_files.KerasFileError,
                        match=r"describes a model of at least 256\d{6} weights .*but its weights "
                              r"file holds at most \d+ bytes"):
@@ -133,7 +150,7 @@ def test_predict_refuses_a_hostile_keras_file_in_one_line(tmp_path, saved, case)
                                                     config_member=_inflating_config),
              "more_weights_than_stored": lambda: _rewritten(
                  saved, tmp_path / "m.keras",
-                 lambda c: _with_field(c, "TransformerBlock", "mlp_dim", 2_000_000)),
+                 lambda c: _with_variant_field(c, "mlp_dim", 2_000_000)),
              "too_deep": lambda: _rewritten(saved, tmp_path / "m.keras", _deep)}[case]()
     image = tmp_path / "image.png"
     Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(image)

@@ -119,14 +119,14 @@ PACKAGE_DIR = os.path.join(REPO_ROOT, "vit_keras")
 
 
 def test_module_is_pure_numpy():
-    # posemb.py (and geometry.py, which it uses) loaded without the package's __init__ (which
-    # imports Keras), with SciPy and torch made unimportable.
+    # weights/posemb.py (and model/geometry.py, which it uses) loaded without the package's
+    # __init__ (which imports Keras), with Keras, SciPy and torch made unimportable.
     code = (
         "import importlib, sys, types\n"
         "sys.modules['scipy'] = None; sys.modules['torch'] = None; sys.modules['keras'] = None\n"
         "package = types.ModuleType('vit_keras'); package.__path__ = [%r]\n"
         "sys.modules['vit_keras'] = package\n"
-        "p = importlib.import_module('vit_keras.posemb')\n"
+        "p = importlib.import_module('vit_keras.weights.posemb')\n"
         "import numpy as np\n"
         "for m in p.INTERPOLATIONS:\n"
         "    p.resample_position_embeddings(np.ones((1, 17, 2), 'float32'), (3, 5), interpolation=m)\n"

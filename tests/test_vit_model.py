@@ -125,7 +125,7 @@ def test_a_model_that_is_no_vit_is_refused_by_name():
 def test_a_new_mlp_is_one_class_and_one_config_value(monkeypatch):
     # What the slots promise the next family (a gated MLP): register one class, name it in the
     # config, and the model builds, runs, saves and loads with it; nothing else changes.
-    from vit_keras import mlp
+    from vit_keras.model import mlp
 
     @keras.saving.register_keras_serializable(package="vit_keras_tests")
     class DoubledMlp(mlp.MlpBlock):

@@ -24,7 +24,6 @@ from vit_keras.inspection.analysis import (
     token_size_pixels,
 )
 from vit_keras.inspection.features import build_feature_extractor, intermediate_features
-from vit_keras.model import ViT, attention_scores, with_dynamic_image_size
 from vit_keras.model.configs import VARIANTS, ViTConfig, get_config
 from vit_keras.model.heads import MAPHead, TokenPooling
 from vit_keras.model.layers import (
@@ -41,6 +40,7 @@ from vit_keras.model.layers import (
 )
 from vit_keras.model.normalization import NORMALIZATIONS, Normalization, PixelNormalization
 from vit_keras.model.resnet import ResidualUnit, ResNetStage, ResNetStem, StdConv2D
+from vit_keras.model.vit import ViT, attention_scores, with_dynamic_image_size
 
 # Imported for what they register with Keras' serialization: the MPP layers, the training
 # recipes' WarmupSchedule and layer-decay optimizers, so that `import vit_keras` is all a saved

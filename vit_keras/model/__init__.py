@@ -12,11 +12,19 @@ JAX or torch at import), so one model runs on every backend.
   the layers compute on each backend and device.
 """
 
-from vit_keras.model.vit import (  # noqa: F401
-    CLASSIFIERS,
-    ViT,
-    attention_scores,
-    build_vit,
-    transformer_blocks,
-    with_dynamic_image_size,
-)
+# The model's names, imported from vit.py when first asked for: `vit_keras.model.geometry` and
+# `.configs` (plain Python, which the NumPy-only weights code uses) load no Keras.
+_FROM_VIT = ("CLASSIFIERS", "ViT", "attention_scores", "build_vit", "transformer_blocks",
+             "with_dynamic_image_size")
+
+
+def __getattr__(name):
+    if name in _FROM_VIT:
+        from vit_keras.model import vit
+
+        return getattr(vit, name)
+    raise AttributeError(f"module 'vit_keras.model' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_FROM_VIT])

@@ -37,7 +37,8 @@ _DEFLATE_MAX_RATIO = 1100
 _SIZE_FIELDS = ("units", "filters", "mlp_dim", "hidden_size", "num_heads", "key_dim", "value_dim",
                 "input_dim", "output_dim", "num_tokens", "patch_size", "kernel_size",
                 "output_shape", "features", "num_units", "num_layers", "width_factor",
-                "representation_size", "num_classes", "intermediate_size")
+                "representation_size", "num_classes", "intermediate_size", "image_size",
+                "channels")
 _METADATA = ("config.json", "metadata.json")
 
 
@@ -140,8 +141,12 @@ def _weights_claimed(path, config):
     for layer in _layers(config):
         fields = layer["config"]
         name = fields.get("name", layer["class_name"])
+        sizes = fields
+        if layer["class_name"] == "ViT" and isinstance(fields.get("variant"), dict):
+            # A vit_keras.ViT saves its arguments, its variant's sizes among them.
+            sizes = {**fields["variant"], **fields}
         for field in _SIZE_FIELDS:
-            values = fields.get(field)
+            values = sizes.get(field)
             for value in values if isinstance(values, list) else [values]:
                 if _whole(value) > MAX_SIZE:
                     raise KerasFileError(
@@ -192,4 +197,20 @@ def _layer_weights(class_name, fields, shape):
         return 9 * get("features") ** 2
     if class_name == "ResNetStage":
         return 9 * get("num_units") * get("features") ** 2
+    if class_name == "ViT" and isinstance(fields.get("variant"), dict):
+        return _vit_weights(fields)
     return 0
+
+
+def _vit_weights(fields):
+    """The fewest weights a `vit_keras.ViT` of these arguments holds: its blocks' projections and
+    MLPs, its position embeddings and its head."""
+    variant = fields["variant"]
+    hidden, mlp_dim = _whole(variant.get("hidden_size")), _whole(variant.get("mlp_dim"))
+    patch = _whole(variant.get("patch_size")) or 1
+    size = fields.get("image_size")
+    sides = size if isinstance(size, list) and len(size) == 2 else [size, size]
+    tokens = math.prod(_whole(side) // patch for side in sides)
+    head = _whole(fields.get("num_classes")) if fields.get("include_top", True) else 0
+    return (_whole(variant.get("num_layers")) * (4 * hidden ** 2 + 2 * hidden * mlp_dim)
+            + (tokens + head) * hidden)
