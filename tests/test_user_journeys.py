@@ -229,6 +229,9 @@ def test_finetuning_a_pretrained_digits_model_keeps_its_size_and_the_digits_reci
     assert "masked patch prediction model" in finetune_run["stdout"]
 
 
+# The estimate and the check are vit_keras.tools.memory's, run before the first step on every
+# backend by test_memory.py; what this adds is the app's one-line error: one pass.
+@pytest.mark.backend_independent("tensorflow")
 def test_a_configuration_too_large_for_memory_is_refused_before_the_first_step(pretrain_run,
                                                                                 tmp_path):
     # 384 px with 4-pixel patches: 9,216 tokens; attention alone needs terabytes at batch 512.
@@ -269,6 +272,10 @@ def replayed_from_flagfile(finetune_run, tmp_path_factory):
     return {"folder": copy, "before": before, "stdout": result.stdout}
 
 
+# --overwrite and a flagfile's --backend are the run folder's and the apps' flag parsing, the same
+# whatever the backend (each backend's own training is finetune_run's): one pass, which trains
+# the replay.
+@pytest.mark.backend_independent("torch")
 def test_overwrite_starts_a_finished_run_over(replayed_from_flagfile):
     folder = replayed_from_flagfile["folder"]
     assert "is complete" not in replayed_from_flagfile["stdout"]
@@ -322,6 +329,7 @@ def test_the_demo_on_another_backend_trains_its_own_run_not_the_first_ones(finet
     assert RunFolder(finetune_run["folder"]).read_metrics()["config"]["backend"] == BACKEND
 
 
+@pytest.mark.backend_independent("torch")  # as test_overwrite_starts_a_finished_run_over
 def test_a_flagfile_replays_its_backend_whatever_keras_backend_says(replayed_from_flagfile):
     metrics = RunFolder(replayed_from_flagfile["folder"]).read_metrics()
     assert metrics["config"]["backend"] == BACKEND != OTHER_BACKEND
