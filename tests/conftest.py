@@ -24,9 +24,11 @@ collect_ignore = ([] if keras.backend.backend() == "tensorflow"
                   else ["test_export.py", "test_export_app.py"])
 
 
-# Tests marked `backend_independent` (NumPy-only code, parameter counts of unallocated models)
-# give the same answer on every backend: in a run over all three, only this pass runs them.
-# torch's is the shortest pass.
+# Tests marked `backend_independent` (NumPy-only code, parameter counts of unallocated models, an
+# app's checks of its flags and run folder) give the same answer on every backend: in a run over
+# all three, only this pass runs them (torch's is the shortest pass), or the pass the marker names:
+# `@pytest.mark.backend_independent("jax")` spreads the slow ones (apps in subprocesses) over the
+# passes, so that each pass's shards stay about as long as the others'.
 BACKEND_INDEPENDENT_PASS = "torch"
 
 
@@ -44,8 +46,13 @@ def _pass_of(item):
     if any(item.get_closest_marker(name) is not None
            for name in ("jax_subprocess", "multiprocess")):
         return "jax"  # they start their own JAX processes whatever this pass's backend
-    if item.get_closest_marker("backend_independent") is not None:
-        return BACKEND_INDEPENDENT_PASS
+    marker = item.get_closest_marker("backend_independent")
+    if marker is not None:
+        owner = marker.args[0] if marker.args else BACKEND_INDEPENDENT_PASS
+        if owner not in BACKENDS:
+            raise pytest.UsageError(f"{item.nodeid}: backend_independent({owner!r}) must name "
+                                    f"one of {BACKENDS}")
+        return owner
     return None
 
 
@@ -53,9 +60,10 @@ def _pass_of(item):
 def pytest_collection_modifyitems(config, items):
     """Tests marked `jax_subprocess` or `multiprocess` start their own processes whatever this
     pass's backend, so they belong to the JAX pass; `backend_independent` tests belong to
-    `BACKEND_INDEPENDENT_PASS`. When that pass is part of the run (`--backends`), the other passes
-    deselect them (as with the export modules); when it is not (say `make test-fast` on torch),
-    this pass runs them. A `multiprocess` test is `slow` too."""
+    `BACKEND_INDEPENDENT_PASS`, or to the pass their marker names. When that pass is part of the
+    run (`--backends`), the other passes deselect them (as with the export modules); when it is
+    not (say `make test-fast` on torch), this pass runs them. A `multiprocess` test is `slow`
+    too."""
     for item in items:
         if item.get_closest_marker("multiprocess") is not None:
             item.add_marker(pytest.mark.slow)

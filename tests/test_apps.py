@@ -161,6 +161,7 @@ def test_predict_lists_top_k_class_names(resumed_run, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.backend_independent("tensorflow")  # absl's --help, before any backend work
 @pytest.mark.parametrize("app", ["finetune.py", "train.py", "evaluate.py", "predict.py"])
 def test_help_documents_every_flag(app):
     text = _app(app, "--help", check=False).stdout  # absl exits 1 after --help
@@ -181,6 +182,7 @@ def test_help_documents_every_flag(app):
 
 
 @pytest.mark.slow
+@pytest.mark.backend_independent("torch")  # the recipe a flag picks: vit_keras.tools.recipes
 def test_train_app_uses_the_pretraining_recipe(tmp_path):
     result = _app("train.py", "--backend", BACKEND, *TINY, "--epochs", "1", "--dataset", "digits",
                   "--recipe", "pretrain", "--warmup_steps", "1", "--output_dir", str(tmp_path))

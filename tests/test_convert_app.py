@@ -54,6 +54,7 @@ def test_convert_refuses_a_wrong_variant(tmp_path, checkpoint):
 
 
 @pytest.mark.slow
+@pytest.mark.backend_independent("tensorflow")  # the app's file handling; each backend converts above
 def test_an_existing_output_is_replaced_only_with_overwrite(tmp_path, checkpoint):
     out = tmp_path / "tiny.keras"
     first = run_app("convert.py", "--weights", checkpoint, "--out", str(out))

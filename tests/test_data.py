@@ -308,6 +308,7 @@ def test_a_fresh_run_replaces_an_old_record(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.backend_independent("torch")  # the folder is read by tf.data on every backend
 def test_finetune_app_trains_on_a_folder_with_unreadable_files_and_names_them(tmp_path):
     """The app starts without decoding the folder, trains, and names the skipped files in its
     output and in the run folder (skipped_files.txt, and their count in metrics.json)."""
@@ -442,6 +443,7 @@ def test_a_class_whose_files_all_turn_out_unreadable_is_refused_once_they_are_re
 
 
 @pytest.mark.slow
+@pytest.mark.backend_independent("tensorflow")  # the folder is read by tf.data on every backend
 def test_a_run_on_a_class_of_unreadable_files_ends_in_one_error_and_is_not_kept(tmp_path):
     """Trained on one class, a run would score 100%: it stops before metrics.json is written."""
     from conftest import run_app
@@ -501,6 +503,7 @@ def test_a_record_of_the_earlier_tab_separated_format_still_resumes(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.backend_independent("tensorflow")  # images are read by TensorFlow on every backend
 def test_predict_reads_an_rgba_webp_and_names_a_file_whose_name_is_not_utf8(tmp_path,
                                                                            tiny_config):
     """One `ERROR:` line naming the file as it can be printed, where TensorFlow's conversion of

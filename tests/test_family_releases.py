@@ -22,6 +22,11 @@ from weights_mirror import MirrorServer
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+# Fetching, checking and caching a hub release is vit_keras.download's (no backend): one pass runs
+# the module (`make test`). The family's logits against transformers on every backend are
+# test_family_hf.py's; each backend's fine-tuning through the app is test_user_journeys.py's.
+pytestmark = pytest.mark.backend_independent("torch")
+
 RELEASE = releases.find_release("ViT-S/14", "dinov2")
 
 

@@ -308,6 +308,7 @@ def test_a_timm_variant_vit_keras_cannot_hold_is_named_in_one_line(architecture,
 
 
 @pytest.mark.slow
+@pytest.mark.backend_independent("tensorflow")  # refused from the state dict's keys, before any model
 def test_convert_names_an_unsupported_timm_variant_in_one_line(tmp_path):
     torch.manual_seed(0)
     model = timm.create_model("vit_small_patch16_224", pretrained=False, img_size=32,

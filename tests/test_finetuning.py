@@ -479,6 +479,9 @@ def test_lora_and_linear_probe_are_refused_for_masked_patch_prediction():
 
 
 @pytest.mark.slow
+# The run folder's resume, flags.txt and rerun checks are the same on every backend, and a LoRA
+# model's weights and adapters round trip on each backend in the tests above (not slow): one pass.
+@pytest.mark.backend_independent("torch")
 def test_lora_run_resumes_saves_a_plain_model_and_adapters_and_reruns_complete(tmp_path,
                                                                                monkeypatch):
     """apps/finetune.py --lora_rank 4 on the digits, killed once its training ended: the same

@@ -231,6 +231,11 @@ def dataclasses_replace(recipe, **changes):
 # --- apps/pretrain.py end to end, and apps/finetune.py from its model ----------------------------
 
 BACKEND = keras.backend.backend()
+# The apps' runs below check what the run records (objective, few-shot table, layout, resume,
+# hand-over), the same on every backend: one pass runs them (`make test`). The MPP model trains,
+# saves and reloads on every backend in the tests above, and pretrain.py then finetune.py run on
+# every backend in test_user_journeys.py, their models loaded on all three.
+ONE_PASS = pytest.mark.backend_independent("torch")
 # As tests/test_apps.py: ViT-digits at 8 px (4 patches), a few steps per epoch.
 TINY = ["--image_size", "8", "--batch_size", "16", "--steps_per_epoch", "3", "--verbose", "2"]
 
@@ -262,6 +267,7 @@ def pretrain_run(tmp_path_factory):
 
 
 @pytest.mark.slow
+@ONE_PASS
 def test_pretrain_app_trains_the_mpp_model_and_reports_few_shot_accuracy(pretrain_run):
     import json
 
@@ -282,6 +288,7 @@ def test_pretrain_app_trains_the_mpp_model_and_reports_few_shot_accuracy(pretrai
 
 
 @pytest.mark.slow
+@ONE_PASS
 def test_pretrain_run_folder_has_the_training_runs_layout(pretrain_run):
     import os
 
@@ -294,6 +301,7 @@ def test_pretrain_run_folder_has_the_training_runs_layout(pretrain_run):
 
 
 @pytest.mark.slow
+@ONE_PASS
 def test_pretrain_run_killed_after_training_resumes_at_the_few_shot_evaluation(tmp_path):
     import json
     import os
@@ -315,6 +323,7 @@ def test_pretrain_run_killed_after_training_resumes_at_the_few_shot_evaluation(t
 
 
 @pytest.mark.slow
+@ONE_PASS
 def test_finetune_app_fine_tunes_the_pretrained_encoder(pretrain_run, tmp_path):
     import json
 

@@ -385,6 +385,9 @@ def test_timm_config_json_is_read_as_timm_writes_it(tmp_path):
 
 # --- The apps: what a checkpoint file cannot say, as flags ----------------------------------------
 @pytest.mark.slow
+# The flags reach the converter the same way on every backend; the converted logits against timm
+# on every backend are the tests above (in process): one pass.
+@pytest.mark.backend_independent("tensorflow")
 def test_convert_takes_the_timm_architecture_and_the_normalization_as_flags(tmp_path):
     from conftest import run_app
 

@@ -17,6 +17,12 @@ from vit_keras import download, releases
 from conftest import random_images, run_app
 from weights_mirror import MirrorServer, write_release
 
+# What a release name resolves to, downloads, caches and refuses is vit_keras.download's and
+# vit_keras.releases' (no backend), and every app starts the same way on each: one pass runs the
+# module (`make test`). Loading a checkpoint's weights on each backend is test_checkpoints.py's, and
+# each backend's fine-tuning through the app is test_user_journeys.py's.
+pytestmark = pytest.mark.backend_independent("torch")
+
 RELEASE = "augreg_in21k_ft_in1k"
 # The smallest resolution of each release; images at 32 px take the file nearest to them, this one.
 VIT = releases.find_release("ViT-Ti/16", RELEASE)

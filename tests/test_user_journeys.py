@@ -229,6 +229,9 @@ def test_finetuning_a_pretrained_digits_model_keeps_its_size_and_the_digits_reci
     assert "masked patch prediction model" in finetune_run["stdout"]
 
 
+# The estimate and the check are vit_keras.tools.memory's, run before the first step on every
+# backend by test_memory.py; what this adds is the app's one-line error: one pass.
+@pytest.mark.backend_independent("tensorflow")
 def test_a_configuration_too_large_for_memory_is_refused_before_the_first_step(pretrain_run,
                                                                                 tmp_path):
     # 384 px with 4-pixel patches: 9,216 tokens; attention alone needs terabytes at batch 512.
@@ -244,7 +247,7 @@ def test_a_configuration_too_large_for_memory_is_refused_before_the_first_step(p
 # --- a finished run stays finished -----------------------------------------------------------
 
 # The run folder decides before any backend work (vit_keras.tools.run_folder): one pass suffices.
-@pytest.mark.backend_independent
+@pytest.mark.backend_independent("tensorflow")  # where an app starts fastest
 def test_rerunning_a_finished_run_says_it_is_complete_and_changes_nothing(finetune_run):
     before = _snapshot(finetune_run["folder"])
     assert {"model.keras", "metrics.json"} <= set(before)
@@ -269,6 +272,10 @@ def replayed_from_flagfile(finetune_run, tmp_path_factory):
     return {"folder": copy, "before": before, "stdout": result.stdout}
 
 
+# --overwrite and a flagfile's --backend are the run folder's and the apps' flag parsing, the same
+# whatever the backend (each backend's own training is finetune_run's): one pass, which trains
+# the replay.
+@pytest.mark.backend_independent("torch")
 def test_overwrite_starts_a_finished_run_over(replayed_from_flagfile):
     folder = replayed_from_flagfile["folder"]
     assert "is complete" not in replayed_from_flagfile["stdout"]
@@ -279,7 +286,7 @@ def test_overwrite_starts_a_finished_run_over(replayed_from_flagfile):
         assert after[name] != replayed_from_flagfile["before"][name], name
 
 
-@pytest.mark.backend_independent
+@pytest.mark.backend_independent("tensorflow")  # where an app starts fastest
 def test_rerunning_a_finished_run_with_other_flags_is_refused_naming_them(finetune_run):
     """A run folder is the record of one run: its flags.txt says how the model was trained
     (vit_keras issue 40, items 6 and 7)."""
@@ -295,7 +302,7 @@ def test_rerunning_a_finished_run_with_other_flags_is_refused_naming_them(finetu
     assert _snapshot(finetune_run["folder"]) == before
 
 
-@pytest.mark.backend_independent
+@pytest.mark.backend_independent("tensorflow")  # where an app starts fastest
 def test_rerunning_a_finished_run_may_change_how_much_it_prints(finetune_run):
     before = _snapshot(finetune_run["folder"])
     result = _run(finetune_run["command"] + ["--verbose", "1"])
@@ -322,6 +329,7 @@ def test_the_demo_on_another_backend_trains_its_own_run_not_the_first_ones(finet
     assert RunFolder(finetune_run["folder"]).read_metrics()["config"]["backend"] == BACKEND
 
 
+@pytest.mark.backend_independent("torch")  # as test_overwrite_starts_a_finished_run_over
 def test_a_flagfile_replays_its_backend_whatever_keras_backend_says(replayed_from_flagfile):
     metrics = RunFolder(replayed_from_flagfile["folder"]).read_metrics()
     assert metrics["config"]["backend"] == BACKEND != OTHER_BACKEND
@@ -408,7 +416,7 @@ def test_a_full_disk_ends_a_run_with_one_line_naming_the_file(tmp_path):
 # --- one run per folder ----------------------------------------------------------------------
 
 # The lock and the folder checks are vit_keras.tools.run_folder's, the same on every backend.
-@pytest.mark.backend_independent
+@pytest.mark.backend_independent("tensorflow")  # where an app starts fastest
 def test_a_second_process_into_a_busy_run_folder_stops_at_once_naming_the_first(tmp_path):
     command = _command("finetune.py", "--backend", BACKEND, *SHORT, "--output_dir",
                        str(tmp_path), "--run_name", "busy")
@@ -444,7 +452,7 @@ os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
 """
 
 
-@pytest.mark.backend_independent
+@pytest.mark.backend_independent("tensorflow")  # where an app starts fastest
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux-only")
 def test_a_read_only_run_folder_is_a_one_line_error(tmp_path):
     folder = tmp_path / "read_only"
