@@ -106,11 +106,11 @@ def test_a_careless_training_flag_is_refused_while_parsing(flag, value):
 def test_a_careless_value_from_python_is_refused_by_run_before_anything_loads(tmp_path):
     for field, value in (("epochs", -1), ("steps_per_epoch", 0), ("learning_rate", -1.0),
                          ("dropout", 1.5)):
-        config = training.RunConfig(output_dir=str(tmp_path), **{field: value})
+        config = training.RunConfig.of(output_dir=str(tmp_path), **{field: value})
         with pytest.raises(config_flags.FlagRangeError, match=f"--{field} {value} is out of "):
             training.run(config, log=lambda _: None)
     with pytest.raises(config_flags.FlagRangeError, match="--corruption_rate 0 is out of"):
-        training.run(training.RunConfig(output_dir=str(tmp_path)), log=lambda _: None,
+        training.run(training.RunConfig.of(output_dir=str(tmp_path)), log=lambda _: None,
                      objective=objectives.MaskedPatchPrediction(corruption_rate=0))
     assert os.listdir(tmp_path) == []  # refused before the run folder was made
 

@@ -199,7 +199,7 @@ def test_finetuning_from_a_pretrained_file_keeps_the_encoder_and_zeroes_a_new_he
         build_model(tiny_config, image_size=8, num_classes=3, classifier="gap")))
     path = str(tmp_path / "pretrained.keras")
     model.save(path)
-    config = training.RunConfig(weights=path)
+    config = training.RunConfig.of(weights=path)
     recipe = dataclasses_replace(recipes.DIGITS_RECIPE, image_size=8)
     logs = []
     finetune = training.build_run_model(config, recipe, num_classes=10, log=logs.append)
