@@ -27,7 +27,7 @@ def test_recipe_choice_follows_weights_and_dataset():
     assert training.resolve_recipe(RunConfig.of())[0].name == "digits"
     assert training.resolve_recipe(RunConfig.of(dataset="cifar10"))[0].name == "pretrain"
     recipe, reason = training.resolve_recipe(RunConfig.of(dataset="cifar10", weights="w.npz",
-                                                       learning_rate=0.01, total_steps=500))
+                                                          learning_rate=0.01, total_steps=500))
     assert (recipe.optimizer, recipe.learning_rate, recipe.total_steps) == ("sgd", 0.01, 500)
     assert "fine-tuning" in reason
     assert "no pretrained weights" in training.resolve_recipe(RunConfig.of())[1]
@@ -200,7 +200,7 @@ def test_a_run_name_that_is_not_one_folder_name_is_refused(tmp_path, run_name):
     (parent / "out").mkdir(parents=True)
     (parent / "unrelated.txt").write_text("keep me")
     config = training.RunConfig.of(output_dir=str(parent / "out"), run_name=run_name,
-                                overwrite=True)
+                                   overwrite=True)
     with pytest.raises(RunFolderError, match="is not a folder name: a run name is one path "):
         _quiet(config)
     assert sorted(os.listdir(parent)) == ["out", "unrelated.txt"]
@@ -277,7 +277,7 @@ def test_a_rerun_may_change_only_where_the_run_is_and_what_it_prints(tmp_path):
     folder.write_flags(training.run_flags_text(config))
     folder.write_metrics({"test_accuracy": 0.5})
     moved = config.replace(output_dir=str(tmp_path / "." / ""), verbose=0,
-                                download=False, peer_timeout=5)
+                           download=False, peer_timeout=5)
     assert _quiet(moved) == {"test_accuracy": 0.5, "already_complete": True}
     assert training.differing_flags(training.run_flags_text(config),
                                     training.run_flags_text(moved)) == []
