@@ -312,7 +312,7 @@ def training_app(name, started, recipe="auto", recipe_help=None, objective=None)
     """Defines the training flags under the calling app and returns its absl main, which runs
     `training.run` with the objective and prints the objective's summary.
 
-    The flags are the `option` fields of `vit_keras.tools.training.RunConfig` but the
+    The flags are the `option` fields of `vit_keras.tools.run_config.RunConfig` but the
     objective's `left_out_flags`, with the objective's `flag_overrides`, and the objective's own
     `option` fields.
 
