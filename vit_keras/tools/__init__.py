@@ -4,9 +4,10 @@
 `run_config` (a run's settings, the training apps' flags), `training` (one run, end to end, the
 one training loop), `run_parts` (a run's optional parts: LoRA, linear probe, remat, layer decay,
 EMA), `objectives` (what a run optimises: classification or masked patch prediction), `memory`
-(whether a training step fits), `evaluation` (a classifier's reports and top-k predictions), `config_flags` (the apps' flags from dataclasses),
-`run_folder` (a run's files), `export` (SavedModel, LiteRT, ONNX) and `plots` (the inspection
-figures, a run's training curves). These import TensorFlow or matplotlib where they need them;
-the library core (`vit_keras.*`, `vit_keras.checkpoints`) never imports this package. Import the
-modules themselves, e.g. `from vit_keras.tools import data`.
+(whether a training step fits), `evaluation` (a classifier's reports and top-k predictions),
+`config_flags` (the apps' flags from dataclasses), `run_folder` (a run's files), `export`
+(SavedModel, LiteRT, ONNX) and `plots` (the inspection figures, a run's training curves). These
+import TensorFlow or matplotlib where they need them; the library core (`vit_keras.*`,
+`vit_keras.checkpoints`) never imports this package. Import the modules themselves, e.g.
+`from vit_keras.tools import data`.
 """
