@@ -1,6 +1,5 @@
 """What several apps share, once. Import after `_backend.start_app()` (Keras comes in lazily)."""
 
-import dataclasses
 import json
 import os
 import sys
@@ -165,8 +164,7 @@ def check_keras_weights(path, variant):
     if architecture is None:
         raise app.UsageError(f"--weights {path} holds no vit_keras ViT, so it cannot be the "
                              f"--model {variant} asked for; leave --model out or give a ViT.")
-    config = configs.get_config(recipes.DIGITS_VIT if variant == recipes.DIGITS_VIT["name"]
-                                else variant)
+    config = configs.get_config(recipes.variant_config(variant))
     differ = [f"{name} {architecture[name]} (--model {variant}: {getattr(config, name)})"
               for name in _ARCHITECTURE_FIELDS if architecture[name] != getattr(config, name)]
     if differ:
@@ -316,19 +314,19 @@ def training_app(name, started, recipe="auto", recipe_help=None, objective=None)
     """Defines the training flags under the calling app and returns its absl main, which runs
     `training.run` with the objective and prints the objective's summary.
 
-    The flags are the `option` fields of `vit_keras.tools.training.RunConfig` but the
+    The flags are the `option` fields of `vit_keras.tools.run_config.RunConfig` but the
     objective's `left_out_flags`, with the objective's `flag_overrides`, and the objective's own
     `option` fields.
 
     Args:
       name: the app's name: run folders are called NAME_DATASET_MODEL by default.
       started: `time.perf_counter()` at the app's start (the run's wall time counts from it).
-      recipe: the `--recipe` default. Other than "auto", the digits data still gets the digits
-        recipe unless `--recipe` is given.
+      recipe: the `--recipe` default. Other than "auto", a dataset with a recipe of its own
+        (`recipes.DATASET_DEFAULTS`: the digits) still gets it unless `--recipe` is given.
       recipe_help: the `--recipe` help (default: the objective's, which explains "auto").
       objective: a `vit_keras.tools.objectives.Objective` class (default: `Classification`).
     """
-    from vit_keras.tools import config_flags, objectives, training
+    from vit_keras.tools import config_flags, objectives, recipes, training
 
     objective = objective or objectives.Classification
     overrides = {field: dict(settings) for field, settings in objective.flag_overrides.items()}
@@ -346,13 +344,14 @@ def training_app(name, started, recipe="auto", recipe_help=None, objective=None)
             raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
         from vit_keras.tools.run_folder import RunFolder
 
-        if recipe != "auto" and FLAGS.dataset == "digits" and not FLAGS["recipe"].present:
-            FLAGS.recipe = "digits"  # before flags.txt records it: a rerun then replays the same
+        own = recipes.dataset_recipe(objective.recipes, FLAGS.dataset)
+        if recipe != "auto" and own is not None and not FLAGS["recipe"].present:
+            FLAGS.recipe = own.name  # before flags.txt records it: a rerun then replays the same
         check_weights(FLAGS.weights, FLAGS.model)  # now, not after the data has loaded
         config = config_flags.from_flags(training.RunConfig, leave_out=objective.left_out_flags,
                                          flags_text=run_flags_text(module_name))
-        if config.verbose is None:  # after flags.txt: a replay decides for its own output
-            config = dataclasses.replace(config, verbose=progress_verbosity())
+        if config.output.verbose is None:  # after flags.txt: a replay decides for its own output
+            config = config.replace(verbose=progress_verbosity())
         run_objective = config_flags.from_flags(objective)
         metrics = training.run(config, app=name, started=started, objective=run_objective)
         print()
@@ -388,7 +387,7 @@ def load_run_splits(model_path, dataset=None, data_dir=None, seed=None, val_frac
     from vit_keras.tools import data
 
     settings = run_settings(model_path)
-    dataset = dataset or settings.get("dataset") or "digits"
+    dataset = dataset or settings.get("dataset") or data.DIGITS  # load_splits' default
     same_run = dataset == settings.get("dataset")
     seed = seed if seed is not None else (settings.get("seed") if same_run else 0) or 0
     splits = data.load_splits(

@@ -43,7 +43,7 @@ from vit_keras.tools import objectives
 
 import _common
 
-# The flags are vit_keras.tools.training.RunConfig's fields that apply to masked patch
+# The flags are vit_keras.tools.run_config.RunConfig's fields that apply to masked patch
 # prediction, and vit_keras.tools.objectives.MaskedPatchPrediction's.
 main = _common.training_app("pretrain", _STARTED, objective=objectives.MaskedPatchPrediction)
 

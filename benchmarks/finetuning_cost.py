@@ -11,7 +11,7 @@ and int8 against float inference throughput (`model.quantize("int8")`).
 Each measurement runs in its own process (peak RSS is the process's, `ru_maxrss`), and the
 processes alternate over `--rounds` rounds (full, lora, probe, remat, full, ...) so that drift in
 the machine's load hits all alike. A training process builds the model with random weights,
-applies the mode as `training.run` does (`vit_keras.tools.finetuning.prepare_run_model`),
+applies the mode as `training.run` does (the parts of `vit_keras.tools.run_parts`),
 compiles SGD (XLA on jax and tensorflow, eager on torch, as the apps default) and times
 `train_on_batch` after `--warmup` steps. An inference process times `predict_on_batch` of the
 float model and of its int8 copy. Prints a table per part and writes all measurements as JSON
@@ -43,27 +43,24 @@ def _worker(args):
     """One measurement in this process; prints its JSON last."""
     import resource
     import time
-    import types
 
     import keras
     import numpy as np
 
     import vit_keras
-    from vit_keras.tools import evaluation, finetuning, recipes
+    from vit_keras.tools import evaluation, finetuning, recipes, run_parts, training
 
     keras.utils.set_random_seed(0)
-    variant = recipes.DIGITS_VIT if args.model == recipes.DIGITS_VIT["name"] else args.model
-    model = vit_keras.build_model(variant, image_size=args.image_size, num_classes=1000)
+    model = vit_keras.build_model(recipes.variant_config(args.model), image_size=args.image_size,
+                                  num_classes=1000)
     rng = np.random.default_rng(0)
     images = rng.uniform(0, 255, (args.batch_size, args.image_size, args.image_size, 3)).astype(
         "float32")
     result = {"model": args.model, "backend": keras.backend.backend(), "mode": args.mode,
               "batch_size": args.batch_size, "image_size": args.image_size}
     if args.mode in MODES:
-        config = types.SimpleNamespace(**{
-            "remat": False, "lora_rank": None, "lora_alpha": None, "lora_train_norms": False,
-            "linear_probe": False, **MODES[args.mode]})
-        model = finetuning.prepare_run_model(model, config, log=lambda *_: None)
+        for part in run_parts.choose(training.RunConfig.of(**MODES[args.mode])):
+            model = part.adapt_model(model, log=lambda *_: None)
         labels = np.eye(1000, dtype="float32")[rng.integers(0, 1000, args.batch_size)]
         model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
                       loss=keras.losses.CategoricalCrossentropy(from_logits=True),

@@ -91,7 +91,7 @@ def main():
             for seed in range(args.seeds):
                 keras.utils.clear_session(free_memory=False)
                 run_started = time.perf_counter()
-                config = training.RunConfig(
+                config = training.RunConfig.of(
                     weights=weights, epochs=args.epochs, seed=seed, output_dir=output,
                     run_name=f"{method.replace(' ', '_')}-{option_name.replace(' ', '_')}-{seed}",
                     verbose=0, **METHODS[method], **extra)

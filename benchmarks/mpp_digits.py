@@ -105,7 +105,7 @@ def masking_cost(image_size, batch_size, variant, rounds=8, steps=20):
         def call(self, tokens, training=None):
             return tokens, keras.ops.ones(keras.ops.shape(tokens)[:2], dtype="float32")
 
-    variant = recipes.DIGITS_VIT if variant == "ViT-digits" else variant
+    variant = recipes.variant_config(variant)
     images = np.random.default_rng(0).uniform(0, 255, (batch_size, image_size, image_size, 3)
                                               ).astype("float32")
     labels = np.zeros((batch_size, 1), "float32")

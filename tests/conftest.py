@@ -137,15 +137,61 @@ def randomize_weights(model, seed=0, scale=0.1):
     return model
 
 
-def run_app(app, *args, timeout=300):
+def run_app(app, *args, timeout=300, kill_after_training=None):
     """Runs `apps/<app>` with `--backend <this pass's backend>` while KERAS_BACKEND names another
-    backend: the flag must win over the environment."""
+    backend: the flag must win over the environment. With `kill_after_training` (the run's
+    folder), SIGKILLed once its training has ended (`run_killed_after_training`)."""
     backend = keras.backend.backend()
     other = "jax" if backend != "jax" else "torch"
     env = {**os.environ, "KERAS_BACKEND": other, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    return subprocess.run([sys.executable, os.path.join(REPO_ROOT, "apps", app), *args,
-                           "--backend", backend], env=env, cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    command = [sys.executable, os.path.join(REPO_ROOT, "apps", app), *args, "--backend", backend]
+    if kill_after_training is not None:
+        return run_killed_after_training(command, str(kill_after_training), env, timeout)
+    return subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def run_killed_after_training(command, run_folder, env, timeout=600):
+    """Runs a training app's `command` (a list, from the repository root) and SIGKILLs it from
+    outside once its training has ended and before it writes metrics.json: the run folder as a
+    kill between training and the end of the run leaves it, for a test of the resumption there.
+    Returns the `subprocess.CompletedProcess` (returncode -9).
+
+    The state is made to persist: the run writes metrics.json through `metrics.json.tmp-PID`
+    (`run_folder.atomic_write_json`), and a FIFO made at that path as the process starts, which
+    nothing reads, holds the run in its opening for good, after the final evaluation, model.keras
+    and training_curves.png. The test waits for the curves to be whole (the PNG's last chunk,
+    IEND, written), kills the run there, and removes the FIFO, which is no file a run leaves."""
+    import signal
+    import tempfile
+    import time
+
+    os.makedirs(run_folder, exist_ok=True)
+    curves = os.path.join(run_folder, "training_curves.png")
+    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
+        process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=stdout,
+                                   stderr=stderr, text=True)
+        fifo = os.path.join(run_folder, f"metrics.json.tmp-{process.pid}")
+        os.mkfifo(fifo)  # long before the run gets there: it has not even imported Keras yet
+        deadline, reached = time.monotonic() + timeout, False
+        try:
+            while not reached and process.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+                if os.path.exists(curves):
+                    with open(curves, "rb") as f:
+                        reached = f.read().endswith(b"IEND\xaeB`\x82")
+            process.send_signal(signal.SIGKILL)  # nothing when it has ended on its own
+            process.wait()
+        finally:
+            os.remove(fifo)
+        stdout.seek(0)
+        stderr.seek(0)
+        result = subprocess.CompletedProcess(command, process.returncode, stdout.read(),
+                                             stderr.read())
+    if not reached and process.returncode == -signal.SIGKILL:
+        raise AssertionError(f"{' '.join(command)} did not finish training in {timeout} s:\n"
+                             f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result
 
 
 def run_on_backend(backend, code, timeout=600, **kwargs):

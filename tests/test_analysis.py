@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import vit_keras
-from vit_keras import analysis
+from vit_keras.inspection import analysis
 
 from conftest import random_images, randomize_weights
 

@@ -192,7 +192,8 @@ def test_parse_image_size():
 
 @pytest.mark.backend_independent
 def test_check_weights_is_the_librarys_check_naming_the_model_flag(monkeypatch):
-    from vit_keras import download, errors, releases
+    from vit_keras import errors
+    from vit_keras.weights import download, releases
 
     def refuse(*args, **kwargs):
         raise AssertionError("check_weights must not download")
@@ -240,8 +241,10 @@ def test_run_config_fields_are_the_training_flags():
     assert flag_values["recipe"].parser.enum_values == ["auto", "finetune", "pretrain", "digits"]
     flag_values(["app", "--batch_size=8", "--noflip", "--learning_rate=0.5", "--decay=linear"])
     config = config_flags.from_flags(training.RunConfig, flag_values, flags_text="x")
-    assert (config.batch_size, config.flip, config.learning_rate, config.decay, config.recipe,
-            config.flags_text) == (8, False, 0.5, "linear", "pretrain", "x")
+    assert (config.optimization.batch_size, config.augmentation.flip,
+            config.optimization.learning_rate, config.optimization.decay,
+            config.optimization.recipe, config.flags_text) == (8, False, 0.5, "linear",
+                                                               "pretrain", "x")
     with pytest.raises(flags.IllegalFlagValueError):
         flag_values["decay"].parse("step")
     with pytest.raises(ValueError, match="no flag fields"):

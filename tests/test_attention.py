@@ -14,7 +14,7 @@ import keras
 import numpy as np
 import pytest
 
-from vit_keras import attention, layers, xla_cpu
+from vit_keras.model import attention, layers, xla_cpu
 
 from conftest import randomize_weights
 

@@ -382,7 +382,7 @@ def test_hybrid_npz_matches_timm(tmp_path):
     # model uses timm's numerics here.
     from timm.models.vision_transformer_hybrid import HybridEmbed, _resnetv2
 
-    from vit_keras.configs import ViTConfig  # pylint: disable=import-outside-toplevel
+    from vit_keras.model.configs import ViTConfig  # pylint: disable=import-outside-toplevel
 
     config = ViTConfig(name="R+tiny", resnet_layers=(), **{**TINY, "patch_size": 4})
     source = vit_keras.build_model(config, image_size=32, num_classes=CLASSES)
@@ -752,7 +752,7 @@ def test_reading_imports_neither_tensorflow_nor_torch_on_jax(tmp_path, hf_folder
     result = run_on_backend("jax", """
         import sys
         import vit_keras
-        from vit_keras import checkpoints
+        from vit_keras.weights import checkpoints
         for path in (ARGS["npz"], ARGS["hf"]):
             checkpoints.architecture(checkpoints.read_checkpoint(path))
         print(json.dumps(sorted({m.split(".")[0] for m in sys.modules} & {"tensorflow", "torch"})))

@@ -61,6 +61,41 @@ def test_leaving_out_or_overriding_a_field_that_is_no_flag_is_an_error():
         define_flags(_Config, flag_values=flags.FlagValues(), leave_out=("missing",))
 
 
+@dataclasses.dataclass
+class _Grouped:
+    config: _Config = dataclasses.field(default_factory=_Config)
+    seed: int = option(0, "Seed.", bounds="[0, inf)")
+    note: str = None  # no flag
+
+
+def test_a_groups_fields_are_flags_named_as_they_are_and_set_by_those_names():
+    flag_values = flags.FlagValues()
+    define_flags(_Grouped, flag_values=flag_values)
+    assert {"recipe", "smoothing", "splits", "shots", "seed"} == set(flag_values)
+    flag_values(["app", "--recipe=a", "--seed=3"])
+    grouped = from_flags(_Grouped, flag_values, note="x")
+    assert (grouped.config.recipe, grouped.seed, grouped.note) == ("a", 3, "x")
+    changed = config_flags.replace(grouped, smoothing=0.1, seed=4)
+    assert (changed.config.smoothing, changed.seed, grouped.config.smoothing) == (0.1, 4, None)
+    assert config_flags.flat(changed) == {"recipe": "a", "smoothing": 0.1,
+                                          "splits": ("train",), "shots": ("1", "5"), "seed": 4}
+    assert config_flags.build(_Grouped, smoothing=0.2).config.smoothing == 0.2
+    with pytest.raises(TypeError, match="has no field missing"):
+        config_flags.build(_Grouped, missing=1)
+    with pytest.raises(config_flags.FlagRangeError, match="--smoothing 2 is out of range"):
+        config_flags.check_ranges(config_flags.build(_Grouped, smoothing=2))
+
+
+def test_two_fields_of_one_name_in_two_groups_are_refused():
+    @dataclasses.dataclass
+    class Twice:
+        config: _Config = dataclasses.field(default_factory=_Config)
+        recipe: str = option("auto", "Again.")
+
+    with pytest.raises(TypeError, match=r"declares the flags \['recipe'\] twice"):
+        define_flags(Twice, flag_values=flags.FlagValues())
+
+
 def test_a_number_field_without_a_range_is_refused_where_the_flags_are_defined():
     @dataclasses.dataclass
     class Unbounded:
@@ -106,11 +141,11 @@ def test_a_careless_training_flag_is_refused_while_parsing(flag, value):
 def test_a_careless_value_from_python_is_refused_by_run_before_anything_loads(tmp_path):
     for field, value in (("epochs", -1), ("steps_per_epoch", 0), ("learning_rate", -1.0),
                          ("dropout", 1.5)):
-        config = training.RunConfig(output_dir=str(tmp_path), **{field: value})
+        config = training.RunConfig.of(output_dir=str(tmp_path), **{field: value})
         with pytest.raises(config_flags.FlagRangeError, match=f"--{field} {value} is out of "):
             training.run(config, log=lambda _: None)
     with pytest.raises(config_flags.FlagRangeError, match="--corruption_rate 0 is out of"):
-        training.run(training.RunConfig(output_dir=str(tmp_path)), log=lambda _: None,
+        training.run(training.RunConfig.of(output_dir=str(tmp_path)), log=lambda _: None,
                      objective=objectives.MaskedPatchPrediction(corruption_rate=0))
     assert os.listdir(tmp_path) == []  # refused before the run folder was made
 

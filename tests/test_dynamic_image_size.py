@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 import vit_keras
-from vit_keras import interpolation_ops, posemb
-from vit_keras import layers as vit_layers
+from vit_keras.model import interpolation_ops
+from vit_keras.model import layers as vit_layers
+from vit_keras.weights import posemb
 
 from conftest import BACKENDS, random_images, randomize_weights, run_on_backend
 

@@ -159,12 +159,12 @@ def test_ema_without_a_validation_split_is_refused():
 
 
 def test_a_run_refuses_a_bad_decay_before_anything_loads(tmp_path):
-    config = training.RunConfig(dataset="no-such-dataset", ema_decay=2.0,
-                                output_dir=str(tmp_path))
+    config = training.RunConfig.of(dataset="no-such-dataset", ema_decay=2.0,
+                                   output_dir=str(tmp_path))
     with pytest.raises(errors.UserError, match="--ema_decay"):
         training.run(config, log=lambda _: None)
-    config = training.RunConfig(dataset="no-such-dataset", layer_decay=0.0,
-                                output_dir=str(tmp_path))
+    config = training.RunConfig.of(dataset="no-such-dataset", layer_decay=0.0,
+                                   output_dir=str(tmp_path))
     with pytest.raises(errors.UserError, match="--layer_decay"):
         training.run(config, log=lambda _: None)
     assert not os.listdir(tmp_path)
@@ -172,9 +172,9 @@ def test_a_run_refuses_a_bad_decay_before_anything_loads(tmp_path):
 
 @pytest.mark.slow  # two digits runs
 def test_a_run_with_ema_and_layer_decay_records_its_choice(tmp_path):
-    config = training.RunConfig(image_size=8, batch_size=16, epochs=2, steps_per_epoch=3,
-                                ema_decay=0.9, layer_decay=0.75, output_dir=str(tmp_path),
-                                run_name="ema", verbose=0)
+    config = training.RunConfig.of(image_size=8, batch_size=16, epochs=2, steps_per_epoch=3,
+                                   ema_decay=0.9, layer_decay=0.75, output_dir=str(tmp_path),
+                                   run_name="ema", verbose=0)
     lines = []
     metrics = training.run(config, log=lines.append)
     assert metrics["ema"]["weights"] in ("ema", "raw") and metrics["ema"]["decay"] == 0.9

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 import vit_keras
-from vit_keras import analysis, fewshot, labels
+from vit_keras.inspection import analysis
+from vit_keras.training import fewshot
+from vit_keras.weights import labels
 
 from conftest import randomize_weights
 import test_family_timm as timm_family

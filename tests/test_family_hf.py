@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import vit_keras
-from vit_keras import features
+from vit_keras.inspection import features
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

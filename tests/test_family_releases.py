@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import vit_keras
-from vit_keras import download, releases
+from vit_keras.weights import download, releases
 
 from conftest import run_app
 from weights_mirror import MirrorServer

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import vit_keras
-from vit_keras import configs, heads, layers
-from vit_keras.checkpoints import timm as timm_format
+from vit_keras.model import configs, heads, layers
+from vit_keras.weights.checkpoints import timm as timm_format
 
 from conftest import BACKENDS, run_app, run_on_backend
 

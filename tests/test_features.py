@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import vit_keras
-from vit_keras import features
+from vit_keras.inspection import features
 from vit_keras.model import transformer_blocks
 
 from conftest import random_images, randomize_weights, tiny_model

@@ -6,8 +6,9 @@ import keras
 import numpy as np
 import pytest
 
-from vit_keras import build_model, fewshot
-from vit_keras import masked_patch_prediction as mpp
+from vit_keras import build_model
+from vit_keras.training import fewshot
+from vit_keras.training import masked_patch_prediction as mpp
 
 from conftest import random_images, randomize_weights
 

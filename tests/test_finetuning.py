@@ -1,7 +1,6 @@
 """LoRA, the linear probe and rematerialisation (`vit_keras.tools.finetuning`), and the run's
 checks of their flags."""
 
-import dataclasses
 import json
 
 import keras
@@ -9,8 +8,8 @@ import numpy as np
 import pytest
 
 from vit_keras import errors
-from vit_keras.tools import finetuning, objectives
-from vit_keras.tools.training import KILL_AFTER_TRAINING, RunConfig
+from vit_keras.tools import finetuning, objectives, run_parts
+from vit_keras.tools.training import RunConfig
 
 from conftest import (
     BACKENDS,
@@ -32,6 +31,13 @@ def _trained(model, steps=3, learning_rate=0.05):
                   loss=keras.losses.CategoricalCrossentropy(from_logits=True))
     model.fit(x, y, batch_size=8, epochs=steps // 2 + 1, verbose=0)
     return model
+
+
+def _run_model(vit, config, log=lambda _: None):
+    """The ViT a run of `config` trains, from `vit` (its parts' `adapt_model`)."""
+    for part in run_parts.choose(config):
+        vit = part.adapt_model(vit, log)
+    return vit
 
 
 def _values(model):
@@ -324,8 +330,7 @@ def _distilled_run_model(path, **flags):
     vit = build_model_from_checkpoint(path, num_classes=3, num_heads=2,
                                       timm_architecture="deit_tiny_distilled_patch16_224")
     assert [layer.name for layer in vit.layers][-3:] == ["head", "head_dist", "distilled_average"]
-    config = dataclasses.replace(RunConfig(), weights=path, **flags)
-    return finetuning.prepare_run_model(vit, config, log=lambda _: None)
+    return _run_model(vit, RunConfig.of(weights=path, **flags))
 
 
 @pytest.mark.slow
@@ -363,14 +368,13 @@ def test_adapters_of_a_distilled_deit_carry_both_heads(distilled_deit, tmp_path)
                          ids=["linear_probe", "lora"])
 def test_lora_or_a_linear_probe_of_a_random_encoder_warns(tiny_config, flags):
     lines = []
-    finetuning.prepare_run_model(tiny_model(tiny_config),
-                                 dataclasses.replace(RunConfig(), **flags), log=lines.append)
+    _run_model(tiny_model(tiny_config), RunConfig.of(**flags), log=lines.append)
     warnings = [line for line in lines if line.startswith("Warning:")]
     assert len(warnings) == 1 and "without --weights" in warnings[0], lines
     assert "randomly initialised" in warnings[0]
     lines.clear()
-    finetuning.prepare_run_model(tiny_model(tiny_config), dataclasses.replace(
-        RunConfig(), weights="pretrained.npz", **flags), log=lines.append)
+    _run_model(tiny_model(tiny_config), RunConfig.of(
+        weights="pretrained.npz", **flags), log=lines.append)
     assert not [line for line in lines if line.startswith("Warning:")], lines
 
 
@@ -380,8 +384,8 @@ def test_a_lora_rank_whose_adapters_outnumber_the_kernels_they_adapt_warns(tiny_
     # more than the whole model's 19,011.
     def warnings(rank):
         lines = []
-        finetuning.prepare_run_model(tiny_model(tiny_config), dataclasses.replace(
-            RunConfig(), weights="pretrained.npz", lora_rank=rank), log=lines.append)
+        _run_model(tiny_model(tiny_config), RunConfig.of(
+            weights="pretrained.npz", lora_rank=rank), log=lines.append)
         return [line for line in lines if line.startswith("Warning:")]
 
     (warning,) = warnings(32)
@@ -450,8 +454,8 @@ def test_remat_and_lora_train_together_with_dropout_and_drop_path(tiny_config):
 
 
 def test_run_model_of_linear_probe_with_remat_is_both(tiny_config):
-    config = dataclasses.replace(RunConfig(), linear_probe=True, remat=True)
-    model = finetuning.prepare_run_model(tiny_model(tiny_config), config, log=lambda _: None)
+    config = RunConfig.of(linear_probe=True, remat=True)
+    model = _run_model(tiny_model(tiny_config), config)
     assert all(getattr(b, "rematerialized", False) for b in model.blocks)
     assert [w.path for w in model.trainable_weights] == ["head/kernel", "head/bias"]
 
@@ -466,7 +470,7 @@ def test_run_model_of_linear_probe_with_remat_is_both(tiny_config):
 ])
 def test_nonsense_flag_combinations_are_refused_in_one_line(flags, message):
     with pytest.raises(finetuning.FinetuningOptionError, match=message) as raised:
-        finetuning.check_options(dataclasses.replace(RunConfig(), **flags))
+        finetuning.check_options(RunConfig.of(**flags))
     assert "\n" not in str(raised.value)
 
 
@@ -474,16 +478,15 @@ def test_lora_and_linear_probe_are_refused_for_masked_patch_prediction():
     objective = objectives.MaskedPatchPrediction()
     for flags in ({"lora_rank": 4}, {"linear_probe": True}):
         with pytest.raises(finetuning.FinetuningOptionError, match="MaskedPatchPrediction"):
-            finetuning.check_options(dataclasses.replace(RunConfig(), **flags), objective)
-    finetuning.check_options(dataclasses.replace(RunConfig(), remat=True), objective)
+            finetuning.check_options(RunConfig.of(**flags), objective)
+    finetuning.check_options(RunConfig.of(remat=True), objective)
 
 
 @pytest.mark.slow
 # The run folder's resume, flags.txt and rerun checks are the same on every backend, and a LoRA
 # model's weights and adapters round trip on each backend in the tests above (not slow): one pass.
 @pytest.mark.backend_independent("torch")
-def test_lora_run_resumes_saves_a_plain_model_and_adapters_and_reruns_complete(tmp_path,
-                                                                               monkeypatch):
+def test_lora_run_resumes_saves_a_plain_model_and_adapters_and_reruns_complete(tmp_path):
     """apps/finetune.py --lora_rank 4 on the digits, killed once its training ended: the same
     command resumes it (the backup of the LoRA model loads into the LoRA model rebuilt from the
     flags), flags.txt records the LoRA flags, its flagfile finds the run complete; model.keras
@@ -491,10 +494,8 @@ def test_lora_run_resumes_saves_a_plain_model_and_adapters_and_reruns_complete(t
     args = ["--image_size", "8", "--batch_size", "16", "--steps_per_epoch", "3", "--verbose", "2",
             "--epochs", "2", "--lora_rank", "4", "--lora_alpha", "8", "--output_dir",
             str(tmp_path), "--run_name", "lora"]
-    monkeypatch.setenv(KILL_AFTER_TRAINING, "1")
-    killed = run_app("finetune.py", *args)
+    killed = run_app("finetune.py", *args, kill_after_training=tmp_path / "lora")
     assert killed.returncode == -9, killed.stderr[-3000:]
-    monkeypatch.delenv(KILL_AFTER_TRAINING)
     first = run_app("finetune.py", *args)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "Resuming" in first.stdout + first.stderr

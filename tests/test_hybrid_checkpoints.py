@@ -33,7 +33,7 @@ from timm.models.vision_transformer_hybrid import HybridEmbed, _resnetv2
 import torch
 
 import vit_keras
-from vit_keras import checkpoints
+from vit_keras.weights import checkpoints
 
 from conftest import run_on_backend
 

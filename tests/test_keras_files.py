@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import vit_keras
-from vit_keras import keras_files
+from vit_keras.weights import keras_files
 
 from conftest import TINY_CONFIG, run_app
 

@@ -5,8 +5,9 @@ import keras
 import numpy as np
 import pytest
 
-from vit_keras import errors, layer_decay
+from vit_keras import errors
 from vit_keras.tools import recipes
+from vit_keras.training import layer_decay
 
 from conftest import randomize_weights, run_on_backend, tiny_data, tiny_model
 

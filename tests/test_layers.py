@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 
 import vit_keras
-from vit_keras import attention as attention_kernels
-from vit_keras import heads, layers, xla_cpu
-from vit_keras.model import transformer_blocks
+from vit_keras.model import attention as attention_kernels
+from vit_keras.model import heads, layers, transformer_blocks, xla_cpu
 
 from conftest import random_images, randomize_weights, tiny_data, tiny_model
 

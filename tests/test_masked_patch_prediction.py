@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from vit_keras import build_model
-from vit_keras import masked_patch_prediction as mpp
+from vit_keras.training import masked_patch_prediction as mpp
 
 from conftest import random_images, randomize_weights
 
@@ -199,7 +199,7 @@ def test_finetuning_from_a_pretrained_file_keeps_the_encoder_and_zeroes_a_new_he
         build_model(tiny_config, image_size=8, num_classes=3, classifier="gap")))
     path = str(tmp_path / "pretrained.keras")
     model.save(path)
-    config = training.RunConfig(weights=path)
+    config = training.RunConfig.of(weights=path)
     recipe = dataclasses_replace(recipes.DIGITS_RECIPE, image_size=8)
     logs = []
     finetune = training.build_run_model(config, recipe, num_classes=10, log=logs.append)
@@ -240,16 +240,20 @@ ONE_PASS = pytest.mark.backend_independent("torch")
 TINY = ["--image_size", "8", "--batch_size", "16", "--steps_per_epoch", "3", "--verbose", "2"]
 
 
-def _app(name, *args, check=True, env=None):
+def _app(name, *args, check=True, kill_after_training=None):
+    """Runs apps/`name` on this pass's backend; with `kill_after_training` (its run folder),
+    SIGKILLed once its training has ended (`conftest.run_killed_after_training`)."""
     import os
     import subprocess
     import sys
 
-    from conftest import REPO_ROOT
+    from conftest import REPO_ROOT, run_killed_after_training
 
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_BACKEND": "", **(env or {})}
-    result = subprocess.run([sys.executable, os.path.join("apps", name), *args, "--backend",
-                             BACKEND], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_BACKEND": ""}
+    command = [sys.executable, os.path.join("apps", name), *args, "--backend", BACKEND]
+    if kill_after_training is not None:
+        return run_killed_after_training(command, str(kill_after_training), env)
+    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                             timeout=600)
     if check and result.returncode:
         raise AssertionError(f"{name} {' '.join(args)} exited {result.returncode}:\n"
@@ -309,8 +313,7 @@ def test_pretrain_run_killed_after_training_resumes_at_the_few_shot_evaluation(t
 
     args = (*TINY, "--epochs", "1", "--fewshot_shots", "1", "--fewshot_seeds", "1",
             "--output_dir", str(tmp_path), "--run_name", "killed")
-    first = _app("pretrain.py", *args, check=False,
-                 env={"VIT_KERAS_TEST_KILL_AFTER_TRAINING": "1"})
+    first = _app("pretrain.py", *args, kill_after_training=tmp_path / "killed")
     assert first.returncode == -signal.SIGKILL, first.stdout[-3000:] + first.stderr[-3000:]
     assert not os.path.exists(tmp_path / "killed" / "metrics.json")
     second = _app("pretrain.py", *args)

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 import vit_keras
-from vit_keras import normalization, releases
-from vit_keras.checkpoints import timm as timm_format
+from vit_keras.model import normalization
+from vit_keras.weights import releases
+from vit_keras.weights.checkpoints import timm as timm_format
 
 torch = pytest.importorskip("torch")
 timm = pytest.importorskip("timm")

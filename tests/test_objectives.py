@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from vit_keras import build_model
-from vit_keras import masked_patch_prediction as mpp
 from vit_keras.tools import data, objectives, recipes
+from vit_keras.training import masked_patch_prediction as mpp
 
 
 def test_masked_patch_prediction_trains_on_the_pooled_splits_it_names():

@@ -11,7 +11,8 @@ from timm.layers import resample_abs_pos_embed
 import torch
 import torch.nn.functional as F
 
-from vit_keras import posemb, resample_position_embeddings
+from vit_keras import resample_position_embeddings
+from vit_keras.weights import posemb
 
 from conftest import REPO_ROOT
 

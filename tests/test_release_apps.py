@@ -12,7 +12,7 @@ from PIL import Image
 import pytest
 
 import vit_keras
-from vit_keras import download, releases
+from vit_keras.weights import download, releases
 
 from conftest import random_images, run_app
 from weights_mirror import MirrorServer, write_release

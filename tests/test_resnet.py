@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import vit_keras
-from vit_keras import resnet
+from vit_keras.model import resnet
 
 from conftest import random_images, randomize_weights
 

@@ -22,33 +22,33 @@ from vit_keras.tools.run_folder import (
 
 def test_recipe_choice_follows_weights_and_dataset():
     RunConfig = training.RunConfig
-    assert training.resolve_recipe(RunConfig(dataset="cifar10", weights="w.npz"))[0].name == (
+    assert training.resolve_recipe(RunConfig.of(dataset="cifar10", weights="w.npz"))[0].name == (
         "finetune")
-    assert training.resolve_recipe(RunConfig())[0].name == "digits"
-    assert training.resolve_recipe(RunConfig(dataset="cifar10"))[0].name == "pretrain"
-    recipe, reason = training.resolve_recipe(RunConfig(dataset="cifar10", weights="w.npz",
-                                                       learning_rate=0.01, total_steps=500))
+    assert training.resolve_recipe(RunConfig.of())[0].name == "digits"
+    assert training.resolve_recipe(RunConfig.of(dataset="cifar10"))[0].name == "pretrain"
+    recipe, reason = training.resolve_recipe(RunConfig.of(dataset="cifar10", weights="w.npz",
+                                                          learning_rate=0.01, total_steps=500))
     assert (recipe.optimizer, recipe.learning_rate, recipe.total_steps) == ("sgd", 0.01, 500)
     assert "fine-tuning" in reason
-    assert "no pretrained weights" in training.resolve_recipe(RunConfig())[1]
+    assert "no pretrained weights" in training.resolve_recipe(RunConfig.of())[1]
 
 
 def test_masked_patch_prediction_chooses_among_its_own_recipes():
     mpp = objectives.MaskedPatchPrediction()
     RunConfig = training.RunConfig
-    assert training.resolve_recipe(RunConfig(), mpp)[0] == recipes.MPP_DIGITS_RECIPE
-    assert training.resolve_recipe(RunConfig(dataset="cifar10", weights="w.npz"), mpp)[0] == (
+    assert training.resolve_recipe(RunConfig.of(), mpp)[0] == recipes.MPP_DIGITS_RECIPE
+    assert training.resolve_recipe(RunConfig.of(dataset="cifar10", weights="w.npz"), mpp)[0] == (
         recipes.MPP_RECIPE)  # weights are an initialisation: no fine-tuning recipe
-    recipe, reason = training.resolve_recipe(RunConfig(recipe="mpp", learning_rate=1e-4), mpp)
+    recipe, reason = training.resolve_recipe(RunConfig.of(recipe="mpp", learning_rate=1e-4), mpp)
     assert (recipe.name, recipe.learning_rate, recipe.optimizer) == ("mpp", 1e-4, "adamw")
     assert reason == "recipe mpp (--recipe)"
     with pytest.raises(ValueError, match="expected auto or one of \\['mpp', 'mpp_digits'\\]"):
-        training.resolve_recipe(RunConfig(recipe="finetune"), mpp)
+        training.resolve_recipe(RunConfig.of(recipe="finetune"), mpp)
 
 
 @pytest.mark.slow  # over 5 s alone: out of make test-fast
 def test_run_raises_a_clear_error_on_nan_loss(tmp_path):
-    config = training.RunConfig(
+    config = training.RunConfig.of(
         image_size=8, batch_size=16, epochs=2, steps_per_epoch=2, learning_rate=1e30,
         grad_clip_norm=0.0, warmup_steps=0, output_dir=str(tmp_path), verbose=0)
     with pytest.raises(callbacks.NonFiniteLossError, match="Lower --learning_rate") as error:
@@ -69,7 +69,7 @@ def test_new_head_is_zero_and_position_embeddings_are_resampled_from_weights(tmp
         weight.assign(np.random.default_rng(0).normal(0, 0.1, weight.shape))
     path = save_npz(source, str(tmp_path / "tiny.npz"))
     recipe = dataclasses.replace(recipes.FINETUNE_RECIPE, image_size=16)
-    model = training.build_run_model(training.RunConfig(weights=path), recipe, num_classes=3,
+    model = training.build_run_model(training.RunConfig.of(weights=path), recipe, num_classes=3,
                                      log=lambda _: None)
     head = model.get_layer("head")
     assert head.kernel.shape == (32, 3)
@@ -90,14 +90,14 @@ def test_keras_file_weights_get_a_new_zero_head_and_resampled_position_embedding
     path = str(tmp_path / "source.keras")
     source.save(path)
     recipe = dataclasses.replace(recipes.FINETUNE_RECIPE, image_size=16)
-    model = training.build_run_model(training.RunConfig(weights=path), recipe, num_classes=3,
+    model = training.build_run_model(training.RunConfig.of(weights=path), recipe, num_classes=3,
                                      log=lambda _: None)
     assert model.output_shape == (None, 3) and model.input_shape == (None, 16, 16, 3)
     assert not np.any(keras.ops.convert_to_numpy(model.get_layer("head").kernel))
     np.testing.assert_allclose(  # the encoder weights are the file's
         keras.ops.convert_to_numpy(model.get_layer("encoderblock_1").mlp.dense_0.kernel),
         keras.ops.convert_to_numpy(source.get_layer("encoderblock_1").mlp.dense_0.kernel))
-    same = training.build_run_model(training.RunConfig(weights=path),
+    same = training.build_run_model(training.RunConfig.of(weights=path),
                                     dataclasses.replace(recipe, image_size=8), num_classes=7,
                                     log=lambda _: None)
     np.testing.assert_allclose(  # same classes and size: the model continues as it was
@@ -108,7 +108,7 @@ def test_keras_file_weights_get_a_new_zero_head_and_resampled_position_embedding
 @pytest.mark.backend_independent
 def test_run_names_tell_apart_variants_fine_tuned_from_one_release():
     def name(**fields):
-        return training.default_run_name(training.RunConfig(dataset="cifar10", **fields),
+        return training.default_run_name(training.RunConfig.of(dataset="cifar10", **fields),
                                          backend="jax")
 
     assert name(model="ViT-B/16", weights="augreg_in21k") == (
@@ -121,38 +121,38 @@ def test_run_names_tell_apart_variants_fine_tuned_from_one_release():
 def test_run_names_tell_apart_backends_and_fine_tuning_methods():
     """`make demo BACKEND=torch` after `make demo`, or a layer-decay run after a LoRA run, must not
     find the other's finished run under its name (vit_keras issue 40, item 6)."""
-    config = training.RunConfig()
+    config = training.RunConfig.of()
     assert training.default_run_name(config) == (
         f"finetune_digits_ViT-digits_{keras.backend.backend()}")
-    names = {training.default_run_name(dataclasses.replace(config, **fields), backend=backend)
+    names = {training.default_run_name(config.replace(**fields), backend=backend)
              for backend in ("jax", "tensorflow", "torch")
              for fields in ({}, {"lora_rank": 4}, {"lora_rank": 8}, {"linear_probe": True},
                             {"layer_decay": 0.75}, {"layer_decay": 0.5})}
     assert len(names) == 18
-    assert training.default_run_name(dataclasses.replace(config, lora_rank=4), backend="torch") == (
+    assert training.default_run_name(config.replace(lora_rank=4), backend="torch") == (
         "finetune_digits_ViT-digits_lora4_torch")
-    assert training.default_run_name(dataclasses.replace(config, lora_rank=0), backend="jax") == (
+    assert training.default_run_name(config.replace(lora_rank=0), backend="jax") == (
         "finetune_digits_ViT-digits_jax")  # rank 0 is no LoRA
 
 
 def test_weights_on_the_digits_get_the_digits_recipe_at_their_own_size():
-    recipe, reason = training.resolve_recipe(training.RunConfig(weights="run/model.keras"))
+    recipe, reason = training.resolve_recipe(training.RunConfig.of(weights="run/model.keras"))
     assert recipe.name == "digits" and "digits recipe" in reason
     assert recipe.image_size is None  # the weights' own, read once the model is built
-    given = training.resolve_recipe(training.RunConfig(weights="run/model.keras", image_size=32))
+    given = training.resolve_recipe(training.RunConfig.of(weights="run/model.keras", image_size=32))
     assert given[0].image_size == 32
-    assert training.resolve_recipe(training.RunConfig())[0].image_size == 16
+    assert training.resolve_recipe(training.RunConfig.of())[0].image_size == 16
 
 
 def test_a_pretrained_digits_model_is_fine_tuned_at_its_own_size(tmp_path, tiny_config):
-    from vit_keras import masked_patch_prediction as mpp
+    from vit_keras.training import masked_patch_prediction as mpp
 
     source = mpp.build_pretraining_model(build_model(tiny_config, image_size=12, num_classes=3,
                                                      classifier="gap"))
     path = str(tmp_path / "pretrain_digits_tiny" / "model.keras")
     os.makedirs(os.path.dirname(path))
     source.save(path)
-    config = training.RunConfig(weights=path)
+    config = training.RunConfig.of(weights=path)
     recipe, _ = training.resolve_recipe(config)
     model = training.build_run_model(config, recipe, num_classes=10, log=lambda _: None)
     assert model.input_shape == (None, 12, 12, 3) and model.output_shape == (None, 10)
@@ -199,8 +199,8 @@ def test_a_run_name_that_is_not_one_folder_name_is_refused(tmp_path, run_name):
     parent = tmp_path / "parent"
     (parent / "out").mkdir(parents=True)
     (parent / "unrelated.txt").write_text("keep me")
-    config = training.RunConfig(output_dir=str(parent / "out"), run_name=run_name,
-                                overwrite=True)
+    config = training.RunConfig.of(output_dir=str(parent / "out"), run_name=run_name,
+                                   overwrite=True)
     with pytest.raises(RunFolderError, match="is not a folder name: a run name is one path "):
         _quiet(config)
     assert sorted(os.listdir(parent)) == ["out", "unrelated.txt"]
@@ -214,7 +214,7 @@ def test_overwrite_deletes_nothing_from_a_folder_that_is_not_a_run_folder(tmp_pa
     (documents / "photos").mkdir(parents=True)
     (documents / "thesis.tex").write_text("years of work")
     (documents / "model.keras").write_text("a name a run writes")
-    config = training.RunConfig(output_dir=str(tmp_path), run_name="Documents", overwrite=True)
+    config = training.RunConfig.of(output_dir=str(tmp_path), run_name="Documents", overwrite=True)
     with pytest.raises(RunFolderError, match="holds photos, thesis.tex, which no run writes"):
         _quiet(config)
     assert sorted(os.listdir(documents)) == ["model.keras", "photos", "thesis.tex"]
@@ -225,7 +225,7 @@ def test_overwrite_never_deletes_a_run_folder_another_process_is_running_in(tmp_
     outer = RunFolder(tmp_path / "outer").create()
     outer.write_metrics({"test_accuracy": 0.5})
     inner = RunFolder(os.path.join(outer.logs, "live"))  # a run nested in another's folder
-    config = training.RunConfig(output_dir=str(tmp_path), run_name="outer", overwrite=True)
+    config = training.RunConfig.of(output_dir=str(tmp_path), run_name="outer", overwrite=True)
     with inner.locked():  # flock is per open file: this process counts as another holder
         with pytest.raises(RunFolderBusyError, match=re.escape(
                 f"another process is running in (lock file {inner.lock})")):
@@ -243,7 +243,7 @@ def test_a_link_planted_in_a_run_folder_is_refused_and_its_target_untouched(tmp_
     folder = tmp_path / "runs" / "run"
     folder.mkdir(parents=True)
     os.symlink(target, folder / name)
-    config = training.RunConfig(output_dir=str(folder.parent), run_name="run")
+    config = training.RunConfig.of(output_dir=str(folder.parent), run_name="run")
     with pytest.raises(RunFolderError, match="is a symbolic link: a run writes its files only "):
         _quiet(config)
     assert target.read_text() == "not the run's"
@@ -254,11 +254,11 @@ def test_a_link_planted_in_a_run_folder_is_refused_and_its_target_untouched(tmp_
 def test_a_rerun_with_other_flags_is_refused_naming_them_and_changes_nothing(tmp_path):
     """A folder's flags.txt says how its run was made: another learning rate, layer decay or
     LoRA rank there is another run (vit_keras issue 40, item 7)."""
-    config = training.RunConfig(output_dir=str(tmp_path), run_name="run", epochs=3)
+    config = training.RunConfig.of(output_dir=str(tmp_path), run_name="run", epochs=3)
     folder = RunFolder(tmp_path / "run").create()
     folder.write_flags(training.run_flags_text(config))  # an unfinished run of `config`
     recorded = open(folder.flags).read()
-    other = dataclasses.replace(config, learning_rate=0.03, layer_decay=0.5, lora_rank=4)
+    other = config.replace(learning_rate=0.03, layer_decay=0.5, lora_rank=4)
     with pytest.raises(RunFolderMismatchError) as error:
         _quiet(other)
     message = str(error.value)
@@ -272,16 +272,16 @@ def test_a_rerun_with_other_flags_is_refused_naming_them_and_changes_nothing(tmp
 
 @pytest.mark.backend_independent
 def test_a_rerun_may_change_only_where_the_run_is_and_what_it_prints(tmp_path):
-    config = training.RunConfig(output_dir=str(tmp_path), run_name="run", verbose=2)
+    config = training.RunConfig.of(output_dir=str(tmp_path), run_name="run", verbose=2)
     folder = RunFolder(tmp_path / "run").create()
     folder.write_flags(training.run_flags_text(config))
     folder.write_metrics({"test_accuracy": 0.5})
-    moved = dataclasses.replace(config, output_dir=str(tmp_path / "." / ""), verbose=0,
-                                download=False, peer_timeout=5)
+    moved = config.replace(output_dir=str(tmp_path / "." / ""), verbose=0,
+                           download=False, peer_timeout=5)
     assert _quiet(moved) == {"test_accuracy": 0.5, "already_complete": True}
     assert training.differing_flags(training.run_flags_text(config),
                                     training.run_flags_text(moved)) == []
     assert training.differing_flags(
         training.run_flags_text(config),
-        training.run_flags_text(dataclasses.replace(config, linear_probe=True))) == [
+        training.run_flags_text(config.replace(linear_probe=True))) == [
         ("linear_probe", "false", "true")]

@@ -24,7 +24,14 @@ import pytest
 import vit_keras
 from vit_keras.tools.run_folder import RunFolder
 
-from conftest import BACKENDS, REPO_ROOT, TINY_CONFIG, randomize_weights, run_on_backend
+from conftest import (
+    BACKENDS,
+    REPO_ROOT,
+    TINY_CONFIG,
+    randomize_weights,
+    run_killed_after_training,
+    run_on_backend,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -34,14 +41,10 @@ OTHER_BACKEND = "torch" if BACKEND != "torch" else "jax"
 SHORT = ["--epochs", "1", "--steps_per_epoch", "2", "--verbose", "2"]
 # What `fit(verbose=2)` prints at the end of each epoch ("2/2 - 1s - 50ms/step - ... loss: ...").
 EPOCH_LINE = re.compile(r"^\d+/\d+ - .* loss: ", re.M)
-# The test hook of `vit_keras.tools.training.run`: SIGKILL itself after training, before the
-# final evaluation.
-KILL_AFTER_TRAINING = "VIT_KERAS_TEST_KILL_AFTER_TRAINING"
 
 
 def _env(**extra):
-    env = {name: value for name, value in os.environ.items() if name != KILL_AFTER_TRAINING}
-    return {**env, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_BACKEND": OTHER_BACKEND, **extra}
+    return {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_BACKEND": OTHER_BACKEND, **extra}
 
 
 def _command(app, *args):
@@ -115,13 +118,13 @@ def finetune_run(output_dir, pretrain_run):
 
 @pytest.fixture(scope="module")
 def killed_and_resumed_train_run(output_dir):
-    """apps/train.py killed (SIGKILL, by the test hook) between training and its final
-    evaluation, with the temporary files of an interrupted save planted in its folder, then run
-    again with the same command."""
+    """apps/train.py killed (SIGKILL, from outside) once its training has ended, before its
+    metrics.json, with the temporary files of an interrupted save planted in its folder, then
+    run again with the same command."""
     command = _command("train.py", "--backend", BACKEND, *SHORT, "--output_dir",
                        str(output_dir), "--run_name", "killed")
     folder = RunFolder(output_dir / "killed")
-    first = _run(command, env=_env(**{KILL_AFTER_TRAINING: "1"}), check=False)
+    first = run_killed_after_training(command, folder.path, _env())
     assert first.returncode == -signal.SIGKILL, first.stdout[-3000:] + first.stderr[-3000:]
     assert not os.path.exists(folder.metrics)
     # Resumed with other settings first: refused, the folder as the kill left it.

@@ -12,8 +12,9 @@ from PIL import Image
 import pytest
 
 import vit_keras
-from vit_keras import analysis, heads
-from vit_keras import layers as vit_layers
+from vit_keras.inspection import analysis
+from vit_keras.model import heads
+from vit_keras.model import layers as vit_layers
 from vit_keras.tools import plots
 
 from conftest import BACKENDS, REPO_ROOT, random_images, randomize_weights

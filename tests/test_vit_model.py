@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 import vit_keras
-from vit_keras import heads, layers
-from vit_keras.model import ViT
+from vit_keras.model import ViT, heads, layers
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 TINY = dict(name="tiny", patch_size=8, hidden_size=32, mlp_dim=64, num_heads=2, num_layers=3)

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 import vit_keras
-from vit_keras import download, errors, geometry, pretrained, releases
+from vit_keras import errors
+from vit_keras.model import geometry
+from vit_keras.weights import download, pretrained, releases
 
 from conftest import random_images
 from weights_mirror import MirrorServer, write_class_names, write_release
@@ -138,7 +140,7 @@ def test_each_family_release_states_the_epsilon_and_gelu_its_repository_computes
     config class defaults for its folders, the timm architecture name for timm's."""
     import transformers
 
-    from vit_keras.checkpoints import huggingface, timm
+    from vit_keras.weights.checkpoints import huggingface, timm
 
     configs = {"dinov2": transformers.Dinov2Config(),
                "dinov2_reg4": transformers.Dinov2WithRegistersConfig(),
@@ -457,7 +459,7 @@ def test_explicit_image_size_and_classes_resample_the_nearest_file_and_add_a_zer
 
 
 def test_a_release_file_is_read_once_per_model(from_bucket, monkeypatch):
-    from vit_keras.checkpoints import files as checkpoint_files
+    from vit_keras.weights.checkpoints import files as checkpoint_files
 
     vit_keras.build_model("ViT-Ti/16", weights="augreg_in21k")  # downloads and caches the file
     reads = []

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import vit_keras
-from vit_keras import download, pretrained, releases
+from vit_keras.weights import download, pretrained, releases
 
 from conftest import run_app
 from weights_mirror import MirrorServer, write_class_names, write_release

@@ -7,14 +7,14 @@ import keras
 import numpy as np
 import pytest
 
-from vit_keras import xla_cpu
-from vit_keras.xla_cpu import einsum, materialize_gradient
+from vit_keras.model import xla_cpu
+from vit_keras.model.xla_cpu import einsum, materialize_gradient
 
 from conftest import run_on_backend
 
 _GRADIENT_CODE = """
 import jax, jax.numpy as jnp, numpy as np
-from vit_keras.xla_cpu import materialize_gradient
+from vit_keras.model.xla_cpu import materialize_gradient
 
 def chain(x, barrier):
     for _ in range(4):  # a residual stream whose gradient XLA would fuse into every consumer
@@ -115,7 +115,7 @@ def test_import_leaves_glibc_malloc_alone_until_keep_freed_host_memory_is_called
 _PAGE_FAULT_CODE = """
 import resource
 if ARGS["call"]:
-    from vit_keras.xla_cpu import keep_freed_host_memory
+    from vit_keras.model.xla_cpu import keep_freed_host_memory
     assert keep_freed_host_memory()  # before JAX's CPU client, as its docstring asks
 import jax, jax.numpy as jnp
 
@@ -161,7 +161,8 @@ def test_keep_freed_host_memory_and_its_glibc_tunables_stop_page_faulting_scratc
 _SWITCH_CODE = """
 import jax, jax.numpy as jnp, numpy as np
 import keras
-from vit_keras import build_model, xla_cpu
+from vit_keras import build_model
+from vit_keras.model import xla_cpu
 
 attention_calls = []
 dot_product_attention = keras.ops.dot_product_attention
@@ -277,7 +278,7 @@ def dot_operand_types(hlo):
 _BFLOAT16_EINSUM_CODE = _DOT_TYPES + """
 import jax, jax.numpy as jnp, numpy as np
 import keras
-from vit_keras.xla_cpu import einsum, set_workarounds
+from vit_keras.model.xla_cpu import einsum, set_workarounds
 
 equation = "btd,dhk->bhtk"  # the q/k/v projection's
 rng = np.random.default_rng(0)

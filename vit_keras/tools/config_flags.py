@@ -15,6 +15,18 @@ included, while it parses the command line, before the app does any work.
     config = from_flags(Config)             # in main, after absl parsed argv
     check_ranges(config)                    # a config built in Python: the same ranges
 
+A field whose type is itself a dataclass is a group: its fields are flags too, named as they are
+(a flag's name says nothing of its group, so flag names are unique across groups). `build` and
+`replace` set fields by their flag names wherever they sit, and `flat` reads them back so:
+
+    @dataclasses.dataclass
+    class Run:
+        schedule: Config = dataclasses.field(default_factory=Config)
+        seed: int = option(0, "Seed.", bounds="[0, inf)")
+
+    run = build(Run, batch_size=8, seed=1)  # run.schedule.batch_size == 8
+    flat(run)                               # {"batch_size": 8, "decay": None, "seed": 1}
+
 An app may leave fields out (`leave_out`: they are no flags there and keep their defaults) and
 give a field another default, help or choices (`overrides`). An app's own numeric flags, outside
 any dataclass, are defined with `define_number`, the same ranges.
@@ -144,20 +156,83 @@ def check_ranges(config):
     """Raises `FlagRangeError` (one line, naming the flag, the value and its range) when a
     numeric `option` field of the dataclass `config` holds a value outside its `bounds`:
     the check absl makes on the command line, for a config built in Python."""
-    kinds = typing.get_type_hints(type(config))
-    for field in flag_fields(type(config)):
-        value = getattr(config, field.name)
+    values = flat(config)
+    for field, kind in _option_fields(type(config)):
+        value = values[field.name]
         if value is None or "bounds" not in field.metadata:
             continue
         interval = Interval.parse(field.metadata["bounds"])
         if isinstance(value, bool) or value not in interval:
             raise FlagRangeError(f"--{field.name} {value} is out of range: it takes "
-                                 f"{interval.describe(kinds[field.name])}.")
+                                 f"{interval.describe(kind)}.")
+
+
+def _groups(config_class):
+    """`{field name: dataclass}` of the group fields of `config_class`."""
+    kinds = typing.get_type_hints(config_class)
+    return {field.name: kinds[field.name] for field in dataclasses.fields(config_class)
+            if dataclasses.is_dataclass(kinds[field.name])}
+
+
+def _option_fields(config_class):
+    """`[(field, its type)]` of the `option` fields of `config_class` and of its groups, in
+    declaration order (a group's where the group is declared)."""
+    kinds, groups = typing.get_type_hints(config_class), _groups(config_class)
+    found = []
+    for field in dataclasses.fields(config_class):
+        if field.name in groups:
+            found += _option_fields(groups[field.name])
+        elif "help" in field.metadata:
+            found.append((field, kinds[field.name]))
+    return found
 
 
 def flag_fields(config_class):
-    """The fields of `config_class` declared with `option`, in declaration order."""
-    return [field for field in dataclasses.fields(config_class) if "help" in field.metadata]
+    """The fields of `config_class` declared with `option`, its groups' included, in declaration
+    order. Raises `TypeError` when two of them have one name (one flag)."""
+    fields = [field for field, _ in _option_fields(config_class)]
+    names = [field.name for field in fields]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise TypeError(f"{config_class.__name__} declares the flags {repeated} twice.")
+    return fields
+
+
+def flat(config):
+    """`{flag name: value}` of the `option` fields of the dataclass `config` (its groups'
+    included), in declaration order."""
+    values = {}
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            values.update(flat(value))
+        elif "help" in field.metadata:
+            values[field.name] = value
+    return values
+
+
+def replace(config, **values):
+    """A copy of the dataclass `config` with the fields named in `values` replaced: an `option`
+    field by its flag name, in whichever group it sits, or any other field of `config` itself
+    (`flags_text`). `TypeError` for a name it has not."""
+    groups = _groups(type(config))
+    changes = {name: values.pop(name) for name in list(values)
+               if name not in groups and name in {f.name for f in dataclasses.fields(config)}}
+    for name, group in groups.items():
+        names = {field.name for field in dataclasses.fields(group)} | set(
+            flat(getattr(config, name)))
+        given = {key: values.pop(key) for key in list(values) if key in names}
+        if given:
+            changes[name] = replace(getattr(config, name), **given)
+    if values:
+        raise TypeError(f"{type(config).__name__} has no field {', '.join(sorted(values))}.")
+    return dataclasses.replace(config, **changes)
+
+
+def build(config_class, **values):
+    """A `config_class` with the fields named in `values` set (`replace`), the others at their
+    defaults: `build(RunConfig, dataset="cifar10", epochs=5)`."""
+    return replace(config_class(), **values)
 
 
 def define_flags(config_class, module_name=None, flag_values=None, leave_out=(), **overrides):
@@ -175,8 +250,9 @@ def define_flags(config_class, module_name=None, flag_values=None, leave_out=(),
         replacing the field's own for one app (e.g. another default recipe).
     """
     flag_values = flags.FLAGS if flag_values is None else flag_values
-    types = typing.get_type_hints(config_class)
-    fields = {field.name: field for field in flag_fields(config_class)}
+    flag_fields(config_class)  # one flag per name
+    types = {field.name: kind for field, kind in _option_fields(config_class)}
+    fields = {field.name: field for field, _ in _option_fields(config_class)}
     unknown = sorted((set(overrides) | set(leave_out)) - set(fields))
     if unknown:
         raise ValueError(f"{config_class.__name__} has no flag fields {unknown}.")
@@ -215,24 +291,24 @@ def flag_lines(config, leave_out=()):
     that set them (`Flag.serialize`): `--name=value`, `--name` / `--noname` for a boolean, a
     list comma-separated; a field that is `None` is left out. In field order."""
     lines = []
-    for field in flag_fields(type(config)):
-        value = getattr(config, field.name)
-        if field.name in leave_out or value is None:
+    for name, value in flat(config).items():
+        if name in leave_out or value is None:
             continue
         if isinstance(value, bool):
-            lines.append(f"--{'' if value else 'no'}{field.name}")
+            lines.append(f"--{'' if value else 'no'}{name}")
         elif isinstance(value, (tuple, list)):
-            lines.append(f"--{field.name}={','.join(str(item) for item in value)}")
+            lines.append(f"--{name}={','.join(str(item) for item in value)}")
         else:
-            lines.append(f"--{field.name}={value}")
+            lines.append(f"--{name}={value}")
     return lines
 
 
 def from_flags(config_class, flag_values=None, leave_out=(), **values):
     """A `config_class` from the parsed flags of its `option` fields but those in `leave_out`
-    (which keep their defaults); `values` fill the others. A list flag gives a tuple."""
+    (which keep their defaults); `values` fill the others (`build`). A list flag gives a
+    tuple."""
     flag_values = flags.FLAGS if flag_values is None else flag_values
     parsed = {field.name: flag_values[field.name].value for field in flag_fields(config_class)
               if field.name not in leave_out}
-    return config_class(**{name: tuple(value) if isinstance(value, list) else value
-                           for name, value in parsed.items()}, **values)
+    return build(config_class, **{name: tuple(value) if isinstance(value, list) else value
+                                  for name, value in parsed.items()}, **values)

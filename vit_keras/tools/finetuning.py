@@ -1,6 +1,6 @@
 """Fine-tuning with a part of the weights: LoRA adapters, the linear probe, and rematerialised
-blocks. Each turns the ViT a run built into the model it trains (`prepare_run_model`), before the
-model is compiled:
+blocks. Each turns the ViT a run built into the model it trains (a part of the run,
+`run_parts`), before the model is compiled:
 
 - LoRA (`enable_lora`, `--lora_rank R`): Keras' `enable_lora` on the attention projections
   (`query`, `key`, `value`, `out`: `EinsumDense`) and the MLP's `Dense_0` and `Dense_1` of every
@@ -33,10 +33,10 @@ import keras
 import numpy as np
 
 from vit_keras import errors
-from vit_keras.checkpoints import files
-from vit_keras.layers import HeadsProjection
 from vit_keras.model import ViT
+from vit_keras.model.layers import HeadsProjection
 from vit_keras.tools import callbacks as callbacks_lib
+from vit_keras.weights.checkpoints import files
 
 # Keys of adapters.npz that are no weights.
 _RANK_KEY, _ALPHA_KEY = "__lora_rank__", "__lora_alpha__"
@@ -50,11 +50,6 @@ class FinetuningOptionError(errors.UserError, ValueError):
 AdaptersError = errors.AdaptersError  # where it was first defined; one class
 
 
-def lora_on(config):
-    """Whether a `RunConfig` asks for LoRA (`--lora_rank` of 0 or none: off)."""
-    return bool(config.lora_rank)
-
-
 def check_options(config, objective=None):
     """Refuses fine-tuning flags that make no sense, before anything loads (one line each).
 
@@ -65,7 +60,8 @@ def check_options(config, objective=None):
     """
     from vit_keras.tools import objectives  # objectives imports the recipes; kept off import
 
-    rank, alpha = config.lora_rank, config.lora_alpha
+    settings = config.finetuning
+    rank, alpha = settings.lora_rank, settings.lora_alpha
     if rank is not None and rank < 0:
         raise FinetuningOptionError(f"--lora_rank must be a positive rank (0 or none: no LoRA); "
                                     f"got {rank}.")
@@ -75,19 +71,19 @@ def check_options(config, objective=None):
     if alpha is not None and alpha <= 0:
         raise FinetuningOptionError(f"--lora_alpha must be positive (the update is scaled by "
                                     f"alpha / rank); got {alpha:g}.")
-    if not rank and config.lora_train_norms:
+    if not rank and settings.lora_train_norms:
         raise FinetuningOptionError("--lora_train_norms trains the LayerNorms beside LoRA "
                                     "adapters: it needs --lora_rank.")
-    if rank and config.linear_probe:
+    if rank and settings.linear_probe:
         raise FinetuningOptionError(
             "--linear_probe trains the head alone and --lora_rank adapts the encoder: choose one.")
-    if config.linear_probe:
+    if settings.linear_probe:
         for flag in ("attention_dropout", "drop_path_rate", "dropout"):
-            if (getattr(config, flag) or 0) > 0:
+            if (getattr(config.model, flag) or 0) > 0:
                 raise FinetuningOptionError(
                     f"--linear_probe runs the frozen encoder as at inference, without dropout: "
-                    f"drop --{flag} {getattr(config, flag):g}.")
-    if (rank or config.linear_probe) and objective is not None and not isinstance(
+                    f"drop --{flag} {getattr(config.model, flag):g}.")
+    if (rank or settings.linear_probe) and objective is not None and not isinstance(
             objective, objectives.Classification):
         used = "--lora_rank" if rank else "--linear_probe"
         raise FinetuningOptionError(
@@ -98,37 +94,6 @@ def check_options(config, objective=None):
 def trainable_parameters(model):
     """The number of weights an optimizer updates in `model`."""
     return int(sum(np.prod(weight.shape) for weight in model.trainable_weights))
-
-
-def prepare_run_model(vit, config, log=print):
-    """The ViT a run trains from the one it built (call before compiling): a linear probe
-    (`config.linear_probe`, a copy), rematerialised (`config.remat`) and LoRA-enabled
-    (`config.lora_rank`), both in place.
-
-    Logs a line `Warning: ...` for a choice that runs but is likely a mistake: LoRA or the linear
-    probe without `config.weights` (a randomly initialised encoder, frozen), and a LoRA rank
-    whose adapters hold more weights than the kernels they adapt."""
-    if (config.linear_probe or lora_on(config)) and not config.weights:
-        used = "--linear_probe" if config.linear_probe else f"--lora_rank {config.lora_rank}"
-        log(f"Warning: {used} without --weights: the encoder is randomly initialised and "
-            f"frozen, so only {'the head' if config.linear_probe else 'low-rank adapters'} "
-            f"learn on random features; give --weights to fine-tune a pre-trained encoder.")
-    if config.linear_probe:
-        vit = linear_probe_model(vit)
-        log(f"Linear probe: the encoder frozen, at inference; only "
-            f"{' and '.join(_names(vit.heads))} train.")
-    if config.remat:
-        rematerialize(vit)
-        log("--remat: each encoder block is recomputed in the backward pass.")
-    if lora_on(config):
-        _warn_of_a_rank_beyond_break_even(vit, config.lora_rank, log)
-        enable_lora(vit, config.lora_rank, config.lora_alpha,
-                    train_norms=config.lora_train_norms)
-        alpha = config.lora_alpha if config.lora_alpha is not None else config.lora_rank
-        log(f"LoRA rank {config.lora_rank}, alpha {alpha:g} on the attention projections and "
-            f"the MLP; trained: adapters, {' and '.join(_names(vit.classifier_layers))}"
-            + (", LayerNorms" if config.lora_train_norms else "") + ".")
-    return vit
 
 
 def _warn_of_a_rank_beyond_break_even(model, rank, log):
@@ -445,10 +410,6 @@ def _vit(model, needed_by):
                          f"{model.name!r} is a {type(model).__name__}. For a model loaded from a "
                          f".keras file of an earlier vit_keras, pass vit_keras.ViT.of(model).")
     return model
-
-
-def _names(layers):
-    return [layer.name for layer in layers]
 
 
 def _base_kernel(layer):

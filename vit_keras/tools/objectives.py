@@ -15,10 +15,11 @@ options are `config_flags.option` fields: the flags of the app that runs it.
 
 import dataclasses
 
-from vit_keras import errors, fewshot
-from vit_keras import masked_patch_prediction as mpp
+from vit_keras import errors
 from vit_keras.tools import recipes as recipes_lib
 from vit_keras.tools.config_flags import option
+from vit_keras.training import fewshot
+from vit_keras.training import masked_patch_prediction as mpp
 
 
 class ObjectiveOptionError(errors.UserError, ValueError):
@@ -37,12 +38,13 @@ class Objective:
     def choose_recipe(self, config):
         """The base `recipes.Recipe` of a run (`config.recipe`, or the objective's choice for
         "auto") and why it was chosen (a sentence for the log)."""
-        if config.recipe == "auto":
+        recipe = config.optimization.recipe
+        if recipe == "auto":
             return self.auto_recipe(config)
-        if config.recipe not in self.recipes:
-            raise ValueError(f"Unknown recipe {config.recipe!r}; expected auto or one of "
+        if recipe not in self.recipes:
+            raise ValueError(f"Unknown recipe {recipe!r}; expected auto or one of "
                              f"{sorted(self.recipes)}.")
-        return self.recipes[config.recipe], f"recipe {config.recipe} (--recipe)"
+        return self.recipes[recipe], f"recipe {recipe} (--recipe)"
 
     def auto_recipe(self, config):
         raise NotImplementedError
@@ -91,16 +93,16 @@ class Classification(Objective):
     validation_split = "val"
 
     def auto_recipe(self, config):
-        if config.dataset == "digits":
-            if config.weights:
-                return recipes_lib.DIGITS_RECIPE, (f"fine-tuning {config.weights} on the digits "
-                                                   "with the digits recipe")
-            return recipes_lib.DIGITS_RECIPE, ("no pretrained weights given (--weights): "
-                                               "training from scratch with the digits recipe "
-                                               "(the paper's pre-training recipe at digits "
-                                               "scale)")
-        if config.weights:
-            return recipes_lib.FINETUNE_RECIPE, (f"fine-tuning {config.weights} with vit_jax's "
+        dataset, weights = config.data.dataset, config.model.weights
+        own = recipes_lib.dataset_recipe(self.recipes, dataset)  # the digits'
+        if own is not None:
+            if weights:
+                return own, f"fine-tuning {weights} on the {dataset} with the {own.name} recipe"
+            return own, (f"no pretrained weights given (--weights): training from scratch with "
+                         f"the {own.name} recipe (the paper's pre-training recipe at {dataset} "
+                         f"scale)")
+        if weights:
+            return recipes_lib.FINETUNE_RECIPE, (f"fine-tuning {weights} with vit_jax's "
                                                  "fine-tuning recipe")
         return recipes_lib.PRETRAIN_RECIPE, ("no pretrained weights given (--weights): training "
                                              "from scratch with the paper's pre-training recipe")
@@ -220,8 +222,8 @@ class MaskedPatchPrediction(Objective):
                 f"exceed 1: they are fractions of the same corrupted patches.")
 
     def auto_recipe(self, config):
-        name = "mpp_digits" if config.dataset == "digits" else "mpp"
-        return self.recipes[name], f"recipe {name}"
+        recipe = recipes_lib.dataset_recipe(self.recipes, config.data.dataset) or self.recipes["mpp"]
+        return recipe, f"recipe {recipe.name}"
 
     def training_splits(self, splits):
         """`splits` whose "train" source is the images of `pretrain_splits`, one after the other."""

@@ -1,14 +1,16 @@
-"""Training recipes as data (fine-tuning, pre-training, digits; masked patch prediction) and
-what turns one into a compiled model: the optimizer with its warm-up schedule
-(`vit_keras.schedules.WarmupSchedule`), `compile_model`. Imports only Keras at module level."""
+"""Training recipes as data (fine-tuning, pre-training, digits; masked patch prediction), the
+defaults a dataset brings of its own (`DATASET_DEFAULTS`: the digits' recipes, model and
+augmentation) and what turns a recipe into a compiled model: the optimizer with its warm-up
+schedule (`vit_keras.schedules.WarmupSchedule`), `compile_model`. Imports only Keras at module
+level."""
 
 import dataclasses
 
 import keras
 
 # In the core, which `import vit_keras` registers: a saved optimizer finds them there.
-from vit_keras import layer_decay
-from vit_keras.schedules import WarmupSchedule
+from vit_keras.training import layer_decay
+from vit_keras.training.schedules import WarmupSchedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +60,28 @@ DIGITS_VIT = {"name": "ViT-digits", "patch_size": 4, "hidden_size": 64, "mlp_dim
               "num_heads": 4, "num_layers": 4}
 DIGITS_CLASSIFIER = "gap"
 
+# The recipes' own variants beside `vit_keras.VARIANTS`, by their --model name: the config and
+# the classifier a new model of it has by default (every other variant: the class token).
+RECIPE_VARIANTS = {DIGITS_VIT["name"]: (DIGITS_VIT, DIGITS_CLASSIFIER)}
+# The variant of a run from --weights that names none (a release needs --model).
+DEFAULT_VARIANT = "ViT-B/16"
+
+
+def variant_config(name):
+    """What `vit_keras.build_model` takes for the --model `name`: a recipe variant's config
+    (`RECIPE_VARIANTS`), else the name itself."""
+    return RECIPE_VARIANTS[name][0] if name in RECIPE_VARIANTS else name
+
+
+def default_classifier(name):
+    """The classifier of a new model of the variant `name` without --classifier."""
+    return RECIPE_VARIANTS[name][1] if name in RECIPE_VARIANTS else "token"
+
+
 # The pre-training recipe's shape (AdamW, warm-up then linear decay) at digits scale.
 DIGITS_RECIPE = dataclasses.replace(
     PRETRAIN_RECIPE, name="digits", learning_rate=3e-3, warmup_steps=78, total_steps=None,
     epochs=30, batch_size=32, image_size=16, label_smoothing=0.1, dropout=0.1)
-# Digits: no horizontal flip (a flipped 2 is not a 2), a mild inception crop.
-DIGITS_AUGMENTATION = {"crop_area": (0.8, 1.0), "flip": False}
 
 # Masked patch prediction, the paper's appendix B.1.2: "Adam, with a base learning rate of 2e-4,
 # warmup of 10k steps and cosine learning rate decay", batch 4096, 1M steps. It names no weight
@@ -76,6 +94,41 @@ MPP_RECIPE = Recipe(
 MPP_DIGITS_RECIPE = dataclasses.replace(
     MPP_RECIPE, name="mpp_digits", learning_rate=1e-3, warmup_steps=100, total_steps=None,
     epochs=60, batch_size=64, image_size=16)
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetDefaults:
+    """What a run on one dataset takes for the flags it leaves out; the defaults are every
+    dataset's (vit_jax's)."""
+
+    recipes: tuple = ()          # --recipe auto: the one of these in the objective's table
+    model: str = DEFAULT_VARIANT  # --model of a run from scratch (no --weights)
+    crop_min_area: float = 0.05  # the inception crop's smallest area fraction
+    flip: bool = True            # random horizontal flip
+
+
+# Datasets with defaults of their own, by their --dataset name. The digits: their own recipes
+# and ViT, no horizontal flip (a flipped 2 is not a 2), a mild inception crop.
+DATASET_DEFAULTS = {
+    "digits": DatasetDefaults(recipes=("digits", "mpp_digits"), model=DIGITS_VIT["name"],
+                              crop_min_area=0.8, flip=False),
+}
+
+# Recipes that fine-tune --weights at the weights' own image size when --image_size is not given:
+# a model pre-trained on the digits at 16 px is fine-tuned on them at 16 px.
+WEIGHTS_IMAGE_SIZE_RECIPES = ("digits",)
+
+
+def dataset_defaults(dataset):
+    """The `DatasetDefaults` of the --dataset `dataset`."""
+    return DATASET_DEFAULTS.get(dataset, DatasetDefaults())
+
+
+def dataset_recipe(recipes, dataset):
+    """The recipe of `recipes` (an objective's table, --recipe name → `Recipe`) made for
+    `dataset`, or None."""
+    names = [name for name in dataset_defaults(dataset).recipes if name in recipes]
+    return recipes[names[0]] if names else None
 
 
 def make_optimizer(recipe, total_steps=None, accum_steps=1, layer_scales=None, ema_decay=None):

@@ -1,7 +1,9 @@
-"""One training run: `RunConfig` (the apps' flags) and an `objectives.Objective` → `run` →
-`saved_models/<run_name>/`. `run` goes through named steps: `_prepare` (recipe, data, schedule,
-resumption point, compiled model), `_train` (`fit`, or nothing when resumed after training) and
-`_report` (the objective's evaluation, the model, metrics.json last)."""
+"""One training run: `RunConfig` (the apps' flags, grouped by concern: `run_config`) and an
+`objectives.Objective` → `run` → `saved_models/<run_name>/`. `run` chooses the run's optional
+parts once (`run_parts.choose`: LoRA, linear probe, remat, layer decay, EMA) and goes through
+named steps, calling each part's hooks: `_prepare` (recipe, data, schedule, resumption point,
+compiled model), `_train` (`fit`, or nothing when resumed after training) and `_report` (the
+objective's evaluation, the model, metrics.json last)."""
 
 import contextlib
 import dataclasses
@@ -9,38 +11,32 @@ import importlib.util
 import math
 import os
 import shutil
-import signal
 import tempfile
 import time
 import warnings
 
 import keras
 
-from vit_keras import configs as configs_lib
-from vit_keras import keras_files, layer_decay, masked_patch_prediction, pretrained
 from vit_keras import model as model_lib
-from vit_keras.checkpoints import save_npz
+from vit_keras.model import configs as configs_lib
 from vit_keras.tools import callbacks as callbacks_lib
-from vit_keras.tools import config_flags, finetuning, memory, plots
+from vit_keras.tools import config_flags, finetuning, memory, plots, run_parts
 from vit_keras.tools import distribution as distribution_lib
-from vit_keras.tools import ema as ema_lib
 from vit_keras.tools import objectives as objectives_lib
 from vit_keras.tools import recipes as recipes_lib
 from vit_keras.tools import run_folder as run_folder_lib
-from vit_keras.tools.config_flags import option
+from vit_keras.tools.run_config import RunConfig
 from vit_keras.tools.run_folder import (
     RunFolder,
     RunFolderError,
     RunFolderMismatchError,
     parse_flags_text,
 )
+from vit_keras.training import masked_patch_prediction
+from vit_keras.weights import keras_files, pretrained
+from vit_keras.weights.checkpoints import save_npz
 
 CLASSIFICATION = objectives_lib.Classification()
-
-# A test hook: set to 1, `run` kills its own process with SIGKILL once training has finished,
-# before the final evaluation (as a kill at that moment would), so that the resumption at the
-# evaluation can be tested without racing a timer.
-KILL_AFTER_TRAINING = "VIT_KERAS_TEST_KILL_AFTER_TRAINING"
 
 # The flags that may differ between two runs into one run folder (a resume, or a rerun of a
 # finished run): where the folder is, how much the run prints, whether tfds may download, and how
@@ -50,192 +46,27 @@ FLAGS_A_RERUN_MAY_CHANGE = ("output_dir", "run_name", "verbose", "download",
                             "coordinator_address", "process_id", "peer_timeout")
 
 
-@dataclasses.dataclass
-class RunConfig:
-    """Everything a training run needs; `None` means "the recipe's (or the dataset's) default".
+# The flags that override a field of the recipe of the same name.
+RECIPE_FLAGS = ("optimizer", "learning_rate", "momentum", "weight_decay", "grad_clip_norm",
+                "warmup_steps", "decay", "total_steps", "epochs", "batch_size", "image_size",
+                "label_smoothing", "dropout")
 
-    Each field declared with `option` is also the training apps' flag of the same name, default
-    and help (`config_flags.define_flags`); `resolve_recipe` turns the values into a recipe.
-    """
-
-    # data
-    dataset: str = option(
-        "digits", "digits (scikit-learn's bundled 8x8 digits, offline), folder:PATH (one "
-        "sub-folder per class, or PATH/train + PATH/val [+ PATH/test]), or a tfds name "
-        "(cifar10, cifar100, oxford_iiit_pet, oxford_flowers102, imagenet2012, ...).")
-    data_dir: str = option(None, "tfds data directory (default ~/tensorflow_datasets).")
-    download: bool = option(
-        True, "Let tfds download and prepare a dataset that is not in --data_dir (needs the "
-        "network; without it the run fails at once with instructions).")
-    val_fraction: float = option(
-        None, "Fraction of train held out as val when the dataset has no val split (default 0.1 "
-        "for folders, 0.02 for tfds as vit_jax's train[98%:]).", bounds="(0, 1)")
-    # model
-    model: str = option(
-        None, "Variant (ViT-Ti/16, ViT-S/16, ViT-B/16, ViT-L/16, ... or the official spelling "
-        "ViT-B_16; see vit_keras.VARIANTS) or ViT-digits. Default: ViT-digits on digits without "
-        "--weights, ViT-B/16 otherwise; with a checkpoint file in --weights the file decides "
-        "(--model then only checks it); a release name in --weights needs --model.")
-    weights: str = option(
-        None, "Pretrained weights: a published release by name (imagenet21k, "
-        "imagenet21k+imagenet2012, augreg_in21k, augreg_in21k_ft_in1k, augreg_in1k; needs "
-        "--model; the file nearest --image_size is downloaded once into $VIT_KERAS_HOME, default "
-        "$KERAS_HOME/vit_keras; $VIT_KERAS_WEIGHTS_MIRROR names a mirror URL or folder), "
-        "hf-hub:REPO_ID, any file vit_keras.load_pretrained reads (vit_jax .npz, timm "
-        ".pth/.safetensors, a Hugging Face folder) or a .keras file. A new head is "
-        "zero-initialised and position embeddings are resampled to --image_size.")
-    normalization: str = option(
-        None, "With --weights: how the weights' pixels were normalised in training, which the "
-        "model then does itself: inception ((x - 127.5) / 127.5, the paper's), imagenet "
-        "(ImageNet's mean and std: DeiT, DINOv2, MAE) or clip. Default: what the weights say "
-        "(the release table, timm's config.json or model name, the Hugging Face image "
-        "processor), else inception with a warning.", choices=("inception", "imagenet", "clip"))
-    timm_architecture: str = option(
-        None, "With --weights of a timm state dict: the timm model name (e.g. "
-        "vit_base_patch16_clip_quickgelu_224.openai), which says what its keys cannot: CLIP's "
-        "GELU, LayerNorm epsilon, heads, normalisation. Default: the architecture in timm's "
-        "config.json beside the file.")
-    classifier: str = option(
-        None, "Class token or global average pooling (default: gap for ViT-digits, token "
-        "otherwise; with --weights the checkpoint decides).", choices=("token", "gap"))
-    image_size: int = option(None, "Training and evaluation resolution (recipe default: 384 "
-                             "fine-tuning, 224 pre-training, 16 digits; with --weights on the "
-                             "digits recipe, the weights' own).", bounds="[1, inf)")
-    dropout: float = option(None, "Dropout rate (recipe default: 0.0 fine-tuning, 0.1 "
-                            "otherwise).", bounds="[0, 1)")
-    attention_dropout: float = option(0.0, "Dropout on the attention probabilities.", bounds="[0, 1)")
-    drop_path_rate: float = option(0.0, "Stochastic depth of the last block.", bounds="[0, 1)")
-    representation_size: int = option(
-        None, "Width of a pre-logits layer (Dense + tanh) before the head (new models only; 0: "
-        "none).", bounds="[0, inf)")
-    # recipe
-    recipe: str = option(
-        "auto", "Base recipe: auto = digits on the digits data (with or without --weights), "
-        "finetune with --weights elsewhere, pretrain otherwise. The flags below override single "
-        "values.",
-        choices=("auto", *recipes_lib.RECIPES))
-    optimizer: str = option(None, "sgd (momentum, fine-tuning) or adamw (pre-training, digits).",
-                            choices=("sgd", "adamw"))
-    learning_rate: float = option(
-        None, "Peak learning rate (recipe default: 0.03 fine-tuning, 1e-3 pre-training, 3e-3 "
-        "digits).", bounds="(0, inf)")
-    momentum: float = option(None, "SGD momentum (default 0.9).", bounds="[0, 1)")
-    weight_decay: float = option(
-        None, "Decoupled weight decay (default 0 fine-tuning, 0.1 pre-training and digits).",
-        bounds="[0, inf)")
-    grad_clip_norm: float = option(None, "Global-norm gradient clipping; 0 turns it off "
-                                   "(default 1.0).", bounds="[0, inf)")
-    warmup_steps: int = option(None, "Linear warm-up in optimizer updates (default 500 "
-                               "fine-tuning, 10000 pre-training, 78 digits).", bounds="[0, inf)")
-    decay: str = option(None, "Decay after the warm-up (default cosine fine-tuning, linear "
-                        "pre-training).", choices=("cosine", "linear"))
-    total_steps: int = option(
-        None, "Optimizer updates in all (default 10000 fine-tuning); sets --epochs to "
-        "ceil(total_steps * accum_steps / steps_per_epoch).", bounds="[1, inf)")
-    epochs: int = option(None, "Epochs (default: from --total_steps; 30 on digits).", bounds="[1, inf)")
-    steps_per_epoch: int = option(None, "Batches per epoch (default: training images // batch "
-                                  "size).", bounds="[1, inf)")
-    batch_size: int = option(None, "Global batch size (default 512 fine-tuning, 4096 "
-                             "pre-training, 32 digits).", bounds="[1, inf)")
-    eval_batch_size: int = option(256, "Batch size of validation and test.", bounds="[1, inf)")
-    accum_steps: int = option(1, "Gradient accumulation: batches averaged per update.",
-                              bounds="[1, inf)")
-    label_smoothing: float = option(None, "Label smoothing (default 0; 0.1 on digits).", bounds="[0, 1)")
-    layer_decay: float = option(
-        None, "Layer-wise learning-rate decay F in (0, 1] (BEiT/MAE, timm): block i of L at lr * "
-        "F^(L-i), the embeddings at lr * F^(L+1), the head at lr (vit_keras.layer_decay). "
-        "Default: off.", bounds="(0, 1]")
-    ema_decay: float = option(
-        None, "Exponential moving average of the weights with this decay in (0, 1), e.g. 0.999: "
-        "validated each epoch (val_ema_*), and the run's model when it validates better than "
-        "the raw weights (metrics.json's ema). Default: off.", bounds="(0, 1)")
-    # augmentation
-    crop_min_area: float = option(
-        None, "Inception crop: smallest crop area fraction (default 0.05 as vit_jax; 0.8 on "
-        "digits).", bounds="(0, 1]")
-    flip: bool = option(None, "Random horizontal flip (default on; off on digits).")
-    randaugment: str = option(
-        None, "RandAugment as NUM_OPS,MAGNITUDE (e.g. 2,0.5; keras.layers.RandAugment).")
-    mixup: float = option(0.0, "MixUp alpha (0: off; keras.layers.MixUp).", bounds="[0, inf)")
-    cutmix: float = option(0.0, "CutMix factor (0: off; keras.layers.CutMix).", bounds="[0, inf)")
-    # compute
-    mixed_precision: str = option(
-        "none", "Mixed precision policy (variables stay float32; float16 adds loss scaling).",
-        choices=("none", "bfloat16", "float16"))
-    jit_compile: bool = option(
-        None, "XLA/jit compilation of the train step (default: on for jax and tensorflow, off "
-        "for torch, where torch.compile of a ViT step takes minutes on CPU).")
-    distribution: str = option(
-        "none", "data_parallel: keras DataParallel over all local devices (jax) or "
-        "tf.distribute.MirroredStrategy (tensorflow); model_parallel: keras ModelParallel "
-        "sharding attention and MLP kernels (jax only). torch has neither.",
-        choices=distribution_lib.DISTRIBUTIONS)
-    model_parallel_size: int = option(
-        None, "Devices on the mesh's model axis for model_parallel (default: all; with several "
-        "processes, each process's own).", bounds="[1, inf)")
-    # several processes (docs/distributed.md)
-    coordinator_address: str = option(
-        None, "HOST:PORT of process 0, which every process of a multi-process run (jax) connects "
-        "to; a comma-separated list of all processes' addresses is accepted, its first is used. "
-        "Default $KERAS_DISTRIBUTION_JOB_ADDRESSES.")
-    num_processes: int = option(
-        None, "Processes in the run, jax only (default $KERAS_DISTRIBUTION_NUM_PROCESSES, else "
-        "1); 0 lets JAX detect them (Cloud TPU pod slice, SLURM, Open MPI). --batch_size stays "
-        "the global batch; process 0 alone writes the run folder, which must be on a "
-        "filesystem every process reads, for resuming.", bounds="[0, inf)")
-    process_id: int = option(
-        None, "This process's number, 0 to num_processes - 1 (default "
-        "$KERAS_DISTRIBUTION_PROCESS_ID).", bounds="[0, inf)")
-    peer_timeout: int = option(
-        distribution_lib.DEFAULT_PEER_TIMEOUT, "Seconds without a heartbeat from another "
-        "process after which the others stop with an error, and that every process waits for the "
-        "others to join at the start (multi-process runs).", bounds="[1, inf)")
-    # run
-    output_dir: str = option("saved_models", "Where run folders are written.")
-    run_name: str = option(
-        None, "Run folder name, one folder inside --output_dir (default "
-        "APP_DATASET_MODEL[_METHOD]_BACKEND, e.g. finetune_digits_ViT-digits_jax); the same name "
-        "resumes an unfinished run and leaves a finished one (its metrics.json) as it is. A run "
-        "into a folder whose flags.txt records other flags is refused.")
-    overwrite: bool = option(
-        False, "Start the run over: delete what the run folder holds (a finished run's model and "
-        "metrics, an unfinished run's backup) and train afresh; a folder holding anything a run "
-        "does not write is refused, nothing deleted. Never written to flags.txt.")
-    # fine-tuning a part of the weights (vit_keras.tools.finetuning)
-    lora_rank: int = option(
-        None, "LoRA rank R: adapters on the attention projections and the MLP of every block; "
-        "all else frozen but the head. model.keras has them merged; adapters.npz holds them alone "
-        "(finetuning.apply_adapters). 0 or none: off.", bounds="[0, inf)")
-    lora_alpha: float = option(None, "LoRA scale numerator: updates are scaled by alpha / rank "
-                               "(default: the rank, a scale of 1).", bounds="(0, inf)")
-    lora_train_norms: bool = option(False, "With --lora_rank, train the LayerNorms too.")
-    linear_probe: bool = option(
-        False, "Linear evaluation: the encoder frozen and run as at inference (no dropout), only "
-        "the head trained.")
-    remat: bool = option(
-        False, "Recompute each encoder block in the backward pass instead of storing its "
-        "activations: less memory for a slower step (larger --batch_size fits).")
-    seed: int = option(0, "Seed of the initialisation, the data order and the splits.",
-                       bounds="[0, 4294967295]")  # NumPy's seeds are 32-bit
-    verbose: int = option(1, "Keras fit verbosity: 0 silent, 1 progress bars, 2 one line per "
-                          "epoch.", bounds="[0, 2]")
-    flags_text: str = None          # written to flags.txt (the app's --flagfile); not a flag
 
 def resolve_recipe(config, objective=CLASSIFICATION):
     """The run's `recipes.Recipe`: the objective's base recipe (`Objective.choose_recipe`) with
     every explicitly given field replaced, and why the base was chosen.
 
-    With `--weights` on the digits recipe and no `--image_size`, `image_size` is `None`: the
-    weights' own size, known once the model is built (`run` fills it in). A model pre-trained on
-    the digits at 16 px is fine-tuned on them at 16 px."""
+    With `--weights` on a recipe of `recipes.WEIGHTS_IMAGE_SIZE_RECIPES` (the digits') and no
+    `--image_size`, `image_size` is `None`: the weights' own size, known once the model is built
+    (`run` fills it in). A model pre-trained on the digits at 16 px is fine-tuned on them at
+    16 px."""
     base, reason = objective.choose_recipe(config)
-    overrides = {field: getattr(config, field) for field in (
-        "optimizer", "learning_rate", "momentum", "weight_decay", "grad_clip_norm",
-        "warmup_steps", "decay", "total_steps", "epochs", "batch_size", "image_size",
-        "label_smoothing", "dropout") if getattr(config, field) is not None}
-    if config.total_steps is not None and config.epochs is None:
+    given = config.flags()
+    overrides = {name: given[name] for name in RECIPE_FLAGS if given[name] is not None}
+    if given["total_steps"] is not None and given["epochs"] is None:
         overrides["epochs"] = None   # an explicit step count wins over the recipe's epochs
-    if config.weights and config.image_size is None and base.name == "digits":
+    if (given["weights"] and given["image_size"] is None
+            and base.name in recipes_lib.WEIGHTS_IMAGE_SIZE_RECIPES):
         overrides["image_size"] = None
     return dataclasses.replace(base, **overrides), reason
 
@@ -247,21 +78,26 @@ def default_run_name(config, app="finetune", backend=None):
     method (`lora4`, `linear-probe`, `layer-decay0.75`) and BACKEND the Keras backend (default:
     the one in use). Runs that differ in anything else share the name, and a rerun with other
     flags is refused (`finished_run`)."""
-    dataset = config.dataset.replace("folder:", "folder-").strip("/").replace("/", "_")
-    model = (config.model or (recipes_lib.DIGITS_VIT["name"] if config.dataset == "digits" and
-                              not config.weights else "ViT-B_16")).replace("/", "_")
-    if pretrained.is_release_name(config.weights):
-        model = f"{model}_{config.weights}"  # one release serves many variants
-    elif config.weights:
-        path = config.weights.rstrip("/")
+    dataset = config.data.dataset.replace("folder:", "folder-").strip("/").replace("/", "_")
+    weights = config.model.weights
+    model = (config.model.model or _default_variant(config)).replace("/", "_")
+    if pretrained.is_release_name(weights):
+        model = f"{model}_{weights}"  # one release serves many variants
+    elif weights:
+        path = weights.rstrip("/")
         model = os.path.splitext(os.path.basename(path))[0]
         if os.path.basename(path) == "model.keras":  # a run's model: name it by its run
             model = os.path.basename(os.path.dirname(os.path.abspath(path))) or model
-    methods = [f"lora{config.lora_rank}" if finetuning.lora_on(config) else None,
-               "linear-probe" if config.linear_probe else None,
-               f"layer-decay{config.layer_decay:g}" if config.layer_decay is not None else None]
-    return "_".join([app, dataset, model, *filter(None, methods),
-                     backend or keras.backend.backend()])
+    methods = [part.run_name for part in run_parts.choose(config) if part.run_name]
+    return "_".join([app, dataset, model, *methods, backend or keras.backend.backend()])
+
+
+def _default_variant(config):
+    """The variant of a run without `--model`: the dataset's own (`recipes.DATASET_DEFAULTS`)
+    when it starts from scratch, else ViT-B/16."""
+    if config.model.weights:
+        return recipes_lib.DEFAULT_VARIANT
+    return recipes_lib.dataset_defaults(config.data.dataset).model
 
 
 def run_flags_text(config, objective=CLASSIFICATION):
@@ -305,20 +141,21 @@ def set_precision(mixed_precision):
 def build_run_model(config, recipe, num_classes, log=print):
     """The ViT of a run: from `--weights` (a release name with `--model`, a checkpoint or a
     `.keras` file) or freshly initialised."""
-    options = {"dropout": recipe.dropout, "attention_dropout": config.attention_dropout,
-               "drop_path_rate": config.drop_path_rate}
-    if config.weights and config.weights.endswith(".keras"):
-        keras_files.check_keras_file(config.weights)
-        loaded = keras.saving.load_model(config.weights, compile=False)
+    settings, weights = config.model, config.model.weights
+    options = {"dropout": recipe.dropout, "attention_dropout": settings.attention_dropout,
+               "drop_path_rate": settings.drop_path_rate}
+    if weights and weights.endswith(".keras"):
+        keras_files.check_keras_file(weights)
+        loaded = keras.saving.load_model(weights, compile=False)
         size = model_image_size(loaded)
         if masked_patch_prediction.is_pretraining_model(loaded):
             # apps/pretrain.py's model: fine-tune its ViT, without [mask] token and MPP head.
-            log(f"{config.weights} is a masked patch prediction model: fine-tuning its encoder.")
+            log(f"{weights} is a masked patch prediction model: fine-tuning its encoder.")
             loaded = masked_patch_prediction.pretrained_encoder(loaded)
         else:
             loaded = model_lib.ViT.of(loaded)  # a file of an earlier vit_keras: adopted
             if loaded.output_shape[-1] == num_classes and recipe.image_size in (None, size):
-                log(f"Continuing from {config.weights} (same classes and image size).")
+                log(f"Continuing from {weights} (same classes and image size).")
                 return loaded
         # Another head or resolution: go through the npz layout, which resamples position
         # embeddings and zero-initialises a new head (one mechanism for every weight source).
@@ -327,48 +164,43 @@ def build_run_model(config, recipe, num_classes, log=print):
             return pretrained.build_model_from_checkpoint(
                 path, image_size=recipe.image_size, num_classes=num_classes,
                 include_top=True, **options)
-    if config.weights:
+    if weights:
         # A release name without --model: pretrained.release_of raises ReleaseNeedsVariantError
         # (one check, one message; the apps make it before the data loads).
-        given = {"representation_size": config.representation_size,
-                 "normalization": config.normalization,
-                 "timm_architecture": config.timm_architecture}
+        given = {"representation_size": settings.representation_size,
+                 "normalization": settings.normalization,
+                 "timm_architecture": settings.timm_architecture}
         return pretrained.build_model_from_checkpoint(
-            config.weights, variant=config.model, image_size=recipe.image_size,
+            weights, variant=settings.model, image_size=recipe.image_size,
             num_classes=num_classes, include_top=True,
             **{name: value for name, value in given.items() if value}, **options)
-    variant = config.model or (recipes_lib.DIGITS_VIT if config.dataset == "digits" else "ViT-B/16")
-    is_digits_model = isinstance(variant, dict) or variant == recipes_lib.DIGITS_VIT["name"]
-    if variant == recipes_lib.DIGITS_VIT["name"]:
-        variant = recipes_lib.DIGITS_VIT
-    classifier = config.classifier or (recipes_lib.DIGITS_CLASSIFIER if is_digits_model
-                                       else "token")
+    name = settings.model or _default_variant(config)
+    variant = recipes_lib.variant_config(name)
+    classifier = settings.classifier or recipes_lib.default_classifier(name)
     configs_lib.get_config(variant)  # validates the name with a clear error
     return pretrained.build_model(
         variant, image_size=recipe.image_size, num_classes=num_classes, classifier=classifier,
-        representation_size=config.representation_size, **options)
+        representation_size=settings.representation_size, **options)
 
 
 def augmentation_for(config):
-    """The run's `data.Augmentation`: the flags', else the dataset's defaults."""
+    """The run's `data.Augmentation`: the flags', else the dataset's defaults
+    (`recipes.DATASET_DEFAULTS`)."""
     from vit_keras.tools import data  # tf.data: TensorFlow loads when a run starts, not at import
 
-    digits = config.dataset == "digits"
-    crop = config.crop_min_area
-    if crop is None:
-        crop = recipes_lib.DIGITS_AUGMENTATION["crop_area"][0] if digits else 0.05
-    flip = config.flip if config.flip is not None else (
-        recipes_lib.DIGITS_AUGMENTATION["flip"] if digits else True)
+    given, defaults = config.augmentation, recipes_lib.dataset_defaults(config.data.dataset)
+    crop = given.crop_min_area if given.crop_min_area is not None else defaults.crop_min_area
+    flip = given.flip if given.flip is not None else defaults.flip
     randaugment = None
-    if config.randaugment:
+    if given.randaugment:
         try:
-            num_ops, magnitude = config.randaugment.split(",")
+            num_ops, magnitude = given.randaugment.split(",")
             randaugment = (int(num_ops), float(magnitude))
         except ValueError:
             raise ValueError(f"--randaugment takes NUM_OPS,MAGNITUDE (e.g. 2,0.5); got "
-                             f"{config.randaugment!r}.") from None
+                             f"{given.randaugment!r}.") from None
     return data.Augmentation(crop_area=(float(crop), 1.0), flip=bool(flip),
-                             randaugment=randaugment, mixup=config.mixup, cutmix=config.cutmix)
+                             randaugment=randaugment, mixup=given.mixup, cutmix=given.cutmix)
 
 
 def _rng_seed(seed):
@@ -485,22 +317,22 @@ def run(config, app="finetune", log=print, started=None, objective=CLASSIFICATIO
     config_flags.check_ranges(config)  # one line each, before anything loads
     if dataclasses.is_dataclass(objective):
         config_flags.check_ranges(objective)
-    finetuning.check_options(config, objective)
-    layer_decay.check_layer_decay(config.layer_decay)
-    ema_lib.check_ema_decay(config.ema_decay, objective.validation_split)
+    parts = run_parts.choose(config, objective)  # their flags checked here, before anything loads
     # First: JAX must join the other processes before it computes anything.
-    processes = distribution_lib.initialize_processes(config.coordinator_address,
-                                                      config.num_processes, config.process_id,
-                                                      config.peer_timeout)
-    run_name = config.run_name or default_run_name(config, app)
+    several = config.processes
+    processes = distribution_lib.initialize_processes(several.coordinator_address,
+                                                      several.num_processes, several.process_id,
+                                                      several.peer_timeout)
+    output = config.output
+    run_name = output.run_name or default_run_name(config, app)
     run_folder_lib.check_run_name(run_name)
-    folder = RunFolder(os.path.join(config.output_dir, run_name))
+    folder = RunFolder(os.path.join(output.output_dir, run_name))
     with folder.locked() if processes.is_chief else contextlib.nullcontext():
-        finished = finished_run(folder, config.overwrite, processes, log,
+        finished = finished_run(folder, output.overwrite, processes, log,
                                 run_flags_text(config, objective), objective)
         if finished is not None:
             return finished
-        state = _RunState(config, objective, run_name, folder, processes, log, started)
+        state = _RunState(config, objective, parts, run_name, folder, processes, log, started)
         try:
             _prepare(state)
             fit_seconds = _train(state)
@@ -518,6 +350,7 @@ class _RunState:
 
     config: RunConfig
     objective: objectives_lib.Objective
+    parts: list                  # run_parts.Part: what the run adds to plain training
     name: str
     folder: RunFolder
     processes: distribution_lib.Processes
@@ -547,7 +380,7 @@ class _RunState:
 
     @property
     def eval_batch(self):
-        batch = self.config.eval_batch_size
+        batch = self.config.optimization.eval_batch_size
         return batch - batch % self.replicas or self.replicas
 
     def pipeline(self, split, whole_batches=False):
@@ -560,6 +393,10 @@ class _RunState:
             dataset = distribution_lib.pad_to_whole_batches(
                 dataset, self.splits.num_examples[split], self.eval_batch)
         return dataset
+
+    def validation(self):
+        """The objective's validation split as `fit` validates on it."""
+        return self.pipeline(self.objective.validation_split, whole_batches=True)
 
 
 def _prepare(state):
@@ -579,14 +416,15 @@ def _prepare(state):
     if processes.is_chief:
         state.folder.write_flags(run_flags_text(config, state.objective))
     _rng_seed(config.seed)
-    state.splits = data.load_splits(config.dataset, data_dir=config.data_dir,
-                                    val_fraction=config.val_fraction,
-                                    download=config.download, seed=config.seed, log=log)
+    state.splits = data.load_splits(config.data.dataset, data_dir=config.data.data_dir,
+                                    val_fraction=config.data.val_fraction,
+                                    download=config.data.download, seed=config.seed, log=log)
     if processes.is_chief:
         state.folder.write_class_names(state.splits.class_names)
     state.training = state.objective.training_splits(state.splits)
-    set_precision(config.mixed_precision)
-    scope = distribution_lib.distribution_scope(config.distribution, config.model_parallel_size,
+    compute = config.compute
+    set_precision(compute.mixed_precision)
+    scope = distribution_lib.distribution_scope(compute.distribution, compute.model_parallel_size,
                                                 processes)
     _schedule(state)
     _find_resume_epoch(state)
@@ -605,15 +443,16 @@ def _prepare(state):
 def _schedule(state):
     """Replicas, accumulation, steps per epoch, epochs and optimizer updates of a run (call
     once its distribution is set up)."""
-    config, recipe = state.config, state.recipe
-    if config.distribution != "none":
-        state.replicas = distribution_lib.num_replicas(config.distribution)
+    settings, recipe = state.config.optimization, state.recipe
+    distribution = state.config.compute.distribution
+    if distribution != "none":
+        state.replicas = distribution_lib.num_replicas(distribution)
     if recipe.batch_size % state.replicas:
         raise ValueError(f"Batch size {recipe.batch_size} is not divisible by the "
-                         f"{state.replicas} devices of --distribution {config.distribution}; use "
+                         f"{state.replicas} devices of --distribution {distribution}; use "
                          f"a multiple of {state.replicas}.")
-    state.accum = max(1, int(config.accum_steps or 1))
-    state.steps_per_epoch = config.steps_per_epoch or max(
+    state.accum = max(1, int(settings.accum_steps or 1))
+    state.steps_per_epoch = settings.steps_per_epoch or max(
         1, state.training.num_examples["train"] // recipe.batch_size)
     state.epochs = recipe.epochs or max(
         1, math.ceil(recipe.total_steps * state.accum / state.steps_per_epoch))
@@ -643,30 +482,28 @@ def _find_resume_epoch(state):
 def _build_and_compile(state):
     """The objective's model from the run's ViT, compiled with the recipe's optimizer (call in
     the distribution's scope)."""
-    config, recipe = state.config, state.recipe
-    jit_compile = config.jit_compile
-    if (jit_compile is None and config.distribution == "data_parallel"
+    config, recipe, log = state.config, state.recipe, state.log
+    jit_compile = config.compute.jit_compile
+    if (jit_compile is None and config.compute.distribution == "data_parallel"
             and keras.backend.backend() == "tensorflow"):
         # XLA cannot use MirroredStrategy's per-device variables ("Trying to access resource ...
         # located in device CPU:1 from device CPU:0", tensorflow.org/xla/known_issues).
         jit_compile = False
         state.log("MirroredStrategy: XLA compilation off (TensorFlow's XLA cannot place "
                   "mirrored variables).")
-    vit = build_run_model(config, recipe, state.splits.num_classes, log=state.log)
-    # LoRA, linear probe, remat: a resumed run rebuilds the same model before its backup loads.
-    vit = finetuning.prepare_run_model(vit, config, log=state.log)
+    vit = build_run_model(config, recipe, state.splits.num_classes, log=log)
+    # A resumed run rebuilds the same model (LoRA, linear probe, remat) before its backup loads.
+    for part in state.parts:
+        vit = part.adapt_model(vit, log)
     model = state.objective.build_model(vit, config.seed)
-    scales = None
-    if config.layer_decay is not None:
-        scales = layer_decay.layer_decay_scales(vit, config.layer_decay)
-        state.log(f"Layer decay {config.layer_decay:g}, learning-rate scales: "
-                  f"{layer_decay.describe_scales(scales)}.")
-    optimizer = recipes_lib.make_optimizer(recipe, state.total_updates, state.accum,
-                                           layer_scales=scales, ema_decay=config.ema_decay)
+    options = {}  # layer decay's scales, EMA
+    for part in state.parts:
+        options.update(part.optimizer_options(vit, log))
+    optimizer = recipes_lib.make_optimizer(recipe, state.total_updates, state.accum, **options)
     state.objective.compile(model, optimizer, recipe, jit_compile)
-    if config.ema_decay is not None:  # built here (in the scope), so a backup loads the average
-        model.optimizer.build(model.trainable_variables)
-    if config.jit_compile is None:  # the loading backend chooses (also when forced off above)
+    for part in state.parts:
+        part.compiled(model)
+    if config.compute.jit_compile is None:  # the loading backend chooses (also when forced off)
         recipes_lib.portable_compile_config(model)
     if recipe.image_size is None:  # the weights' own (resolve_recipe)
         state.recipe = dataclasses.replace(recipe, image_size=model_image_size(model))
@@ -703,19 +540,16 @@ def _train(state):
                                   batch_size=recipe.batch_size, training=True,
                                   augmentation=state.augmentation, seed=state.config.seed,
                                   start_batch=state.resume_epoch * state.steps_per_epoch)
-    split = state.objective.validation_split
-    fit_seconds = _fit(state, train_ds, split and state.pipeline(split, whole_batches=True))
-    if os.environ.get(KILL_AFTER_TRAINING) == "1":
-        os.kill(os.getpid(), signal.SIGKILL)
-    return fit_seconds
+    return _fit(state, train_ds, state.objective.validation_split and state.validation())
 
 
 def _callbacks(state, nan_guard):
-    """`fit`'s callbacks: NaN guard, throughput, history.csv and TensorBoard (process 0's),
-    the model after every epoch, and last the backup (an epoch's backup exists only once its
-    other files are written)."""
-    checkpoint = (finetuning.MergedModelCheckpoint if finetuning.lora_on(state.config)
-                  else callbacks_lib.AtomicModelCheckpoint)(state.writes.model)
+    """`fit`'s callbacks: NaN guard, throughput, the parts' (before the logs, which then have
+    what they log: EMA's val_ema_*), history.csv and TensorBoard (process 0's), the model after
+    every epoch (a part's own checkpoint, LoRA's), and last the backup (an epoch's backup exists
+    only once its other files are written)."""
+    checkpoint = next((part.checkpoint for part in state.parts if part.checkpoint),
+                      callbacks_lib.AtomicModelCheckpoint)(state.writes.model)
     checkpoint.guard = state.backup.guard = nan_guard
     chief = state.processes.is_chief
     logs = []
@@ -725,12 +559,9 @@ def _callbacks(state, nan_guard):
         logs.append(keras.callbacks.TensorBoard(state.folder.logs, write_graph=False))
     else:
         state.log("TensorBoard is not installed (pip install tensorboard): no TensorBoard logs.")
-    averages = []
-    if state.config.ema_decay is not None:  # before the logs, which then have val_ema_*
-        averages.append(ema_lib.EmaEvaluation(
-            state.pipeline(state.objective.validation_split, whole_batches=True)))
-        averages[0].guard = nan_guard
-    return [nan_guard, state.throughput, *averages, *logs,
+    parts = [callback for part in state.parts
+             for callback in part.callbacks(state.validation, nan_guard)]
+    return [nan_guard, state.throughput, *parts, *logs,
             *([keras.callbacks.CSVLogger(state.folder.history, append=True)] if chief else []),
             checkpoint, state.backup]
 
@@ -743,7 +574,7 @@ def _fit(state, train_ds, val_ds):
     with _no_length_warning(state.processes.multi):
         state.model.fit(train_ds, epochs=state.epochs, steps_per_epoch=state.steps_per_epoch,
                         validation_data=val_ds, callbacks=_callbacks(state, nan_guard),
-                        verbose=state.config.verbose, shuffle=False)  # tf.data shuffles
+                        verbose=state.config.output.verbose, shuffle=False)  # tf.data shuffles
     fit_seconds = time.perf_counter() - fit_started
     if nan_guard.bad_step:
         if state.processes.is_chief:
@@ -766,19 +597,19 @@ def _report(state, fit_seconds):
     and writes metrics.json, last; returns the metrics."""
     with _no_length_warning(state.processes.multi):
         history = state.folder.read_history()
-        ema_choice = None
-        if state.config.ema_decay is not None:  # the average, when it validates better
-            ema_choice = {"decay": state.config.ema_decay, **ema_lib.choose_weights(
-                state.model, state.pipeline(state.objective.validation_split, whole_batches=True))}
-            state.log(f"EMA: the run's model has the {ema_choice['weights']} weights "
-                      f"(validation: {ema_choice}).")
+        chosen = {}  # metrics.json's record of what a part chose (EMA: which weights)
+        for part in state.parts:
+            chosen.update(part.before_evaluation(state.model, state.validation, state.log))
         results = state.objective.evaluate(state.model, state.splits, state.pipeline, history)
     state.splits.check_readable_classes()  # one class left readable: no result to keep
     if state.splits.skipped_files:
         state.log(state.splits.unreadable.summary())
-    state.writes.save_model(finetuning.merge_lora(state.model))  # LoRA: merged, plain
-    if finetuning.lora_on(state.config):
-        finetuning.save_adapters(state.model, state.writes.adapters)
+    saved = state.model
+    for part in state.parts:
+        saved = part.saved_model(saved)  # LoRA: merged, plain
+    state.writes.save_model(saved)
+    for part in state.parts:
+        part.save(state.model, state.writes)  # LoRA: adapters.npz
     if state.processes.is_chief:
         plots.plot_history(history, state.folder.curves)
     metrics = {
@@ -786,7 +617,7 @@ def _report(state, fit_seconds):
         "images_per_second": state.throughput.images_per_second(),
         "wall_time_s": time.perf_counter() - state.started,
         "fit_time_s": fit_seconds,
-        **({"ema": ema_choice} if ema_choice else {}),
+        **chosen,
         "trainable_parameters": finetuning.trainable_parameters(state.model),
         "epochs": state.epochs,
         "resumed_from_epoch": state.resume_epoch,
@@ -803,7 +634,7 @@ def _report(state, fit_seconds):
     else:
         shutil.rmtree(state.writes.path, ignore_errors=True)
     set_precision("none")
-    if state.config.distribution != "none" and keras.backend.backend() == "jax":
+    if state.config.compute.distribution != "none" and keras.backend.backend() == "jax":
         keras.distribution.set_distribution(None)
     return metrics
 
@@ -816,10 +647,10 @@ def _config_record(state):
         "backend": keras.backend.backend(),
         "keras_version": keras.__version__,
         "run_name": state.name,
-        "dataset": config.dataset,
+        "dataset": config.data.dataset,
         "recipe": dataclasses.asdict(state.recipe),
         "recipe_reason": state.reason,
-        "run": {k: v for k, v in dataclasses.asdict(config).items() if k != "flags_text"},
+        "run": config.flags(),
         **({"objective": objective} if objective is not None else {}),
         "model_name": model.name,
         "num_parameters": model.count_params(),
@@ -829,6 +660,6 @@ def _config_record(state):
         "augmentation": dataclasses.asdict(state.augmentation),
         "jit_compile": model.jit_compile if hasattr(model, "jit_compile") else None,
         "dtype_policy": keras.config.dtype_policy().name,
-        "distribution": config.distribution,
+        "distribution": config.compute.distribution,
         "replicas": state.replicas,
     }
