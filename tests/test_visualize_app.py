@@ -13,8 +13,6 @@ import pytest
 
 import vit_keras
 from vit_keras.inspection import analysis
-from vit_keras.model import heads
-from vit_keras.model import layers as vit_layers
 from vit_keras.tools import plots
 
 from conftest import BACKENDS, REPO_ROOT, random_images, randomize_weights
@@ -77,14 +75,11 @@ def test_app_writes_every_figure_for_a_model_saved_on_another_backend(tmp_path, 
 
 @pytest.mark.slow
 def test_app_uses_the_feature_map_grid_of_a_hybrid_and_skips_its_filters(tmp_path):
-    images = keras.Input((32, 32, 3))
-    x = keras.layers.Rescaling(1 / 127.5, offset=-1.0, name="rescale")(images)
-    x = keras.layers.Conv2D(8, 4, strides=4, name="stem")(x)  # stands in for the ResNet
-    x = vit_layers.PatchEmbedding(1, 16, name="embedding")(x)
-    x = vit_layers.AddPositionEmbs(name="posembed_input")(x)
-    x = vit_layers.TransformerBlock(2, 32, name="encoderblock_0")(x)
-    x = heads.TokenPooling("gap", name="pooling")(x)
-    keras.Model(images, keras.layers.Dense(3, name="head")(x)).save(tmp_path / "hybrid.keras")
+    # The ResNet root alone (stride 4) before a patch-size-1 embedding: 32 px → an 8x8 grid.
+    vit_keras.build_model(
+        {"name": "hybrid", "patch_size": 1, "hidden_size": 16, "mlp_dim": 32, "num_heads": 2,
+         "num_layers": 1, "resnet_layers": ()},
+        image_size=32, num_classes=3, classifier="gap").save(tmp_path / "hybrid.keras")
     result = run_app("--model", str(tmp_path / "hybrid.keras"), "--images",
                      write_images(tmp_path)[0], "--out", str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr

@@ -325,8 +325,12 @@ class ViT(keras.Model):
         if isinstance(model, cls):
             return model
         arguments = _arguments_of_functional(model)
-        vit = cls(**arguments)
-        _copy_weights(model, vit)
+        try:
+            vit = cls(**arguments)
+            _copy_weights(model, vit)
+        except ValueError as error:
+            raise ValueError(f"Model {model.name!r} is not a vit_keras ViT: the ViT its layers "
+                             f"describe does not fit it ({error})") from None
         return vit
 
 
