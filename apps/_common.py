@@ -129,7 +129,14 @@ def keras_file_architecture(path):
             return
         kind, settings = node.get("class_name"), node.get("config")
         if isinstance(settings, dict):
-            if kind == "PatchEmbedding":
+            if kind == "ViT" and isinstance(settings.get("variant"), dict):
+                variant = settings["variant"]  # a vit_keras.ViT saves its variant's fields
+                found.update({name: variant.get(name) for name in _ARCHITECTURE_FIELDS
+                              if name in variant})
+                found["resnet_layers"] = (None if variant.get("resnet_layers") is None
+                                          else tuple(variant["resnet_layers"]))
+                found["resnet_width"] = variant.get("resnet_width", 1)
+            elif kind == "PatchEmbedding":
                 found.update(patch_size=settings.get("patch_size"),
                              hidden_size=settings.get("hidden_size"))
             elif kind == "TransformerBlock":
