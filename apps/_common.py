@@ -424,7 +424,7 @@ def exit_on_user_error(main):
     unknown variant, an image size the patch size does not divide, a missing image folder. The
     same errors raised inside Keras, TensorFlow, JAX, torch or NumPy keep their traceback: they are
     bugs to report. (The traceback test, `_raised_by_own_code`, stays for the plain `ValueError`s
-    of the library's argument checks, `get_config`, `build_vit`, the recipes' and the data
+    of the library's argument checks, `get_config`, `ViT`, the recipes' and the data
     pipeline's: a program that passes a bad argument is not a user's mistake, so they are not
     `UserError`s.)
     """

@@ -14,7 +14,7 @@ JAX or torch at import), so one model runs on every backend.
 
 # The model's names, imported from vit.py when first asked for: `vit_keras.model.geometry` and
 # `.configs` (plain Python, which the NumPy-only weights code uses) load no Keras.
-_FROM_VIT = ("CLASSIFIERS", "ViT", "attention_scores", "build_vit", "transformer_blocks",
+_FROM_VIT = ("CLASSIFIERS", "ViT", "attention_scores", "transformer_blocks",
              "with_dynamic_image_size")
 
 

@@ -334,11 +334,6 @@ class ViT(keras.Model):
         return vit
 
 
-def build_vit(variant, **arguments):
-    """`ViT(variant, **arguments)`: the architecture half of `vit_keras.build_model`."""
-    return ViT(variant, **arguments)
-
-
 def _with_overrides(config, layer_norm_epsilon, approximate_gelu):
     """`config` with the build arguments that override its fields (None: the config's)."""
     changes = {}
