@@ -285,3 +285,28 @@ def test_a_rerun_may_change_only_where_the_run_is_and_what_it_prints(tmp_path):
         training.run_flags_text(config),
         training.run_flags_text(config.replace(linear_probe=True))) == [
         ("linear_probe", "false", "true")]
+
+
+def test_the_first_train_step_is_traced_once(tiny_config):
+    """On TensorFlow Keras creates the optimizer's and the metrics' variables inside the first
+    traced step, which a `tf.function` then traces again; `build_before_tracing` creates them
+    first, from the dataset's element spec. Elsewhere it leaves the model as it is."""
+    import tensorflow as tf
+
+    model = build_model(tiny_config, image_size=8, num_classes=3)
+    model.compile(optimizer=keras.optimizers.AdamW(1e-3), loss="categorical_crossentropy",
+                  metrics=["accuracy", keras.metrics.TopKCategoricalAccuracy(2)],
+                  jit_compile=False)
+    rng = np.random.default_rng(0)
+    images = rng.uniform(0, 255, (8, 8, 8, 3)).astype("float32")
+    labels = np.eye(3, dtype="float32")[rng.integers(0, 3, 8)]
+    dataset = tf.data.Dataset.from_tensor_slices((images, labels)).batch(4)
+    training.build_before_tracing(model, dataset)
+    assert model.optimizer.built == (keras.backend.backend() == "tensorflow")
+    traced = []
+    train_step = model.train_step
+    model.train_step = lambda data: traced.append(1) or train_step(data)
+    if keras.backend.backend() != "tensorflow":
+        return  # JAX and torch trace (or run) the step as they do without it
+    model.fit(dataset, epochs=1, verbose=0, shuffle=False)
+    assert len(traced) == 1

@@ -566,10 +566,27 @@ def _callbacks(state, nan_guard):
             checkpoint, state.backup]
 
 
+def build_before_tracing(model, dataset):
+    """Creates the optimizer's and the compiled loss's and metrics' variables before `fit` traces
+    its first step, from `dataset`'s element spec (no batch is read).
+
+    On TensorFlow without a `tf.distribute` strategy, Keras 3.15 leaves them to the first traced
+    train step (`_maybe_symbolic_build` in keras/src/backend/tensorflow/trainer.py), and a
+    `tf.function` that creates variables is traced twice: the main job's step was traced twice
+    before its first update. Under a strategy Keras builds them first itself, from the batch's
+    shapes, with the same method called here; elsewhere this does nothing."""
+    # pylint: disable=protected-access
+    if (keras.backend.backend() != "tensorflow" or not hasattr(model, "_symbolic_build")
+            or getattr(model, "_distribute_strategy", None) is not None):
+        return
+    model._symbolic_build(data_batch=dataset.element_spec)
+
+
 def _fit(state, train_ds, val_ds):
     """`model.fit` with the run's callbacks; returns its seconds. Raises `NonFiniteLossError`
     (after deleting the backup: the next run starts afresh) when the loss stops being finite."""
     nan_guard = callbacks_lib.StopOnNaN()
+    build_before_tracing(state.model, train_ds)
     fit_started = time.perf_counter()
     with _no_length_warning(state.processes.multi):
         state.model.fit(train_ds, epochs=state.epochs, steps_per_epoch=state.steps_per_epoch,
