@@ -61,13 +61,8 @@ lint: setup
 docs: setup
 	$(VENV)/bin/mkdocs build --strict --quiet --site-dir site
 
-# One folder of JAX and TensorFlow compilation caches for every pytest process of the run and the
-# processes they start (tests/conftest.py), empty at the start.
-TEST_COMPILATION_CACHE ?= $(PYTEST_TMP)-compilation-cache
 test: lint
-	@rm -rf $(TEST_COMPILATION_CACHE) && mkdir -p $(TEST_COMPILATION_CACHE)
-	@VIT_KERAS_TEST_COMPILATION_CACHE=$(TEST_COMPILATION_CACHE) \
-	  $(MAKE) --no-print-directory -j$(TEST_JOBS) --output-sync=target $(TEST_SHARDS) \
+	@$(MAKE) --no-print-directory -j$(TEST_JOBS) --output-sync=target $(TEST_SHARDS) \
 	  && echo "all backends passed"
 
 # One backend alone, every test it can run (no --backends: it also runs the tests that a run over

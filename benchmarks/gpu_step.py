@@ -282,7 +282,7 @@ def vit_keras_case(spec, backend):
     `predict_on_batch` / `train_on_batch`."""
     dump = None
     # The first call is timed as the compile and the HLO XLA dumps as it compiles is read: a
-    # persistent compilation cache (the test suite's, a user's) would skip both.
+    # persistent compilation cache (JAX_COMPILATION_CACHE_DIR set by a user) would skip both.
     os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
     if backend == "jax":  # before JAX starts: XLA reads its flags once
         dump = tempfile.mkdtemp(prefix="gpu_step-hlo-")

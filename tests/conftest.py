@@ -1,47 +1,15 @@
 """Shared test fixtures. Each pytest process runs on one backend (KERAS_BACKEND); tests that need
 another backend start a subprocess through `run_on_backend`."""
 
-import atexit
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 
 # The test oracles (torch, timm, transformers) pull in triton when it is installed; importing triton
 # after TensorFlow segfaults the process on the TensorFlow backend. No test needs triton (CPU only).
 sys.modules.setdefault("triton", None)
-
-
-def _share_compilation_caches():
-    """The tests compile the same few programs again and again: every test builds the same tiny
-    models, every app run compiles the same steps, in this process and in the processes it
-    starts. JAX's and TensorFlow's persistent XLA compilation caches let each compile once. Set
-    here, before either library is imported, they are inherited by every process a test starts.
-    `make test` names one folder (VIT_KERAS_TEST_COMPILATION_CACHE) for all its pytest processes;
-    alone, a pytest process makes its own and removes it at exit. JAX's size limit turns on its
-    cache's file lock, so that processes share it; TensorFlow writes an entry to a temporary file
-    and renames it. A test setting only: the library and the apps configure no cache."""
-    folder = os.environ.get("VIT_KERAS_TEST_COMPILATION_CACHE")
-    if not folder:
-        folder = tempfile.mkdtemp(prefix="vit_keras-compilation-cache-")
-        os.environ["VIT_KERAS_TEST_COMPILATION_CACHE"] = folder
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(folder, "jax"))
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
-    tf_flags = os.environ.get("TF_XLA_FLAGS", "")
-    if "--tf_xla_persistent_cache_directory" not in tf_flags:
-        tensorflow = os.path.join(folder, "tensorflow")
-        os.makedirs(tensorflow, exist_ok=True)
-        os.environ["TF_XLA_FLAGS"] = (
-            f"{tf_flags} --tf_xla_persistent_cache_directory={tensorflow}".strip())
-
-
-_share_compilation_caches()
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
