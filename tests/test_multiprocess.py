@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, without_compilation_caches
 
 pytestmark = pytest.mark.multiprocess
 
@@ -44,7 +44,9 @@ def _free_port():
 def _env(tmp, devices):
     # TMPDIR: the scratch folders of processes other than 0 (deleted at the end of a run, but
     # not after a SIGKILL) stay inside the test's folder.
-    return {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_BACKEND": "", "TMPDIR": str(tmp),
+    # The processes run at the same time: no shared compilation cache (tests/conftest.py).
+    return {**without_compilation_caches(os.environ), "TF_CPP_MIN_LOG_LEVEL": "3",
+            "KERAS_BACKEND": "", "TMPDIR": str(tmp),
             "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
             "PYTHONUNBUFFERED": "1"}  # the logs are read while the processes run
 
@@ -306,7 +308,7 @@ model.fit(data, steps_per_epoch=2, epochs=1, verbose=0)
     "processes. When this passes, wire MultiWorkerMirroredStrategy into initialize_processes."))
 def test_keras_fits_under_tensorflow_multi_worker_mirrored_strategy(tmp_path):
     addresses = f"127.0.0.1:{_free_port()},127.0.0.1:{_free_port()}"
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env = {**without_compilation_caches(os.environ), "TF_CPP_MIN_LOG_LEVEL": "3"}
     workers = [subprocess.Popen([sys.executable, "-c", _MULTI_WORKER_FIT, addresses, str(i)],
                                 cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True) for i in range(2)]
