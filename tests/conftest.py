@@ -16,6 +16,11 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 BACKENDS = ("tensorflow", "jax", "torch")
+# The backend a pass loads the models it saved on, in the tests of one kind of model (a dynamic
+# size, a merged LoRA, a family, an optimizer): a ring, so that over the three passes every backend
+# saves and loads each kind, in three fresh processes rather than nine. The plain ViT
+# (test_saving.py) and every app's output (test_user_journeys.py) load on all three.
+NEXT_BACKEND = BACKENDS[(BACKENDS.index(keras.backend.backend()) + 1) % len(BACKENDS)]
 
 
 def _compilation_caches_for_started_processes():

@@ -128,6 +128,9 @@ def test_run_folder_holds_model_metrics_flags_logs_and_curves(resumed_run):
 
 
 @pytest.mark.slow
+# The evaluate app's reading of the test split against the run's: every backend's inference of a
+# reloaded model is test_user_journeys.py's, so one pass, where an app starts fastest.
+@pytest.mark.backend_independent("tensorflow")
 def test_reloaded_model_reproduces_the_reported_test_accuracy(resumed_run, tmp_path):
     out = tmp_path / "eval.json"
     _app("evaluate.py", "--backend", BACKEND, "--model", str(resumed_run["dir"] / "model.keras"),
@@ -140,6 +143,7 @@ def test_reloaded_model_reproduces_the_reported_test_accuracy(resumed_run, tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.backend_independent("tensorflow")  # the app's decoding and listing, as above
 def test_predict_lists_top_k_class_names(resumed_run, tmp_path):
     from PIL import Image
 

@@ -15,7 +15,10 @@ import vit_keras
 from conftest import run_app
 
 
+# The app's sizes, flags and weight loading; the hybrid on each backend is test_resnet.py's and
+# test_hybrid_checkpoints.py's, its file on each backend test_user_journeys.py's: one pass.
 @pytest.mark.slow
+@pytest.mark.backend_independent("torch")
 def test_build_hybrid_prints_sizes_and_saves_a_reloadable_model(tmp_path):
     out = str(tmp_path / "saved" / "r_ti16_64.keras")
     result = run_app("build_hybrid.py", "--model", "R+ViT-Ti/16", "--image_size", "64",
@@ -33,6 +36,7 @@ def test_build_hybrid_prints_sizes_and_saves_a_reloadable_model(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.backend_independent("torch")  # as above
 def test_build_hybrid_loads_weights_resampled_to_the_image_size(tmp_path):
     # A 64 px checkpoint (2x2 grid) built at 96 px: a 24x24 feature map, 3x3 tokens.
     config = dataclasses.asdict(vit_keras.VARIANTS["R+ViT-Ti/16"])

@@ -22,7 +22,10 @@ def checkpoint(tmp_path):
     return vit_keras.save_npz(model, str(tmp_path / "tiny.npz"))
 
 
+# The converter reads the checkpoint with NumPy; building and loading on each backend is
+# test_checkpoints.py's, the converted file on each backend test_user_journeys.py's: one pass.
 @pytest.mark.slow
+@pytest.mark.backend_independent("tensorflow")
 def test_convert_writes_a_loadable_model_at_a_new_size(tmp_path, checkpoint):
     out = str(tmp_path / "saved" / "tiny_24.keras")
     result = run_app("convert.py", "--weights", checkpoint, "--out", out, "--image_size", "24,20",

@@ -17,7 +17,7 @@ import vit_keras
 from vit_keras.model import configs, heads, layers
 from vit_keras.weights.checkpoints import timm as timm_format
 
-from conftest import BACKENDS, run_app, run_on_backend
+from conftest import NEXT_BACKEND, run_app, run_on_backend
 
 torch = pytest.importorskip("torch")
 timm = pytest.importorskip("timm")
@@ -257,9 +257,7 @@ print(json.dumps(errors))
 
 
 @pytest.mark.slow
-def test_each_family_saved_as_keras_here_loads_on_another_backend(tmp_path):
-    here = keras.backend.backend()
-    other = BACKENDS[(BACKENDS.index(here) + 1) % len(BACKENDS)]
+def test_each_family_saved_as_keras_here_loads_on_the_next_backend(tmp_path):
     models = {}
     for architecture, (overrides, _) in FAMILIES.items():
         state = randomised_timm_model(architecture, overrides).state_dict()
@@ -270,7 +268,7 @@ def test_each_family_saved_as_keras_here_loads_on_another_backend(tmp_path):
         np.save(f"{stem}.images.npy", images)
         np.save(f"{stem}.expected.npy", keras.ops.convert_to_numpy(model(images)))
         models[architecture] = (f"{stem}.keras", f"{stem}.images.npy", f"{stem}.expected.npy")
-    errors = run_on_backend(other, _LOAD_ALL, models=models)
+    errors = run_on_backend(NEXT_BACKEND, _LOAD_ALL, models=models)
     assert set(errors) == set(FAMILIES)
     assert max(errors.values()) <= RTOL, errors
 

@@ -134,6 +134,8 @@ def test_features_of_a_pretraining_model_are_its_encoders_pooled_output(tiny_con
 
 
 @pytest.mark.slow
+# The app's plumbing around `fewshot.evaluate`; features on each backend are tested above.
+@pytest.mark.backend_independent("torch")
 def test_fewshot_app_reports_mean_and_spread_over_seeds(tiny_config, tmp_path):
     """apps/fewshot.py on a tiny random classifier of the digits, in a subprocess on this pass's
     backend; its numbers equal `fewshot.evaluate` on the same features in this process."""

@@ -35,7 +35,7 @@ import torch
 import vit_keras
 from vit_keras.weights import checkpoints
 
-from conftest import run_on_backend
+from conftest import NEXT_BACKEND, run_on_backend
 
 RTOL = 1e-4
 RTOL_VIT_JAX = 1e-3
@@ -271,8 +271,7 @@ def test_hybrid_keras_file_gives_the_same_logits_on_another_backend(small_checkp
     x = images(64, 64)
     np.save(tmp_path / "x.npy", x)
     expected = keras_logits(model, x)
-    other = "torch" if keras.backend.backend() != "torch" else "jax"
-    result = run_on_backend(other, """
+    result = run_on_backend(NEXT_BACKEND, """
         import keras
         import numpy as np
         import vit_keras  # registers the layers
@@ -284,5 +283,5 @@ def test_hybrid_keras_file_gives_the_same_logits_on_another_backend(small_checkp
     assert result["numerics"] == 1e-6  # vit_jax numerics survive the round trip
     # Two backends' float32 kernels (convolution, GroupNorm, attention) round differently.
     error = relative(np.asarray(result["logits"]), expected)
-    print(f"hybrid .keras, {keras.backend.backend()} → {other}: relative error {error:.2g}")
+    print(f"hybrid .keras, {keras.backend.backend()} → {NEXT_BACKEND}: relative error {error:.2g}")
     assert error < RTOL

@@ -15,7 +15,7 @@ import vit_keras
 from vit_keras.inspection import analysis
 from vit_keras.tools import plots
 
-from conftest import BACKENDS, REPO_ROOT, random_images, randomize_weights
+from conftest import NEXT_BACKEND, REPO_ROOT, random_images, randomize_weights
 
 APP = os.path.join(REPO_ROOT, "apps", "visualize.py")
 
@@ -28,11 +28,6 @@ def png_size(path):
         assert image.format == "PNG"
         image.load()
         return image.size
-
-
-def other_backend():
-    """The backend after this process's one: the app reads a model saved on another backend."""
-    return BACKENDS[(BACKENDS.index(keras.backend.backend()) + 1) % len(BACKENDS)]
 
 
 def run_app(*args, backend=None):
@@ -61,7 +56,7 @@ def test_app_writes_every_figure_for_a_model_saved_on_another_backend(tmp_path, 
     out = tmp_path / "figures"
     # `--images a.png b.jpg`: the second image is a positional argument after the flag.
     result = run_app("--model", str(tmp_path / "tiny.keras"), "--images", images[0], images[1],
-                     "--out", str(out), "--num_components", "12", backend=other_backend())
+                     "--out", str(out), "--num_components", "12", backend=NEXT_BACKEND)
     assert result.returncode == 0, result.stderr
     assert png_size(out / "rollout.png") == (750, 500)
     assert png_size(out / "attention_distance.png") == (500, 400)
@@ -73,7 +68,9 @@ def test_app_writes_every_figure_for_a_model_saved_on_another_backend(tmp_path, 
     assert len(summary["filter_explained_variance"]) == 12
 
 
+# The app's choice of grid and figures; every backend runs the app above.
 @pytest.mark.slow
+@pytest.mark.backend_independent("tensorflow")
 def test_app_uses_the_feature_map_grid_of_a_hybrid_and_skips_its_filters(tmp_path):
     # The ResNet root alone (stride 4) before a patch-size-1 embedding: 32 px → an 8x8 grid.
     vit_keras.build_model(
