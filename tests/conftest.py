@@ -23,6 +23,11 @@ BACKENDS = ("tensorflow", "jax", "torch")
 NEXT_BACKEND = BACKENDS[(BACKENDS.index(keras.backend.backend()) + 1) % len(BACKENDS)]
 
 
+# The environment variables of the compilation caches below.
+COMPILATION_CACHE_VARIABLES = ("JAX_COMPILATION_CACHE_DIR",
+                               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "TF_XLA_FLAGS")
+
+
 def _compilation_caches_for_started_processes():
     """Most of an app's run on JAX or TensorFlow is XLA compiling the same few programs (the
     initialisers, the train and test steps of the same tiny ViT) that the previous app run of this
@@ -40,7 +45,7 @@ def _compilation_caches_for_started_processes():
     import shutil
     import tempfile
 
-    if "JAX_COMPILATION_CACHE_DIR" in os.environ or "TF_XLA_FLAGS" in os.environ:
+    if any(name in os.environ for name in COMPILATION_CACHE_VARIABLES):
         return  # the caller's own settings stand
     folder = tempfile.mkdtemp(prefix="vit_keras-test-compilation-cache-")
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
@@ -64,8 +69,8 @@ if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 
 def without_compilation_caches(env):
     """`env` without the compilation caches above: for processes that run at the same time."""
-    return {name: value for name, value in env.items() if name not in (
-        "JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "TF_XLA_FLAGS")}
+    return {name: value for name, value in env.items()
+            if name not in COMPILATION_CACHE_VARIABLES}
 
 # Exports run under the TensorFlow backend, whatever trained the model (`apps/export.py` switches to
 # it itself): these modules belong to the TensorFlow pytest run, which also exports models trained
