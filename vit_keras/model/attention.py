@@ -27,10 +27,12 @@ the layer is built from what is known then, never by trying a kernel and catchin
   attention dropout and float16 (whose fused kernels accumulate float16 products in float32,
   which XLA:CPU cannot do: jax: "precision F16_F16_F32 is not supported").
 
-A kernel is called as `kernel(layer, x, dropout)` → `(batch, tokens, hidden)` and the float32
-probabilities (None for a fused kernel), given the attention layer (its `query`, `key`, `value`
-and `out` projections). Most are three steps: `project(layer, x)` → q, k, v in the kernel's
-layout; `attend(q, k, v)` → the attended values in that layout and the probabilities;
+A kernel is called as `kernel(layer, x, dropout, positions)` → `(batch, tokens, hidden)` and the
+float32 probabilities (None for a fused kernel), given the attention layer (its `query`, `key`,
+`value` and `out` projections, and `rope` with rotary embeddings). Most are three steps:
+`project(layer, x)` → q, k, v in the kernel's layout (`head_major` or token-major), q and k then
+turned by `layer.rope` to the tokens' `positions` where there are some;
+`attend(q, k, v)` → the attended values in that layout and the probabilities;
 `out(layer, attended)` → `(batch, tokens, hidden)`. Quantized or LoRA-enabled projections are
 called as layers by every kernel, so their own arithmetic applies.
 """
@@ -41,7 +43,7 @@ import math
 import keras
 from keras import ops
 
-from vit_keras.model import initializers, xla_cpu
+from vit_keras.model import initializers, position_embeddings, xla_cpu
 from vit_keras.model.kernels import adapted, torch_linear
 
 _PACKAGE = "vit_keras"
@@ -113,9 +115,19 @@ class _Kernel:
     """project, attend, out: `(batch, tokens, hidden)` → `(batch, tokens, hidden)` and the
     probabilities (or None)."""
 
-    def __call__(self, layer, x, dropout=None):
-        attended, probabilities = self.attend(*self.project(layer, x), dropout=dropout)
+    head_major = False  # q, k, v `(batch, heads, tokens, head_dim)`, else `(batch, tokens, ...)`
+
+    def __call__(self, layer, x, dropout=None, positions=None):
+        q, k, v = self.rotated(layer, *self.project(layer, x), positions)
+        attended, probabilities = self.attend(q, k, v, dropout=dropout)
         return self.out(layer, attended), probabilities
+
+    def rotated(self, layer, q, k, v, positions):
+        """q and k turned by the layer's rotary embedding to `positions` (None: as they are)."""
+        if positions is None:
+            return q, k, v
+        return (layer.rope(q, positions, head_major=self.head_major),
+                layer.rope(k, positions, head_major=self.head_major), v)
 
 
 class FusedAttention(_Kernel):
@@ -160,13 +172,14 @@ class PaddedAttention(FusedAttention):
     def __init__(self, implementation="cudnn"):
         self.implementation = implementation
 
-    def __call__(self, layer, x, dropout=None):
+    def __call__(self, layer, x, dropout=None, positions=None):
         _no_dropout(self, dropout)
         tokens = x.shape[1]
         padded = -(-tokens // PAD_MULTIPLE) * PAD_MULTIPLE
         if padded != tokens:
             x = ops.pad(x, ((0, 0), (0, padded - tokens), (0, 0)))
-        attended = self.attend(*self.project(layer, x), valid_tokens=tokens)
+        q, k, v = self.rotated(layer, *self.project(layer, x), positions)
+        attended = self.attend(q, k, v, valid_tokens=tokens)
         return self.out(layer, attended)[:, :tokens], None
 
     def attend(self, q, k, v, dropout=None, *, valid_tokens):
@@ -190,6 +203,7 @@ class TorchAttention(_Kernel):
     q, k, v and the output between layouts."""
 
     name = "torch"
+    head_major = True
 
     def project(self, layer, x):
         """`(batch, tokens, hidden)` → q, k, v, each `(batch, heads, tokens, head_dim)`."""
@@ -201,8 +215,9 @@ class TorchAttention(_Kernel):
         for projection in projections:
             kernel = ops.convert_to_tensor(projection.kernel)  # (hidden, heads, head_dim)
             heads, head_dim = kernel.shape[1], kernel.shape[2]
-            y = torch_linear(x, kernel.reshape(hidden, heads * head_dim),
-                             ops.convert_to_tensor(projection.bias).reshape(heads * head_dim))
+            bias = None if projection.bias is None else ops.convert_to_tensor(
+                projection.bias).reshape(heads * head_dim)
+            y = torch_linear(x, kernel.reshape(hidden, heads * head_dim), bias)
             q_k_v.append(y.view(batch, tokens, heads, head_dim).transpose(1, 2))
         return q_k_v
 
@@ -235,6 +250,7 @@ class ExplicitAttention(_Kernel):
     """
 
     name = "explicit"
+    head_major = True
 
     def __init__(self, einsum):
         self.einsum = einsum
@@ -249,8 +265,13 @@ class ExplicitAttention(_Kernel):
         if adapted(*projections, layer.out):
             return [ops.transpose(projection(x), (0, 2, 1, 3)) for projection in projections]
         kernel = ops.concatenate([projection.kernel for projection in projections], axis=1)
-        bias = ops.concatenate([projection.bias for projection in projections], axis=0)
-        qkv = self.einsum("btd,dhk->bhtk", x, kernel) + ops.expand_dims(bias, 1)
+        qkv = self.einsum("btd,dhk->bhtk", x, kernel)
+        if any(projection.bias is not None for projection in projections):
+            # A projection without a bias (EVA's key) adds zeros.
+            bias = ops.concatenate([
+                ops.zeros(projection.kernel.shape[1:], qkv.dtype) if projection.bias is None
+                else ops.cast(projection.bias, qkv.dtype) for projection in projections], axis=0)
+            qkv = qkv + ops.expand_dims(bias, 1)
         return ops.split(qkv, 3, axis=1)
 
     def attend(self, q, k, v, dropout=None):
@@ -269,7 +290,8 @@ class ExplicitAttention(_Kernel):
         """`(batch, heads, tokens, head_dim)` → `(batch, tokens, hidden)`."""
         if adapted(layer.query, layer.key, layer.value, layer.out):
             return layer.out(ops.transpose(attended, (0, 2, 1, 3)))
-        return self.einsum("bhtk,hkd->btd", attended, layer.out.kernel) + layer.out.bias
+        y = self.einsum("bhtk,hkd->btd", attended, layer.out.kernel)
+        return y if layer.out.bias is None else y + layer.out.bias
 
 
 def _no_dropout(kernel, dropout):
@@ -360,18 +382,31 @@ class MultiHeadDotProductAttention(keras.layers.Layer):
     for attention dropout and `return_attention_scores`); `attention_kernel` names it. Quantized
     (`model.quantize`) or LoRA-enabled (`enable_lora`) projections are called as layers by every
     kernel, so their own arithmetic applies.
+
+    `qkv_bias`: which projections have a bias, `"qkv"`, `"qv"` (EVA's: none on the key) or
+    `"none"`; `out_bias`: whether `out` has one. With `rope` (`"axial"`, `"dinov3"`, `"mixed"`)
+    the layer has a `RotaryEmbedding` `rope` (see `vit_keras.model.position_embeddings`) and a call
+    takes the tokens' coordinates, `layer(x, positions)`.
     """
 
-    def __init__(self, num_heads, attention_dropout=0.0, attention=None, **kwargs):
+    def __init__(self, num_heads, attention_dropout=0.0, attention=None, qkv_bias="qkv",
+                 out_bias=True, rope=None, rope_temperature=10000.0, rope_rotate_half=False,
+                 **kwargs):
         super().__init__(**kwargs)
         self.num_heads = int(num_heads)
         self.attention_dropout = float(attention_dropout)
         if attention is not None and attention not in KERNELS:
             raise ValueError(f"Unknown attention kernel {attention!r}; expected one of "
                              f"{list(KERNELS)} or None (chosen when built).")
+        if qkv_bias not in _BIASES:
+            raise ValueError(f"Unknown qkv_bias {qkv_bias!r}; expected one of {list(_BIASES)}.")
         self.attention = attention
+        self.qkv_bias, self.out_bias = qkv_bias, bool(out_bias)
         self._dropout = keras.layers.Dropout(
             self.attention_dropout, dtype=self.dtype_policy, name="attention_dropout")
+        self.rope = None if rope is None else position_embeddings.RotaryEmbedding(
+            self.num_heads, rope, rope_temperature, rope_rotate_half, dtype=self.dtype_policy,
+            name="rope")
         self._attention_kernel = self._probabilities_kernel = None  # chosen in build
 
     def build(self, input_shape):
@@ -384,14 +419,17 @@ class MultiHeadDotProductAttention(keras.layers.Layer):
         init = initializers.xavier_uniform(hidden, hidden)
         for name in ("query", "key", "value"):
             projection = HeadsProjection(
-                "btd,dhk->bthk", output_shape=(None, self.num_heads, head_dim), bias_axes="hk",
+                "btd,dhk->bthk", output_shape=(None, self.num_heads, head_dim),
+                bias_axes="hk" if name[0] in _BIASES[self.qkv_bias] else None,
                 kernel_initializer=init, dtype=self.dtype_policy, name=name)
             projection.build(input_shape)
             setattr(self, name, projection)
         self.out = keras.layers.EinsumDense(
-            "bthk,hkd->btd", output_shape=(None, hidden), bias_axes="d",
+            "bthk,hkd->btd", output_shape=(None, hidden), bias_axes="d" if self.out_bias else None,
             kernel_initializer=init, dtype=self.dtype_policy, name="out")
         self.out.build((input_shape[0], input_shape[1], self.num_heads, head_dim))
+        if self.rope is not None:
+            self.rope.build((None, self.num_heads, None, head_dim))
         self._attention_kernel = (
             kernel_named(self.attention) if self.attention is not None
             else choose_attention(self.compute_dtype, head_dim, input_shape[1]))
@@ -415,15 +453,22 @@ class MultiHeadDotProductAttention(keras.layers.Layer):
         (chosen when the layer was built; False before)."""
         return self.attention_kernel not in (None, "explicit")
 
-    def call(self, x, training=None, return_attention_scores=False):
+    def call(self, x, positions=None, training=None, return_attention_scores=False):
+        if (positions is None) != (self.rope is None):
+            raise ValueError(f"{self.name}: " + (
+                "a layer with rotary embeddings is called with the tokens' coordinates, "
+                "layer(x, positions)." if positions is None else
+                "positions are given, but the layer has no rotary embeddings (rope=None)."))
         dropout = training and self.attention_dropout > 0
         kernel = self._attention_kernel
         if return_attention_scores or dropout:  # probabilities to return or to drop
             kernel = self._probabilities_kernel
-        y, probabilities = kernel(self, x, dropout=self._dropout if dropout else None)
+        y, probabilities = kernel(self, x, dropout=self._dropout if dropout else None,
+                                  positions=positions)
         return (y, probabilities) if return_attention_scores else y
 
-    def compute_output_spec(self, x, training=None, return_attention_scores=False):
+    def compute_output_spec(self, x, positions=None, training=None,
+                            return_attention_scores=False):
         y = keras.KerasTensor(x.shape, dtype=self.compute_dtype)
         if not return_attention_scores:
             return y
@@ -431,5 +476,14 @@ class MultiHeadDotProductAttention(keras.layers.Layer):
         return y, keras.KerasTensor((batch, self.num_heads, tokens, tokens), dtype="float32")
 
     def get_config(self):
-        return {**super().get_config(), "num_heads": self.num_heads,
-                "attention_dropout": self.attention_dropout, "attention": self.attention}
+        config = {**super().get_config(), "num_heads": self.num_heads,
+                  "attention_dropout": self.attention_dropout, "attention": self.attention,
+                  "qkv_bias": self.qkv_bias, "out_bias": self.out_bias}
+        if self.rope is not None:
+            config.update(rope=self.rope.kind, rope_temperature=self.rope.temperature,
+                          rope_rotate_half=self.rope.rotate_half)
+        return config
+
+
+_BIASES = {"qkv": "qkv", "qv": "qv", "none": ""}
+"""`qkv_bias` → the initials of the projections that have a bias."""

@@ -40,7 +40,22 @@ class ViTConfig:
     # gives (vit_keras.model.mlp.MLPS, vit_keras.model.norms.NORMS, vit_keras.model.position_embeddings).
     mlp: str = "gelu"
     norm: str = "layer_norm"
-    position_embedding: str = "learned"
+    position_embedding: str = "learned"  # or "none": no absolute embedding (RoPE alone)
+    # The rotary families' switches (EVA-02, DINOv3, PE, AIMv2, RoPE-ViT, DINOv2 giant); see
+    # vit_keras.model.position_embeddings.RotaryPositions and docs/checkpoints.md.
+    qkv_bias: str = "qkv"  # which of the query, key and value projections have biases: "qv", "none"
+    proj_bias: bool = True  # the attention's output projection has a bias
+    mlp_bias: bool = True  # the MLP's projections have biases
+    mlp_norm: bool = False  # a norm inside the MLP before its output projection (EVA-02)
+    patch_norm: bool = False  # a norm on the patch embeddings (AIMv2)
+    map_num_heads: int | None = None  # the MAP head's heads (None: num_heads; PE's: 8)
+    map_prefix: bool = False  # the MAP head attends to the prefix tokens too (PE)
+    rope: str | None = None  # rotary embeddings: "axial", "dinov3" or "mixed" (learned per block)
+    rope_temperature: float = 10000.0  # the frequencies' base
+    rope_grid_offset: float = 0.0  # added to each patch's row and column index (PE: 1)
+    rope_xy: bool = False  # the first rotated half takes the column (x), not the row
+    rope_ref_grid: tuple | None = None  # EVA's: positions rescaled to this grid at any size
+    rope_rotate_half: bool = False  # rotate the pairs (i, i + d/2), not (2i, 2i + 1) (DINOv3)
 
     @property
     def is_hybrid(self):
@@ -56,8 +71,17 @@ class ViTConfig:
                 + self.num_registers)
 
     def __post_init__(self):
-        if self.resnet_layers is not None:
-            object.__setattr__(self, "resnet_layers", tuple(self.resnet_layers))
+        for field in ("resnet_layers", "rope_ref_grid"):  # JSON gives lists
+            if getattr(self, field) is not None:
+                object.__setattr__(self, field, tuple(getattr(self, field)))
+        for field, allowed in _CHOICES.items():
+            if getattr(self, field) not in allowed:
+                raise ValueError(f"{self.name}: unknown {field} {getattr(self, field)!r}; expected "
+                                 f"one of {allowed}.")
+        if self.rope and (self.hidden_size // self.num_heads) % 4:
+            raise ValueError(f"{self.name}: rotary embeddings rotate pairs along two axes, so the "
+                             f"head size ({self.hidden_size // self.num_heads}) must be a "
+                             f"multiple of 4.")
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"{self.name}: hidden size {self.hidden_size} is not divisible by the number of "
@@ -77,8 +101,14 @@ class ViTConfig:
 
 
 GELUS = ("exact", "tanh", "quick")
+ROPES = (None, "axial", "dinov3", "mixed")
+_CHOICES = {"qkv_bias": ("qkv", "qv", "none"), "rope": ROPES,
+            "position_embedding": ("learned", "none")}
 SWITCHES = ("layer_scale_init", "num_registers", "distillation", "posemb_prefix", "pre_norm",
-            "fc_norm", "patch_bias", "layer_norm_epsilon", "gelu", "class_token")
+            "fc_norm", "patch_bias", "layer_norm_epsilon", "gelu", "class_token", "mlp", "norm",
+            "position_embedding", "qkv_bias", "proj_bias", "mlp_bias", "mlp_norm", "patch_norm",
+            "map_num_heads", "map_prefix", "rope", "rope_temperature", "rope_grid_offset",
+            "rope_xy", "rope_ref_grid", "rope_rotate_half")
 """The `ViTConfig` fields that switch a family member's behaviour on (not its sizes)."""
 
 

@@ -143,9 +143,11 @@ def pooling_for(config, classifier, dtype=None):
     """The `Pooling` of a model of `config` pooling with `classifier` (one of `CLASSIFIERS`)."""
     num_prefix = config.num_prefix_tokens(classifier)
     if classifier == "map":
-        return Pooling(MAPHead(config.num_heads, config.mlp_dim,
+        # SigLIP's head reads the patch tokens; PE's (map_prefix) every token.
+        return Pooling(MAPHead(config.map_num_heads or config.num_heads, config.mlp_dim,
                                layer_norm_epsilon=config.layer_norm_epsilon, gelu=config.gelu,
-                               num_prefix_tokens=num_prefix, dtype=dtype, name="MAPHead_0"))
+                               num_prefix_tokens=0 if config.map_prefix else num_prefix,
+                               dtype=dtype, name="MAPHead_0"))
     if config.distillation:
         return Pooling(TokenPooling("token", dtype=dtype, name="pooling"),
                        TokenPooling("distillation", dtype=dtype, name="pooling_dist"))

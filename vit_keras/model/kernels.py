@@ -49,7 +49,8 @@ def _dense_call(dense, x):
 def _einsum_projection(dense, x):
     if adapted(dense) or dense.activation is not keras.activations.linear:
         return dense(x)
-    return xla_cpu.bfloat16_einsum("btd,dn->btn", x, dense.kernel) + dense.bias
+    y = xla_cpu.bfloat16_einsum("btd,dn->btn", x, dense.kernel)
+    return y if dense.bias is None else y + dense.bias
 
 
 def _torch_linear(dense, x):
@@ -93,6 +94,8 @@ def _layer_call(layer, x):
 
 def _torch_layer_norm(norm, x):
     rank = len(x.shape)
+    if not isinstance(norm, keras.layers.LayerNormalization):  # RMSNorm: its own call
+        return norm(x)
     axes = [norm.axis] if isinstance(norm.axis, int) else list(norm.axis)
     if norm.rms_scaling or [axis % rank for axis in axes] != [rank - 1]:
         return norm(x)

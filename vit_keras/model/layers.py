@@ -224,13 +224,17 @@ class TransformerBlock(keras.layers.Layer):
     attention, `LayerScale_3` after the MLP) before they are added. `gelu` as `MlpBlock`'s.
     Slots: `attention` names the attention kernel (`vit_keras.model.attention.KERNELS`; None: chosen
     when built), `mlp` the MLP (`vit_keras.model.mlp.MLPS`), `norm` the two norms
-    (`vit_keras.model.norms.NORMS`).
+    (`vit_keras.model.norms.NORMS`). `qkv_bias`, `proj_bias`, `rope`, `rope_temperature` and
+    `rope_rotate_half` are the attention's (`MultiHeadDotProductAttention`: with `rope` a call
+    takes the tokens' coordinates, `block(x, positions)`); `mlp_bias` and `mlp_norm` (a norm of
+    kind `norm` inside the MLP) the MLP's.
     """
 
     def __init__(self, num_heads, mlp_dim, dropout=0.0, attention_dropout=0.0, drop_path_rate=0.0,
                  layer_norm_epsilon=1e-6, approximate_gelu=False, seed=None, gelu=None,
                  layer_scale_init=None, attention=None, mlp="gelu", norm="layer_norm",
-                 **kwargs):
+                 qkv_bias="qkv", proj_bias=True, mlp_bias=True, mlp_norm=False, rope=None,
+                 rope_temperature=10000.0, rope_rotate_half=False, **kwargs):
         super().__init__(**kwargs)
         self.num_heads = int(num_heads)
         self.mlp_dim = int(mlp_dim)
@@ -242,17 +246,21 @@ class TransformerBlock(keras.layers.Layer):
         self.layer_scale_init = None if layer_scale_init is None else float(layer_scale_init)
         self.seed = seed
         self.attention_kernel_name, self.mlp_kind, self.norm_kind = attention, mlp, norm
+        self.mlp_bias, self.mlp_norm = bool(mlp_bias), bool(mlp_norm)
         policy = self.dtype_policy
         self.norm_0 = norms.make_norm(norm, self.layer_norm_epsilon, dtype=policy,
                                       name="LayerNorm_0")
         self.attention = MultiHeadDotProductAttention(
-            self.num_heads, self.attention_dropout, attention=attention, dtype=policy,
-            name="MultiHeadDotProductAttention_1")
+            self.num_heads, self.attention_dropout, attention=attention, qkv_bias=qkv_bias,
+            out_bias=proj_bias, rope=rope, rope_temperature=rope_temperature,
+            rope_rotate_half=rope_rotate_half, dtype=policy, name="MultiHeadDotProductAttention_1")
         self._dropout = keras.layers.Dropout(self.dropout, dtype=policy, name="dropout")
         self.norm_2 = norms.make_norm(norm, self.layer_norm_epsilon, dtype=policy,
                                       name="LayerNorm_2")
         self.mlp = mlp_lib.make_mlp(mlp, self.mlp_dim, self.dropout, gelu=self.gelu,
-                                    dtype=policy, name="MlpBlock_3")
+                                    dtype=policy, name="MlpBlock_3", use_bias=self.mlp_bias,
+                                    inner_norm=norm if self.mlp_norm else None,
+                                    norm_epsilon=self.layer_norm_epsilon)
         self.scale_1 = self.scale_3 = None
         if self.layer_scale_init is not None:
             self.scale_1 = LayerScale(self.layer_scale_init, dtype=policy, name="LayerScale_1")
@@ -277,9 +285,9 @@ class TransformerBlock(keras.layers.Layer):
                                     noise_shape=(ops.shape(branch)[0], 1, 1),
                                     seed=self._seed_generator)
 
-    def call(self, x, training=None, return_attention_scores=False):
+    def call(self, x, positions=None, training=None, return_attention_scores=False):
         x = self._block_boundary(x)
-        y = self.attention(self._norm(self.norm_0, x), training=training,
+        y = self.attention(self._norm(self.norm_0, x), positions, training=training,
                            return_attention_scores=return_attention_scores)
         if return_attention_scores:
             y, scores = y
@@ -293,7 +301,7 @@ class TransformerBlock(keras.layers.Layer):
         x = x + self._drop_path(y, training)
         return (x, scores) if return_attention_scores else x
 
-    def compute_output_spec(self, x, training=None, return_attention_scores=False):
+    def compute_output_spec(self, x, positions=None, training=None, return_attention_scores=False):
         return self.attention.compute_output_spec(x, return_attention_scores=return_attention_scores)
 
     def get_config(self):
@@ -311,6 +319,11 @@ class TransformerBlock(keras.layers.Layer):
             "attention": self.attention_kernel_name,
             "mlp": self.mlp_kind,
             "norm": self.norm_kind,
+            "mlp_bias": self.mlp_bias,
+            "mlp_norm": self.mlp_norm,
+            **{name: value for name, value in self.attention.get_config().items()
+               if name in ("qkv_bias", "rope", "rope_temperature", "rope_rotate_half")},
+            "proj_bias": self.attention.out_bias,
         }
 
     @property
@@ -354,15 +367,17 @@ def _rematerialized_call(block, call):
     weights = {id(weight) for weight in block.weights}
     generators = [variable for variable in block.variables if id(variable) not in weights]
 
-    def forward(x, states, training):
+    def forward(x, states, positions, training):
         for variable, state in zip(generators, states):
             variable.assign(state)
-        return call(x, training=training), [variable.value for variable in generators]
+        return call(x, positions, training=training), [variable.value for variable in generators]
 
-    def rematerialized_call(x, training=None, return_attention_scores=False):
+    def rematerialized_call(x, positions=None, training=None, return_attention_scores=False):
         if return_attention_scores:
-            return call(x, training=training, return_attention_scores=True)
-        y, states = keras.remat(functools.partial(forward, training=training))(
+            return call(x, positions, training=training, return_attention_scores=True)
+        # The coordinates are bound, not passed: they are constants of the image size, with no
+        # gradient (the frequencies that turn them are the block's weights).
+        y, states = keras.remat(functools.partial(forward, positions=positions, training=training))(
             x, [variable.value for variable in generators])
         for variable, state in zip(generators, states):
             variable.assign(state)

@@ -5,12 +5,18 @@ Each takes `(batch, tokens, hidden)` to `(batch, tokens, hidden)` and is built w
 A new MLP (a gated SwiGLU) is one class here and one entry in `MLPS`.
 
 - `"gelu"`: `MlpBlock`, the paper's Dense → GELU → Dense (vit_jax's weight names).
+- `"swiglu"`: `SwiGLUBlock`, `Dense_1(silu(gate(x)) * Dense_0(x))` (EVA-02, DINOv2 giant, DINOv3's
+  large sizes, AIMv2). timm packs `gate` and `Dense_0` into one `fc1` (DINOv2 giant) or keeps
+  them apart (`fc1_g`, `fc1_x`); the checkpoint converters unpack, so one class holds both.
+
+Both take `use_bias` (AIMv2's have none) and an optional norm before the output projection
+(`inner_norm`, a `vit_keras.model.norms.NORMS` name: EVA-02's `scale_mlp`).
 """
 
 import keras
 from keras import ops
 
-from vit_keras.model import initializers, kernels
+from vit_keras.model import initializers, kernels, norms
 from vit_keras.model.configs import GELUS
 
 _PACKAGE = "vit_keras"
@@ -48,31 +54,46 @@ class MlpBlock(keras.layers.Layer):
     older spelling of `gelu="tanh"` (configs saved before `gelu` existed carry it).
     """
 
-    def __init__(self, mlp_dim, dropout=0.0, approximate_gelu=False, gelu=None, **kwargs):
+    def __init__(self, mlp_dim, dropout=0.0, approximate_gelu=False, gelu=None, use_bias=True,
+                 inner_norm=None, norm_epsilon=1e-6, **kwargs):
         super().__init__(**kwargs)
         self.mlp_dim = int(mlp_dim)
         self.dropout = float(dropout)
         self.gelu = gelu_variant(gelu, approximate_gelu)
+        self.use_bias = bool(use_bias)
+        self.inner_norm, self.norm_epsilon = inner_norm, float(norm_epsilon)
         self._dropout = keras.layers.Dropout(self.dropout, dtype=self.dtype_policy, name="dropout")
+        self.norm = None if inner_norm is None else norms.make_norm(
+            inner_norm, self.norm_epsilon, dtype=self.dtype_policy, name="norm")
+
+    def _dense(self, units, fan_in, name):
+        return keras.layers.Dense(
+            units, use_bias=self.use_bias,
+            kernel_initializer=initializers.xavier_uniform(fan_in, units),
+            bias_initializer=initializers.mlp_bias(), dtype=self.dtype_policy, name=name)
 
     def build(self, input_shape):
         hidden = input_shape[-1]
-        self.dense_0 = keras.layers.Dense(
-            self.mlp_dim, kernel_initializer=initializers.xavier_uniform(hidden, self.mlp_dim),
-            bias_initializer=initializers.mlp_bias(), dtype=self.dtype_policy, name="Dense_0")
+        inner = (*input_shape[:-1], self.mlp_dim)
+        self.dense_0 = self._dense(self.mlp_dim, hidden, "Dense_0")
         self.dense_0.build(input_shape)
-        self.dense_1 = keras.layers.Dense(
-            hidden, kernel_initializer=initializers.xavier_uniform(self.mlp_dim, hidden),
-            bias_initializer=initializers.mlp_bias(), dtype=self.dtype_policy, name="Dense_1")
-        self.dense_1.build((*input_shape[:-1], self.mlp_dim))
+        self.dense_1 = self._dense(hidden, self.mlp_dim, "Dense_1")
+        self.dense_1.build(inner)
+        if self.norm is not None:
+            self.norm.build(inner)
         # Chosen once for this backend and device (see vit_keras.model.kernels): `dense(x)`, torch's
         # linear, or on XLA:CPU an einsum with bfloat16 products; GELU in its fastest form.
         self._project = kernels.choose_projection()
         self._gelu = _choose_gelu(self.gelu)
 
+    def _hidden(self, x):
+        """`(batch, tokens, hidden)` → the activations before the output projection."""
+        return self._gelu(self._project(self.dense_0, x))
+
     def call(self, x, training=None):
-        x = self._gelu(self._project(self.dense_0, x))
-        x = kernels.dropped(self._dropout, x, training)
+        x = kernels.dropped(self._dropout, self._hidden(x), training)
+        if self.norm is not None:
+            x = self.norm(x)
         return kernels.dropped(self._dropout, self._project(self.dense_1, x), training)
 
     @property
@@ -81,16 +102,46 @@ class MlpBlock(keras.layers.Layer):
         return [self.dense_0, self.dense_1]
 
     def get_config(self):
-        return {**super().get_config(), "mlp_dim": self.mlp_dim, "dropout": self.dropout,
-                "gelu": self.gelu}
+        config = {**super().get_config(), "mlp_dim": self.mlp_dim, "dropout": self.dropout,
+                  "gelu": self.gelu}
+        if not self.use_bias or self.inner_norm is not None:  # configs saved before keep loading
+            config.update(use_bias=self.use_bias, inner_norm=self.inner_norm,
+                          norm_epsilon=self.norm_epsilon)
+        return config
 
 
-MLPS = {"gelu": MlpBlock}
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class SwiGLUBlock(MlpBlock):
+    """The gated MLP of Shazeer's "GLU Variants Improve Transformer": `Dense_1(silu(gate(x)) *
+    Dense_0(x))`, with dropout after the product and the output as `MlpBlock`'s.
+
+    Input and output: `(batch, tokens, hidden)`. Weights: `gate` and `Dense_0` `(hidden,
+    mlp_dim)`, `Dense_1` `(mlp_dim, hidden)`, and with `inner_norm` a norm `norm` over `mlp_dim`
+    (EVA-02). `mlp_dim` is the width of each branch (timm's `fc1_g`, `fc1_x`; half of a packed
+    `fc1`). `gelu` is kept for the config's sake; the gate is SiLU.
+    """
+
+    def build(self, input_shape):
+        self.gate = self._dense(self.mlp_dim, input_shape[-1], "gate")
+        self.gate.build(input_shape)
+        super().build(input_shape)
+
+    def _hidden(self, x):
+        return ops.silu(self._project(self.gate, x)) * self._project(self.dense_0, x)
+
+    @property
+    def lora_targets(self):
+        """The linear layers LoRA adapts: `gate`, `Dense_0`, `Dense_1`."""
+        return [self.gate, self.dense_0, self.dense_1]
+
+
+MLPS = {"gelu": MlpBlock, "swiglu": SwiGLUBlock}
 """The MLP implementations by the name a `ViTConfig.mlp` gives."""
 
 
-def make_mlp(kind, mlp_dim, dropout=0.0, gelu="exact", dtype=None, name="MlpBlock_3"):
-    """The block's MLP of `kind` (one of `MLPS`)."""
+def make_mlp(kind, mlp_dim, dropout=0.0, gelu="exact", dtype=None, name="MlpBlock_3", **options):
+    """The block's MLP of `kind` (one of `MLPS`); `options`: `use_bias`, `inner_norm`,
+    `norm_epsilon` (see `MlpBlock`)."""
     if kind not in MLPS:
         raise ValueError(f"Unknown MLP {kind!r}; expected one of {sorted(MLPS)}.")
-    return MLPS[kind](mlp_dim, dropout, gelu=gelu, dtype=dtype, name=name)
+    return MLPS[kind](mlp_dim, dropout, gelu=gelu, dtype=dtype, name=name, **options)

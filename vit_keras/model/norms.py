@@ -1,9 +1,11 @@
 """The norm slot: the normalisation before each residual branch and after the encoder.
 
 `NORMS` names each implementation (`ViTConfig.norm`); `make_norm` builds the one a config names,
-a layer over the last axis of `(batch, tokens, hidden)`. A new norm (RMSNorm) is one entry here.
+a layer over the last axis of `(batch, tokens, hidden)`. A new norm is one entry here.
 
 - `"layer_norm"`: Keras' `LayerNormalization` (the paper's, with `ViTConfig.layer_norm_epsilon`).
+- `"rms_norm"`: Keras' `RMSNormalization`, `x / sqrt(mean(x^2) + epsilon) * scale`, no bias
+  (AIMv2's).
 """
 
 import keras
@@ -13,7 +15,11 @@ def _layer_norm(epsilon, dtype=None, name=None):
     return keras.layers.LayerNormalization(epsilon=epsilon, dtype=dtype, name=name)
 
 
-NORMS = {"layer_norm": _layer_norm}
+def _rms_norm(epsilon, dtype=None, name=None):
+    return keras.layers.RMSNormalization(epsilon=epsilon, dtype=dtype, name=name)
+
+
+NORMS = {"layer_norm": _layer_norm, "rms_norm": _rms_norm}
 """The norms by the name a `ViTConfig.norm` gives: `(epsilon, dtype, name)` → a layer."""
 
 

@@ -1,14 +1,25 @@
 """The position-encoding slot: how a ViT tells its tokens where they are.
 
-`POSITION_EMBEDDINGS` names each implementation (`ViTConfig.position_embedding`);
-`make_position_embedding` builds the one a config names. A new encoding (rotary embeddings,
-which act on the attention's queries and keys) is one class here and one entry in the table.
+`POSITION_EMBEDDINGS` names each absolute embedding (`ViTConfig.position_embedding`);
+`make_position_embedding` builds the one a config names.
 
 - `"learned"`: `AddPositionEmbs`, the paper's learned absolute embedding added to the tokens.
+- `"none"`: no absolute embedding (the model has rotary embeddings alone).
+
+Rotary position embeddings (RoPE; Su et al., "RoFormer"; for images Heo et al., "Rotary Position
+Embedding for Vision Transformer") act on the attention's queries and keys instead, beside an
+absolute embedding or without one (`ViTConfig.rope`). Two parts, as the data flows:
+`RotaryPositions` (one per model) gives each token its coordinates on the patch grid of the
+input, and `RotaryEmbedding` (one per attention layer, which holds the frequencies) rotates that
+layer's queries and keys by angles of those coordinates. Prefix tokens get the coordinates
+(0, 0), an angle of 0: they are left as they are, as timm leaves them.
 """
+
+import math
 
 import keras
 from keras import ops
+import numpy as np
 
 from vit_keras.model import interpolation_ops
 
@@ -89,17 +100,186 @@ class AddPositionEmbs(keras.layers.Layer):
         return config
 
 
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class RotaryPositions(keras.layers.Layer):
+    """Each token's coordinates for the rotary embeddings of the attention layers.
+
+    Input: the patch embeddings, `(batch, rows, cols, hidden)` (a model of dynamic image size:
+    the grid follows the input) or `(batch, rows * cols, hidden)` on the built `grid_size`.
+    Output: float32 `(num_prefix_tokens + rows * cols, 2)`, no batch axis: `(0, 0)` for each
+    prefix token, then per patch, row-major, its (row, column), or (column, row) with `xy`:
+
+    - `kind="axial"` or `"mixed"`: the index plus `grid_offset`, rescaled to `ref_grid` (EVA-02's
+      `ref_feat_shape`: `index * ref_rows / rows`) when one is given;
+    - `kind="dinov3"`: the patch centre in [-1, 1], `2 * (index + 0.5 + grid_offset) / rows - 1`.
+    """
+
+    KINDS = ("axial", "dinov3", "mixed")
+
+    def __init__(self, kind="axial", grid_size=None, num_prefix_tokens=0, grid_offset=0.0,
+                 xy=False, ref_grid=None, **kwargs):
+        super().__init__(**kwargs)
+        if kind not in self.KINDS:
+            raise ValueError(f"Unknown rotary embedding {kind!r}; expected one of {self.KINDS}.")
+        self.kind = kind
+        self.grid_size = None if grid_size is None else tuple(int(side) for side in grid_size)
+        self.num_prefix_tokens = int(num_prefix_tokens)
+        self.grid_offset = float(grid_offset)
+        self.xy = bool(xy)
+        self.ref_grid = None if ref_grid is None else tuple(int(side) for side in ref_grid)
+
+    def call(self, patches):
+        if len(patches.shape) == 4:
+            shape = ops.shape(patches)
+            rows, cols = shape[1], shape[2]
+        else:
+            rows, cols = self.grid_size
+        ref_rows, ref_cols = self.ref_grid or (None, None)
+        row = ops.broadcast_to(self._axis(rows, ref_rows)[:, None], (rows, cols))
+        col = ops.broadcast_to(self._axis(cols, ref_cols)[None, :], (rows, cols))
+        grid = ops.stack([col, row] if self.xy else [row, col], axis=-1)
+        prefix = ops.zeros((self.num_prefix_tokens, 2), dtype="float32")
+        return ops.concatenate([prefix, ops.reshape(grid, (-1, 2))], axis=0)
+
+    def _axis(self, size, ref):
+        """The coordinates along an axis of `size` patches, float32 `(size,)`, in timm's order of
+        operations (so that they round as timm's)."""
+        index = ops.cast(ops.arange(size), "float32")
+        size = ops.cast(size, "float32")
+        if self.kind == "dinov3":
+            return 2.0 * ((index + (0.5 + self.grid_offset)) / size) - 1.0
+        index = index + self.grid_offset
+        return index if ref is None else index / size * float(ref)
+
+    def compute_output_spec(self, patches):
+        if len(patches.shape) == 4:
+            rows, cols = patches.shape[1], patches.shape[2]
+        else:
+            rows, cols = self.grid_size
+        tokens = None if rows is None or cols is None else self.num_prefix_tokens + rows * cols
+        return keras.KerasTensor((tokens, 2), dtype="float32")
+
+    def get_config(self):
+        return {**super().get_config(), "kind": self.kind,
+                "grid_size": None if self.grid_size is None else list(self.grid_size),
+                "num_prefix_tokens": self.num_prefix_tokens, "grid_offset": self.grid_offset,
+                "xy": self.xy, "ref_grid": None if self.ref_grid is None else list(self.ref_grid)}
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class RotaryEmbedding(keras.layers.Layer):
+    """Rotates an attention layer's queries or keys by angles of their tokens' coordinates.
+
+    Angles `(heads or 1, tokens, head_dim / 2)`: `x * F[0] + y * F[1]` for the coordinates `(x,
+    y)` of `RotaryPositions` and the frequencies `F` `(2, heads or 1, head_dim / 2)`:
+
+    - `"axial"`: `bands = temperature ** -(k / (head_dim / 4))`, `k < head_dim / 4`; the first
+      half of the angles turns with the first coordinate, the second with the other (EVA-02, PE,
+      RoPE-ViT axial; timm's `RotaryEmbeddingCat`);
+    - `"dinov3"`: the same bands times 2π (DINOv3's periods `temperature ** (k / (head_dim / 4))`);
+    - `"mixed"`: learned per head, the weight `frequencies` `(2, heads, head_dim / 2)`, initialised
+      as RoPE-Mixed does (the axial magnitudes, each head turned by a random angle).
+
+    Each pair of channels, `(2i, 2i + 1)` or with `rotate_half` `(i, i + head_dim / 2)`, turns by
+    its angle: `x * cos + rotated(x) * sin`, in float32 whatever the compute dtype.
+    """
+
+    def __init__(self, num_heads, kind="axial", temperature=10000.0, rotate_half=False, **kwargs):
+        super().__init__(**kwargs)
+        if kind not in RotaryPositions.KINDS:
+            raise ValueError(f"Unknown rotary embedding {kind!r}; expected one of "
+                             f"{RotaryPositions.KINDS}.")
+        self.num_heads = int(num_heads)
+        self.kind = kind
+        self.temperature = float(temperature)
+        self.rotate_half = bool(rotate_half)
+
+    def build(self, head_shape):
+        """`head_shape`: `(..., head_dim)` of the queries."""
+        head_dim = head_shape[-1]
+        bands = self.temperature ** -(np.arange(head_dim // 4, dtype="float32") / (head_dim // 4))
+        if self.kind == "mixed":
+            self.frequencies = self.add_weight(
+                name="frequencies", shape=(2, self.num_heads, head_dim // 2),
+                initializer=_MixedFrequencies(bands), autocast=False)
+        else:
+            bands = bands * np.float32(2 * math.pi) if self.kind == "dinov3" else bands
+            zeros = np.zeros_like(bands)
+            self._frequencies = np.stack([np.concatenate([bands, zeros]),
+                                          np.concatenate([zeros, bands])])[:, None]
+
+    def angles(self, positions):
+        """`(tokens, 2)` coordinates → float32 angles `(heads or 1, tokens, head_dim / 2)`."""
+        frequencies = ops.convert_to_tensor(
+            self.frequencies if self.kind == "mixed" else self._frequencies, "float32")
+        positions = ops.cast(positions, "float32")
+        return (positions[None, :, 0:1] * frequencies[0][:, None, :]
+                + positions[None, :, 1:2] * frequencies[1][:, None, :])
+
+    def call(self, x, positions, head_major=True):
+        """`x`: queries or keys, `(batch, heads, tokens, head_dim)` (`head_major`) or `(batch,
+        tokens, heads, head_dim)`; tokens past the coordinates' (padding) stay as they are."""
+        angles = self.angles(positions)
+        tokens = x.shape[2] if head_major else x.shape[1]
+        if tokens is not None and angles.shape[1] is not None and tokens > angles.shape[1]:
+            angles = ops.pad(angles, ((0, 0), (0, tokens - angles.shape[1]), (0, 0)))
+        if self.rotate_half:
+            angles = ops.concatenate([angles, angles], axis=-1)
+        else:
+            angles = ops.repeat(angles, 2, axis=-1)
+        if not head_major:
+            angles = ops.transpose(angles, (1, 0, 2))  # (tokens, heads, head_dim)
+        x32 = ops.cast(x, "float32")
+        rotated = x32 * ops.cos(angles) + self._turned(x32) * ops.sin(angles)
+        return ops.cast(rotated, x.dtype)
+
+    def _turned(self, x):
+        """Each pair `(a, b)` → `(-b, a)`."""
+        if self.rotate_half:
+            first, second = ops.split(x, 2, axis=-1)
+            return ops.concatenate([-second, first], axis=-1)
+        pairs = ops.reshape(x, (*ops.shape(x)[:-1], x.shape[-1] // 2, 2))
+        return ops.reshape(ops.stack([-pairs[..., 1], pairs[..., 0]], axis=-1), ops.shape(x))
+
+    def compute_output_spec(self, x, positions, head_major=True):
+        return keras.KerasTensor(x.shape, dtype=x.dtype)
+
+    def get_config(self):
+        return {**super().get_config(), "num_heads": self.num_heads, "kind": self.kind,
+                "temperature": self.temperature, "rotate_half": self.rotate_half}
+
+
+class _MixedFrequencies(keras.initializers.Initializer):
+    """RoPE-Mixed's start `(2, heads, head_dim / 2)`: per head, the axial magnitudes turned by a
+    random angle θ, `[m cos θ, m cos(θ + π/2)]` along x and `[m sin θ, m sin(θ + π/2)]` along y."""
+
+    def __init__(self, magnitudes):
+        self.magnitudes = np.asarray(magnitudes, "float32")
+
+    def __call__(self, shape, dtype=None):
+        theta = keras.random.uniform((shape[1], 1), 0.0, 2 * math.pi)
+        m = ops.convert_to_tensor(self.magnitudes)[None, :]
+        along_x = ops.concatenate([m * ops.cos(theta), m * ops.cos(theta + math.pi / 2)], -1)
+        along_y = ops.concatenate([m * ops.sin(theta), m * ops.sin(theta + math.pi / 2)], -1)
+        return ops.cast(ops.stack([along_x, along_y]), dtype or "float32")
+
+    def get_config(self):
+        return {"magnitudes": self.magnitudes.tolist()}
+
+
 POSITION_EMBEDDINGS = {"learned": AddPositionEmbs}
 """The position encodings by the name a `ViTConfig.position_embedding` gives."""
 
 
 def make_position_embedding(kind, grid_size=None, num_prefix_tokens=1, dtype=None,
                             name="posembed_input"):
-    """The model's position encoding of `kind` (one of `POSITION_EMBEDDINGS`); `grid_size` for a
-    model of dynamic image size (see `AddPositionEmbs`)."""
+    """The model's absolute position embedding of `kind` (one of `POSITION_EMBEDDINGS`; None for
+    `"none"`); `grid_size` for a model of dynamic image size (see `AddPositionEmbs`)."""
+    if kind == "none":
+        return None
     if kind not in POSITION_EMBEDDINGS:
         raise ValueError(f"Unknown position embedding {kind!r}; expected one of "
-                         f"{sorted(POSITION_EMBEDDINGS)}.")
+                         f"{sorted(POSITION_EMBEDDINGS) + ['none']}.")
     if grid_size is None:
         return POSITION_EMBEDDINGS[kind](dtype=dtype, name=name)
     return POSITION_EMBEDDINGS[kind](grid_size=grid_size, num_prefix_tokens=num_prefix_tokens,

@@ -73,8 +73,10 @@ class ViT(keras.Model):
         the final norm and the head compute in float32 under a mixed policy.
 
     Its parts, read by the rest of the library: `stem` (a hybrid's ResNet, else None),
-    `patch_embedding`, `position_embedding`, `blocks`, `encoder_norm` (None with `fc_norm`),
-    `fc_norm`, `pooling` (`heads.Pooling`), `pre_logits`, `heads` (the classifier's Dense layers).
+    `patch_embedding`, `patch_norm`, `position_embedding` (None without an absolute one),
+    `rotary_positions` (`RotaryPositions`, with rotary embeddings), `blocks`, `encoder_norm`
+    (None with `fc_norm`), `fc_norm`, `pooling` (`heads.Pooling`), `pre_logits`, `heads` (the
+    classifier's Dense layers).
     """
 
     ARGUMENTS = ("image_size", "num_classes", "include_top", "include_preprocessing",
@@ -128,6 +130,10 @@ class ViT(keras.Model):
                                           use_bias=config.patch_bias, dtype=policy,
                                           name="embedding")
         patches = x = embedding(x)
+        patch_norm = None
+        if config.patch_norm:  # AIMv2's, on the patch embeddings before anything is added
+            patch_norm = norms.make_norm(config.norm, epsilon, dtype=policy, name="patch_norm")
+            patches = x = patch_norm(x)
         if dynamic_image_size:  # the grid stays for the position embeddings to resample to
             x = keras.layers.Reshape((-1, config.hidden_size), dtype=policy,
                                      name="patch_tokens")(x)
@@ -137,14 +143,14 @@ class ViT(keras.Model):
         covered = int(class_token) + int(config.distillation)
         prefix = ([layers.DistillationToken(dtype=policy, name="dist")] if config.distillation
                   else []) + ([layers.ClassToken(dtype=policy, name="cls")] if class_token else [])
+        grid = tuple(side // config.patch_size for side in feature_map)
         position = position_embeddings.make_position_embedding(
-            config.position_embedding,
-            grid_size=(tuple(side // config.patch_size for side in feature_map)
-                       if dynamic_image_size else None),
+            config.position_embedding, grid_size=grid if dynamic_image_size else None,
             num_prefix_tokens=covered if config.posemb_prefix else 0, dtype=policy)
         for token in prefix if config.posemb_prefix else ():
             x = token(x)
-        x = position(x, patches) if dynamic_image_size else position(x)
+        if position is not None:
+            x = position(x, patches) if dynamic_image_size else position(x)
         for token in () if config.posemb_prefix else prefix:
             x = token(x)
         if config.num_registers:
@@ -152,6 +158,13 @@ class ViT(keras.Model):
                                               dtype=policy, name="reg")
             prefix.append(registers)
             x = registers(x)
+        rotary = positions = None
+        if config.rope:
+            rotary = position_embeddings.RotaryPositions(
+                config.rope, grid_size=grid, num_prefix_tokens=covered + config.num_registers,
+                grid_offset=config.rope_grid_offset, xy=config.rope_xy,
+                ref_grid=config.rope_ref_grid, dtype="float32", name="rope_positions")
+            positions = rotary(patches)
         x = keras.layers.Dropout(dropout, dtype=policy, name="dropout")(x)
         pre_norm = None
         if config.pre_norm:
@@ -164,8 +177,12 @@ class ViT(keras.Model):
                 attention_dropout=attention_dropout, drop_path_rate=float(rate),
                 layer_norm_epsilon=epsilon, gelu=config.gelu,
                 layer_scale_init=config.layer_scale_init, attention=attention, mlp=config.mlp,
-                norm=config.norm, dtype=policy, name=f"encoderblock_{index}"))
-            x = blocks[-1](x)
+                norm=config.norm, qkv_bias=config.qkv_bias, proj_bias=config.proj_bias,
+                mlp_bias=config.mlp_bias, mlp_norm=config.mlp_norm, rope=config.rope,
+                rope_temperature=config.rope_temperature,
+                rope_rotate_half=config.rope_rotate_half, dtype=policy,
+                name=f"encoderblock_{index}"))
+            x = blocks[-1](x) if positions is None else blocks[-1](x, positions)
         encoder_norm = fc_norm = pre_logits = None
         if not config.fc_norm:
             encoder_norm = norms.make_norm(config.norm, epsilon, dtype=head_policy,
@@ -199,6 +216,7 @@ class ViT(keras.Model):
             "attention": attention, "dtype": policy}
         # The parts (the layers above, tracked once: Keras saves each layer under the graph's).
         self.rescale, self.stem, self.patch_embedding = rescale, stem, embedding
+        self.patch_norm, self.rotary_positions = patch_norm, rotary
         self.prefix_layers, self.position_embedding = prefix, position
         self.pre_norm, self.blocks = pre_norm, blocks
         self.encoder_norm, self.pooling, self.fc_norm = encoder_norm, pooling, fc_norm
@@ -292,8 +310,8 @@ class ViT(keras.Model):
         `"embeddings"` (every layer with weights before the first block: the ResNet stem, the
         patch embedding, the prefix tokens, the position embedding, the pre-norm), then one group
         per block, named as the block. The final norm, pooling and heads are in no group."""
-        first = [self.stem, self.patch_embedding, *self.prefix_layers, self.position_embedding,
-                 self.pre_norm]
+        first = [self.stem, self.patch_embedding, self.patch_norm, *self.prefix_layers,
+                 self.position_embedding, self.pre_norm]
         return [("embeddings", [layer for layer in first if layer is not None])] + [
             (block.name, [block]) for block in self.blocks]
 
@@ -312,8 +330,11 @@ class ViT(keras.Model):
 
     def tokens_before_blocks(self):
         """A `keras.Model` (of this model's layers) from images to the first block's input
-        tokens `(batch, tokens, hidden)`."""
-        return keras.Model(self.input, self.blocks[0].input)
+        tokens `(batch, tokens, hidden)`; with rotary embeddings to those tokens and their
+        coordinates `(tokens, 2)` (each block's second input)."""
+        if self.rotary_positions is None:
+            return keras.Model(self.input, self.blocks[0].input)
+        return keras.Model(self.input, [self.blocks[0].input[0], self.rotary_positions.output])
 
     # -- adopting models saved before this class --------------------------------------------------
 
@@ -517,8 +538,9 @@ def attention_scores(model, images, batch_size=16):
     per_block = [[] for _ in vit.blocks]
     for start in range(0, len(images), batch_size):
         x = stem(images[start:start + batch_size], training=False)
+        x, positions = x if vit.rotary_positions is not None else (x, None)
         for index, block in enumerate(vit.blocks):
-            x, scores = block(x, training=False, return_attention_scores=True)
+            x, scores = block(x, positions, training=False, return_attention_scores=True)
             per_block[index].append(keras.ops.convert_to_numpy(scores))
     return [np.concatenate(chunks) for chunks in per_block]
 

@@ -266,6 +266,8 @@ def build_model_from_checkpoint(path, *, variant=None, image_size=None, num_clas
     arch = loader.architecture(checkpoint)
     config = dataclasses.replace(_variant_for(arch["config"], variant, checkpoint.path),
                                  **arch["switches"])
+    if image_size is None and arch["grid"] is None and config.position_embedding == "none":
+        image_size = 224  # rotary embeddings alone: no size is stored, any size works
     if image_size is None:
         if arch["grid"] is None:
             raise errors.CheckpointError(

@@ -4,8 +4,10 @@ the architecture read from `config.json` beside it when present.
 The families (`config.json`'s `model_type`): `vit` (`ViTModel`, `ViTForImageClassification`),
 `deit` (`DeiTModel`, `DeiTForImageClassification[WithTeacher]`), `dinov2` (`Dinov2Model`),
 `dinov2_with_registers`, `clip_vision_model` (`CLIPVisionModel`; a full `clip` folder gives its
-image tower), `siglip_vision_model` (`SiglipVisionModel`; a full `siglip` folder likewise) and
-`vit_mae` (`ViTMAEModel`). The key names are `names.from_huggingface`'s; this module reads what
+image tower), `siglip_vision_model` (`SiglipVisionModel`; a full `siglip` folder likewise),
+`vit_mae` (`ViTMAEModel`), and with rotary embeddings or gated MLPs `dinov3_vit`
+(`DINOv3ViTModel`) and `aimv2_vision_model` (`Aimv2VisionModel` without its attention-pooling
+`head`, `use_head=false`). The key names are `names.from_huggingface`'s; this module reads what
 only `config.json` says (epsilon, GELU variant, heads, grid) and the defaults each family's config
 class has when a field is left out.
 """
@@ -24,9 +26,11 @@ CONFIG = "config.json"
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
 # The patch embedding of every family: ViT/DeiT/DINOv2/MAE `embeddings.patch_embeddings.projection`,
 # CLIP/SigLIP `embeddings.patch_embedding`; under `vit.`, `deit.` or `vision_model.` (full CLIP).
-_ANCHOR = re.compile(r"(?:^|\.)embeddings\.patch_embeddings?\.(?:projection\.)?weight$")
-# Hugging Face activation names → `ViTConfig.gelu`.
-_GELU = {"gelu": "exact", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "quick_gelu": "quick"}
+_ANCHOR = re.compile(r"(?:^|\.)embeddings\.patch_embed(?:dings?)?\.(?:projection\.)?weight$")
+# Hugging Face activation names → `ViTConfig.gelu`; "silu" is a SwiGLU's gate (AIMv2's, DINOv3's
+# gated MLP), where the GELU variant is not used.
+_GELU = {"gelu": "exact", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "quick_gelu": "quick",
+         "silu": "exact"}
 # Each family's config-class defaults for the fields vit_keras reads (transformers leaves a field
 # out of `config.json` when it has the default, in older folders and nested `vision_config`s).
 _DEFAULTS = {
@@ -37,6 +41,8 @@ _DEFAULTS = {
     "dinov2_with_registers": {"layer_norm_eps": 1e-6, "hidden_act": "gelu"},
     "clip_vision_model": {"layer_norm_eps": 1e-5, "hidden_act": "quick_gelu"},
     "siglip_vision_model": {"layer_norm_eps": 1e-6, "hidden_act": "gelu_pytorch_tanh"},
+    "dinov3_vit": {"layer_norm_eps": 1e-5, "hidden_act": "gelu", "rope_theta": 100.0},
+    "aimv2_vision_model": {"rms_norm_eps": 1e-5, "hidden_act": "silu", "use_head": True},
 }
 # The normalisation of each family's published image processors (`preprocessor_config.json` of
 # facebook/deit-*, facebook/dinov2-*, openai/clip-*, google/siglip-*, facebook/vit-mae-*), used when
@@ -45,7 +51,8 @@ _DEFAULTS = {
 # DINO's ImageNet's), so a `vit` folder without the file has no known normalisation.
 _FAMILY_NORMALIZATION = {"deit": "imagenet", "dinov2": "imagenet",
                          "dinov2_with_registers": "imagenet", "vit_mae": "imagenet",
-                         "clip_vision_model": "clip", "siglip_vision_model": "inception"}
+                         "clip_vision_model": "clip", "siglip_vision_model": "inception",
+                         "dinov3_vit": "imagenet", "aimv2_vision_model": "clip"}
 FAMILIES = tuple(_DEFAULTS)
 """The `model_type`s vit_keras reads (`clip` and `siglip` folders: their `vision_config`)."""
 _VISION_TOWERS = {"clip": "clip_vision_model", "siglip": "siglip_vision_model"}
@@ -107,7 +114,7 @@ def _check_config(config, path):
     """Refuses a `config.json` whose fields that vit_keras reads have impossible values, or a model
     vit_keras cannot hold."""
     def bad(field, expected):
-        return errors.CheckpointError(f"{path!r}: {field} is {config[field]!r}; expected {expected}.")
+        return errors.CheckpointError(f"{path!r}: {field} is {config.get(field)!r}; expected {expected}.")
 
     model_type = config.get("model_type", "vit")
     if model_type not in FAMILIES:
@@ -126,8 +133,12 @@ def _check_config(config, path):
     if config.get("hidden_act", "gelu") not in _GELU:
         raise bad("hidden_act", f"one of {sorted(_GELU)} (the activations vit_keras supports)")
     if config.get("use_swiglu_ffn"):
-        raise bad("use_swiglu_ffn", "false: vit_keras' MLP is Dense-GELU-Dense, not SwiGLU "
-                                    "(DINOv2 giant); it cannot hold this model")
+        raise bad("use_swiglu_ffn", "false: read DINOv2 giant from timm's file "
+                                    "(vit_giant_patch14_dinov2), whose SwiGLU vit_keras holds")
+    if model_type == "aimv2_vision_model" and config.get("use_head", True):
+        raise bad("use_head", "false: AIMv2's attention-pooling head is not supported; load the "
+                              "encoder from a folder saved with use_head=false, or from timm's "
+                              "file (aimv2_*), which pools by the mean of the patch tokens")
 
 
 def vision_config(config):
@@ -200,7 +211,9 @@ def family(state_dict, config=None):
     if config and "model_type" in config:
         return vision_config(config)["model_type"]
     keys = "\n".join(state_dict)
-    for pattern, found in ((r"embeddings\.class_embedding$", "clip_vision_model"),
+    for pattern, found in ((r"embeddings\.rms_norm\.weight$", "aimv2_vision_model"),
+                           (r"^(?:model\.)?layer\.\d+\.attention\.q_proj", "dinov3_vit"),
+                           (r"embeddings\.class_embedding$", "clip_vision_model"),
                            (r"embeddings\.patch_embedding\.weight$", "siglip_vision_model"),
                            (r"embeddings\.register_tokens$", "dinov2_with_registers"),
                            (r"layer_scale1\.lambda1$", "dinov2"),
@@ -217,10 +230,15 @@ def hints(config, model_type="vit"):
     Hugging Face family adds position embeddings to its class and distillation tokens)."""
     config = vision_config(config) or {}
     _check_config({"model_type": model_type, **config}, CONFIG)
-    config = {**_DEFAULTS[config.get("model_type", model_type)], **config}
+    model_type = config.get("model_type", model_type)
+    config = {**_DEFAULTS[model_type], **config}
     gelu = _GELU[config["hidden_act"]]
-    out = {"layer_norm_epsilon": float(config["layer_norm_eps"]), "gelu": gelu,
+    epsilon = config["rms_norm_eps" if model_type == "aimv2_vision_model" else "layer_norm_eps"]
+    out = {"layer_norm_epsilon": float(epsilon), "gelu": gelu,
            "approximate_gelu": gelu == "tanh", "posemb_prefix": True}
+    if model_type == "dinov3_vit":  # its pooler output is the class token after the norm
+        out.update(rope="dinov3", rope_temperature=float(config["rope_theta"]),
+                   rope_rotate_half=True, classifier="token")
     if "num_attention_heads" in config:
         out["num_heads"] = int(config["num_attention_heads"])
     if "image_size" in config and "patch_size" in config:

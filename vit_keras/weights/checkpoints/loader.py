@@ -83,7 +83,8 @@ def read_checkpoint(path, *, num_heads=None, timm_architecture=None):
                 raise errors.CheckpointError(
                     f"{path!r} is a timm ViT with {', '.join(unsupported)}, which vit_keras does "
                     f"not support: its model holds the paper's ViT and DeiT, DeiT III, DINOv2, "
-                    f"SigLIP, CLIP and MAE (docs/checkpoints.md).")
+                    f"SigLIP, CLIP, MAE, EVA-02, DINOv3, PE, AIMv2 and RoPE-ViT "
+                    f"(docs/checkpoints.md).")
             params, info = timm.convert(state_dict, num_heads, timm_architecture,
                                         timm.config_beside(paths[0]))
         elif huggingface.matches(state_dict):
@@ -420,10 +421,15 @@ def architecture(checkpoint):
         raise errors.CheckpointError(
             f"{checkpoint.path!r} has no encoder blocks "
             f"({names.QUERY_KERNEL.format(0)!r} is missing).")
-    for key in (names.MLP_KERNEL.format(0), names.POSEMB):
+    switches = _switches(checkpoint)
+    needed = [names.MLP_KERNEL.format(0)] + ([names.POSEMB] if not switches["rope"] else [])
+    for key in needed:
         if key not in params:
             raise errors.CheckpointError(
-                f"{checkpoint.path!r} has no {key!r}: it is not a whole ViT checkpoint.")
+                f"{checkpoint.path!r} has no {key!r}: it is not a whole ViT checkpoint"
+                + (" (nor one with rotary position embeddings: a timm file needs its "
+                   "architecture name, timm_architecture=..., to say which)"
+                   if key == names.POSEMB else "") + ".")
     query = params[names.QUERY_KERNEL.format(0)]
     config = {"patch_size": int(kernel.shape[0]), "hidden_size": int(kernel.shape[3]),
               "mlp_dim": int(params[names.MLP_KERNEL.format(0)].shape[1]),
@@ -440,7 +446,6 @@ def architecture(checkpoint):
         config["resnet_layers"] = tuple(units)
         config["resnet_width"] = root.shape[-1] // 64
         channels = root.shape[2]
-    switches = _switches(checkpoint)
     if names.MAP_HEAD + "probe" in params:
         classifier = "map"
     elif names.CLS in params and not switches["fc_norm"]:
@@ -451,7 +456,7 @@ def architecture(checkpoint):
     if names.CLS in params and classifier != "token":
         switches["class_token"] = True
     grid = checkpoint.hints.get("grid")
-    if grid is None:
+    if grid is None and names.POSEMB in params:
         tokens = params[names.POSEMB].shape[1] - _posemb_prefix_tokens(params)
         side = int(round(tokens ** 0.5))
         grid = (side, side) if side * side == tokens else None
@@ -478,20 +483,53 @@ def _switches(checkpoint):
     epsilon and GELU, and win over the keys for any switch they name."""
     params, hints = checkpoint.params, checkpoint.hints
     grid = hints.get("grid")
+    num_heads = int(params[names.QUERY_KERNEL.format(0)].shape[1])
     layer_scale = names.BLOCK.format(0) + names.LAYER_SCALE_ATTENTION in params
+    attention, mlp = names.BLOCK.format(0) + names.ATTENTION, names.MLP.format(0)
+    biases = "".join(name[0] for name in ("query", "key", "value")
+                     if f"{attention}{name}/bias" in params)
     switches = {
         # The init value is not stored; the weights are loaded over it.
         "layer_scale_init": hints.get("layer_scale_init", 1e-5) if layer_scale else None,
         "num_registers": int(params[names.REG].shape[1]) if names.REG in params else 0,
         "distillation": names.DIST in params,
-        "posemb_prefix": not (_posemb_prefix_tokens(params, grid) == 0
-                              and (names.CLS in params or names.DIST in params)),
+        "posemb_prefix": names.POSEMB not in params or not (
+            _posemb_prefix_tokens(params, grid) == 0
+            and (names.CLS in params or names.DIST in params)),
         "pre_norm": names.PRE_NORM + "scale" in params,
         "fc_norm": names.FC_NORM + "scale" in params,
         "patch_bias": "embedding/bias" in params,
         "layer_norm_epsilon": 1e-6,
         "gelu": "tanh" if hints.get("approximate_gelu") else "exact",
         "class_token": None,
+        "mlp": "swiglu" if mlp + "gate/kernel" in params else "gelu",
+        "norm": ("rms_norm" if names.BLOCK.format(0) + "LayerNorm_0/scale" in params
+                 and names.BLOCK.format(0) + "LayerNorm_0/bias" not in params else "layer_norm"),
+        "position_embedding": "learned" if names.POSEMB in params else "none",
+        "qkv_bias": {"qkv": "qkv", "qv": "qv", "": "none"}.get(biases, biases),
+        "proj_bias": attention + "out/bias" in params,
+        "mlp_bias": mlp + "Dense_1/bias" in params,
+        "mlp_norm": mlp + "norm/scale" in params,
+        "patch_norm": names.PATCH_NORM + "scale" in params,
+        "map_num_heads": _map_heads(params, num_heads),
+        "map_prefix": False,
+        # The rotary embeddings' kind and settings the keys cannot tell (but RoPE-Mixed's learned
+        # frequencies): they come with the hints, from the architecture's name.
+        "rope": "mixed" if names.ROPE_FREQUENCIES.format(0) in params else None,
+        "rope_temperature": 10.0 if names.ROPE_FREQUENCIES.format(0) in params else 10000.0,
+        "rope_grid_offset": 0.0,
+        "rope_xy": names.ROPE_FREQUENCIES.format(0) in params,  # RoPE-Mixed's (x, y) order
+        "rope_ref_grid": None,
+        "rope_rotate_half": False,
     }
     switches.update({name: hints[name] for name in configs.SWITCHES if name in hints})
+    if switches["map_num_heads"] == num_heads:
+        switches["map_num_heads"] = None
     return switches
+
+
+def _map_heads(params, num_heads):
+    """The MAP head's heads where they differ from the blocks' `num_heads` (PE's), else None."""
+    query = params.get(names.MAP_HEAD + "MultiHeadDotProductAttention_0/query/kernel")
+    heads = None if query is None else int(query.shape[1])
+    return None if heads == num_heads else heads

@@ -31,6 +31,15 @@ The family's switches (`ViTConfig`) add, where they are on:
     MAPHead_0/LayerNorm_0/scale|bias
     MAPHead_0/MlpBlock_0/Dense_0|Dense_1/kernel|bias
 
+and the rotary families (EVA-02, DINOv3, PE, AIMv2, RoPE-ViT, DINOv2 giant):
+
+    Transformer/encoderblock_{i}/MlpBlock_3/gate/kernel|bias   (hidden, mlp)  SwiGLU's gate branch
+    Transformer/encoderblock_{i}/MlpBlock_3/norm/scale|bias    (mlp,)  a norm inside the MLP
+    Transformer/encoderblock_{i}/MultiHeadDotProductAttention_1/rope/frequencies
+                                                      (2, heads, head_dim / 2)  RoPE-Mixed's, learned
+    patch_norm/scale                                  (hidden,)  a norm on the patch embeddings
+    (a projection, norm or MLP without a bias simply has no `bias` key)
+
 Keras weight paths equal these keys up to `Transformer/` and `gamma|beta` (see `keras_to_canonical`).
 Keys a converter does not recognise are passed through under their own name, so that a strict load
 reports them as unexpected.
@@ -66,6 +75,9 @@ HEAD = "head/"
 
 _RESNET = "resnet/"
 _TRANSFORMER_PARTS = re.compile(r"^(encoderblock_\d+|encoder_norm|posembed_input|pre_norm)/")
+MLP = BLOCK + "MlpBlock_3/"
+ROPE_FREQUENCIES = BLOCK + ATTENTION + "rope/frequencies"
+PATCH_NORM = "patch_norm/"
 _TOKENS = {"cls/cls": CLS, "dist/dist": DIST, "reg/reg": REG}
 
 
@@ -239,13 +251,41 @@ _TIMM_RESNET = [
 ]
 
 
-def from_timm(state_dict, num_heads):
-    """A timm `VisionTransformer` state dict (NumPy values) → canonical dict; hybrids
-    (`vit_base_r50_s16_384`, `vit_tiny_r_s16_p8_224`, ...) and the family's switches (DeiT's
-    `dist_token`/`head_dist`, `reg_token`, LayerScale `ls1`/`ls2`, `norm_pre`, `fc_norm`, the
-    `attn_pool` MAP head) included."""
+def from_timm(state_dict, num_heads, map_num_heads=None):
+    """A timm `VisionTransformer` or `Eva` state dict (NumPy values) → canonical dict; hybrids
+    (`vit_base_r50_s16_384`, `vit_tiny_r_s16_p8_224`, ...), the family's switches (DeiT's
+    `dist_token`/`head_dist`, `reg_token`, LayerScale `ls1`/`ls2` or `gamma_1`/`gamma_2`,
+    `norm_pre`, `fc_norm`, the `attn_pool` MAP head) and the rotary families' parts (separate
+    `q_proj`/`k_proj`/`v_proj`, EVA's `q_bias`/`v_bias` beside a bias-free `qkv`, SwiGLU packed
+    in `fc1` or as `fc1_g`/`fc1_x`, the MLP's `norm`, `patch_embed.norm`, RoPE-Mixed's
+    `rope.freqs` (2, depth, heads, head_dim / 2) split per block) included. `map_num_heads`: the
+    MAP head's heads where they differ from the blocks' (PE's 8)."""
     hidden = state_dict["patch_embed.proj.weight"].shape[0]
     _check_heads(hidden, num_heads)
+    fc1, fc2 = state_dict.get("blocks.0.mlp.fc1.weight"), state_dict.get("blocks.0.mlp.fc2.weight")
+    # timm's packed SwiGLU (GluMlp, gate first): fc1 is twice as wide as fc2 reads.
+    packed = fc1 is not None and fc2 is not None and fc1.shape[0] == 2 * fc2.shape[-1]
+
+    def fc1_rule(match, value):
+        template = BLOCK.format(match.group(1)) + "MlpBlock_3/"
+        if not packed:
+            return _dense(template + "Dense_0/")(match, value)
+        gate, kept = np.split(value, 2, axis=0)
+        key = "kernel" if match.group(2) == "weight" else "bias"
+        transform = _linear if key == "kernel" else (lambda v: v)
+        return {f"{template}gate/{key}": transform(gate), f"{template}Dense_0/{key}": transform(kept)}
+
+    def separate_projection(match, value):
+        name = {"q": "query", "k": "key", "v": "value"}[match.group(2)]
+        return _stacked_projections(BLOCK.format(match.group(1)) + ATTENTION, (name,),
+                                    match.group(3), value, num_heads)
+
+    def eva_bias(match, value):  # `q_bias`, `v_bias` beside a bias-free fused `qkv`
+        name = {"q": "query", "v": "value"}[match.group(2)]
+        return {f"{BLOCK.format(match.group(1))}{ATTENTION}{name}/bias": value.reshape(num_heads, -1)}
+
+    def rope_frequencies(match, value):  # (2, depth, heads, head_dim / 2) → per block
+        return {ROPE_FREQUENCIES.format(index): value[:, index] for index in range(value.shape[1])}
 
     def qkv(match, value):
         return _stacked_projections(BLOCK.format(match.group(1)) + ATTENTION, _QKV,
@@ -257,13 +297,15 @@ def from_timm(state_dict, num_heads):
 
     pool = MAP_HEAD + "MultiHeadDotProductAttention_0/"
 
+    pool_heads = map_num_heads or num_heads
+
     def pool_projection(names_):
         """`attn_pool.q` (query) or `attn_pool.kv` (key and value, stacked) of the MAP head."""
         return lambda match, value: _stacked_projections(pool, names_, match.group(1), value,
-                                                         num_heads)
+                                                         pool_heads)
 
     def pool_out(match, value):
-        return _out_projection(pool, match.group(1), value, num_heads)
+        return _out_projection(pool, match.group(1), value, pool_heads)
 
     return _convert(state_dict, _TIMM_RESNET + [
         (r"patch_embed\.proj\.weight", _to(EMBEDDING_KERNEL, _conv)),
@@ -273,13 +315,20 @@ def from_timm(state_dict, num_heads):
         (r"reg_token", _to(REG)),
         (r"pos_embed", _to(POSEMB)),
         (r"norm_pre\.(weight|bias)", _ln(PRE_NORM)),
-        (r"blocks\.(\d+)\.ls1\.gamma", _to(BLOCK + LAYER_SCALE_ATTENTION)),
-        (r"blocks\.(\d+)\.ls2\.gamma", _to(BLOCK + LAYER_SCALE_MLP)),
+        (r"patch_embed\.norm\.(weight|bias)", _ln(PATCH_NORM)),
+        (r"rope\.freqs", rope_frequencies),
+        (r"blocks\.(\d+)\.(?:ls1\.gamma|gamma_1)", _to(BLOCK + LAYER_SCALE_ATTENTION)),
+        (r"blocks\.(\d+)\.(?:ls2\.gamma|gamma_2)", _to(BLOCK + LAYER_SCALE_MLP)),
         (r"blocks\.(\d+)\.norm1\.(weight|bias)", _ln(BLOCK + "LayerNorm_0/")),
         (r"blocks\.(\d+)\.attn\.qkv\.(weight|bias)", qkv),
+        (r"blocks\.(\d+)\.attn\.([qkv])_proj\.(weight|bias)", separate_projection),
+        (r"blocks\.(\d+)\.attn\.([qv])_bias", eva_bias),
         (r"blocks\.(\d+)\.attn\.proj\.(weight|bias)", proj),
         (r"blocks\.(\d+)\.norm2\.(weight|bias)", _ln(BLOCK + "LayerNorm_2/")),
-        (r"blocks\.(\d+)\.mlp\.fc1\.(weight|bias)", _dense(BLOCK + "MlpBlock_3/Dense_0/")),
+        (r"blocks\.(\d+)\.mlp\.fc1\.(weight|bias)", fc1_rule),
+        (r"blocks\.(\d+)\.mlp\.fc1_g\.(weight|bias)", _dense(BLOCK + "MlpBlock_3/gate/")),
+        (r"blocks\.(\d+)\.mlp\.fc1_x\.(weight|bias)", _dense(BLOCK + "MlpBlock_3/Dense_0/")),
+        (r"blocks\.(\d+)\.mlp\.norm\.(weight|bias)", _ln(BLOCK + "MlpBlock_3/norm/")),
         (r"blocks\.(\d+)\.mlp\.fc2\.(weight|bias)", _dense(BLOCK + "MlpBlock_3/Dense_1/")),
         (r"norm\.(weight|bias)", _ln(ENCODER_NORM)),
         (r"fc_norm\.(weight|bias)", _ln(FC_NORM)),
@@ -301,9 +350,12 @@ def from_timm(state_dict, num_heads):
 # into the joint embedding space are left out (`logit_scale`, `logit_bias` belong to the pair).
 _HF_OUTSIDE_VISION = re.compile(r"^(text_model\.|text_projection\.|visual_projection\.|"
                                 r"logit_scale$|logit_bias$)")
-# DINOv2's `mask_token` replaces masked patches in self-supervised training only; inference and
-# fine-tuning never read it.
+# DINOv2's and DINOv3's `mask_token` replaces masked patches in self-supervised training only;
+# inference and fine-tuning never read it.
 _HF_TRAINING_ONLY = {"embeddings.mask_token"}
+# The patch embedding: `patch_embeddings.projection` (ViT, DeiT, DINOv2, MAE), `patch_embedding`
+# (CLIP, SigLIP), `patch_embeddings` (DINOv3), `patch_embed` (AIMv2).
+_HF_PATCHES = r"embeddings\.patch_embed(?:dings?)?\.(?:projection\.)?"
 
 
 def from_huggingface(state_dict, num_heads):
@@ -324,11 +376,11 @@ def from_huggingface(state_dict, num_heads):
     CLIPModel / SiglipModel gives its image tower; DINOv2's training-only `mask_token` is dropped.
     """
     state_dict = {re.sub(r"^(vit|deit|vision_model)\.", "", k): v for k, v in state_dict.items()
-                  if not _HF_OUTSIDE_VISION.match(k) and k not in _HF_TRAINING_ONLY}
-    hidden = next(v for k, v in state_dict.items() if re.fullmatch(
-        r"embeddings\.patch_embeddings?\.(?:projection\.)?weight", k)).shape[0]
+                  if not _HF_OUTSIDE_VISION.match(k) and k not in _HF_TRAINING_ONLY
+                  and not (k.endswith("embeddings.register_tokens") and 0 in v.shape)}
+    hidden = next(v for k, v in state_dict.items() if re.fullmatch(_HF_PATCHES + "weight", k)).shape[0]
     _check_heads(hidden, num_heads)
-    layer = r"(?:encoder\.layers?|layers)\.(\d+)\."
+    layer = r"(?:encoder\.layers?|layers|(?:model\.)?layer)\.(\d+)\."
     projections = {"query": "query", "key": "key", "value": "value", "q_proj": "query",
                    "k_proj": "key", "v_proj": "value"}
 
@@ -350,8 +402,9 @@ def from_huggingface(state_dict, num_heads):
         return _out_projection(map_attention, match.group(1), value, num_heads)
 
     return _convert(state_dict, [
-        (r"embeddings\.patch_embeddings?\.(?:projection\.)?weight", _to(EMBEDDING_KERNEL, _conv)),
-        (r"embeddings\.patch_embeddings?\.(?:projection\.)?bias", _to("embedding/bias")),
+        (_HF_PATCHES + "weight", _to(EMBEDDING_KERNEL, _conv)),
+        (_HF_PATCHES + "bias", _to("embedding/bias")),
+        (r"embeddings\.rms_norm\.weight", _to(PATCH_NORM + "scale")),
         (r"embeddings\.cls_token", _to(CLS)),
         (r"embeddings\.class_embedding", _to(CLS, lambda v: v.reshape(1, 1, -1))),
         (r"embeddings\.distillation_token", _to(DIST)),
@@ -359,20 +412,22 @@ def from_huggingface(state_dict, num_heads):
         (r"embeddings\.position_embeddings", _to(POSEMB)),
         (r"embeddings\.position_embedding\.weight", _to(POSEMB, lambda v: v[None])),
         (r"pre_layrnorm\.(weight|bias)", _ln(PRE_NORM)),
-        (layer + r"(?:layernorm_before|norm1|layer_norm1)\.(weight|bias)",
+        (layer + r"(?:layernorm_before|norm1|layer_norm1|rms_norm1)\.(weight|bias)",
          _ln(BLOCK + "LayerNorm_0/")),
         (layer + r"(?:attention\.(?:attention\.)?|self_attn\.)"
                  r"(query|key|value|q_proj|k_proj|v_proj)\.(weight|bias)", qkv),
-        (layer + r"(?:attention\.(?:output\.dense|o_proj)|self_attn\.out_proj)\.(weight|bias)",
-         out),
+        (layer + r"(?:attention\.(?:output\.dense|o_proj|out_proj)|self_attn\.out_proj)\."
+                 r"(weight|bias)", out),
         (layer + r"layer_scale1\.lambda1", _to(BLOCK + LAYER_SCALE_ATTENTION)),
-        (layer + r"(?:layernorm_after|norm2|layer_norm2)\.(weight|bias)",
+        (layer + r"(?:layernorm_after|norm2|layer_norm2|rms_norm2)\.(weight|bias)",
          _ln(BLOCK + "LayerNorm_2/")),
-        (layer + r"(?:intermediate\.dense|mlp\.fc1)\.(weight|bias)",
+        (layer + r"(?:intermediate\.dense|mlp\.fc1|(?:mlp|ffn)\.up_proj)\.(weight|bias)",
          _dense(BLOCK + "MlpBlock_3/Dense_0/")),
-        (layer + r"(?:output\.dense|mlp\.fc2)\.(weight|bias)", _dense(BLOCK + "MlpBlock_3/Dense_1/")),
+        (layer + r"(?:mlp|ffn)\.gate_proj\.(weight|bias)", _dense(BLOCK + "MlpBlock_3/gate/")),
+        (layer + r"(?:output\.dense|mlp\.fc2|(?:mlp|ffn)\.down_proj)\.(weight|bias)",
+         _dense(BLOCK + "MlpBlock_3/Dense_1/")),
         (layer + r"layer_scale2\.lambda1", _to(BLOCK + LAYER_SCALE_MLP)),
-        (r"(?:layernorm|post_layernorm)\.(weight|bias)", _ln(ENCODER_NORM)),
+        (r"(?:layernorm|post_layernorm|norm|rms_norm)\.(weight|bias)", _ln(ENCODER_NORM)),
         (r"head\.probe", _to(MAP_HEAD + "probe")),
         (r"head\.attention\.in_proj_(weight|bias)", map_in),
         (r"head\.attention\.out_proj\.(weight|bias)", map_out),

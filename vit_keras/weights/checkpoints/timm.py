@@ -34,8 +34,12 @@ logger = logging.getLogger("vit_keras")
 
 _ANCHOR = "patch_embed.proj.weight"
 CONFIG = "config.json"
-_HEADS_BY_SIZE = {"tiny": 3, "small": 6, "base": 12, "large": 16, "huge": 16, "giant": 24,
-                  "so400m": 16, "so150m": 16}
+_HEADS_BY_SIZE = {"tiny": 3, "small": 6, "small_plus": 6, "base": 12, "large": 16, "huge": 16,
+                  "huge_plus": 20, "giant": 24, "gigantic": 16, "7b": 32, "so400m": 16,
+                  "so150m": 16}
+# AIMv2 has fewer heads than the ViT of its width.
+_HEADS_BY_FAMILY = ((r"^aimv2_large_", 8), (r"^aimv2_huge_", 12), (r"^aimv2_1b_", 16),
+                    (r"^aimv2_3b_", 24))
 
 
 def matches(state_dict):
@@ -58,20 +62,35 @@ def default_num_heads(hidden_size):
 _NORMALIZATION_BY_NAME = (
     (r"^vit_large_patch14_clip_\d+\.laion2b", "inception"),  # LAION's L/14, unlike its others
     (r"^vit_large_patch14_clip_\d+$", None),  # without a tag: OpenAI's (CLIP's) or LAION's
-    (r"_clip_", "clip"),
+    # DINOv3's satellite weights have their own; without a tag L and 7B may be either.
+    (r"^vit_(?:large|7b)_patch16_dinov3(?:_qkvb)?(?:\.sat|$)", None),
+    (r"_clip_|^eva02_|^aimv2_|^vit_betwixt_patch16_rope_reg4_gap_", "clip"),
+    (r"_dinov3|_patch16_rope_(?:mixed_)?(?:ape_)?224", "imagenet"),
+    (r"^vit_pe_|_rope_reg1_gap_", "inception"),
     (r"^deit|_dinov2|\.mae$|\.dino$", "imagenet"),
     (r"_siglip|\.augreg|\.orig_in21k", "inception"),
 )
 # Keys of timm ViTs that vit_keras' model has no place for, and what they are.
 _UNSUPPORTED = (
     (r"\.attn\.[qk]_norm\.", "qk-norm (a norm on queries and keys)"),
-    (r"\.attn\.[qkv]_proj\.", "separate query/key/value projections"),
-    (r"\.attn\.[qv]_bias$", "attention biases on the query and value only (EVA, BEiT)"),
     (r"\.attn\.norm\.", "a norm inside attention"),
-    (r"\.mlp\.(?:fc1_[gx]|w12|w3)\.", "a gated MLP (SwiGLU)"),
-    (r"\.mlp\.norm\.", "a norm inside the MLP"),
-    (r"(?:^|\.)rope\.", "rotary position embeddings"),
-    (r"\.gamma_[12]$", "EVA's LayerScale"),
+    (r"\.attn\.gate\.", "a gated attention output"),
+    (r"\.mlp\.(?:w12|w3)\.", "a SwiGLU of other names (w12, w3)"),
+    (r"^rel_pos|\.relative_position", "relative position biases (BEiT)"),
+)
+# Rotary embeddings, by architecture name (the keys do not tell which kind, nor its settings):
+# timm's `Eva` models as timm 1.0.31 builds them. The first that matches names them.
+_ROPE_BY_NAME = (
+    # timm pools DINOv3 by the mean of its patch tokens (DINOv3's own code: the class token).
+    (r"_dinov3", {"rope": "dinov3", "rope_temperature": 100.0, "rope_rotate_half": True,
+                  "layer_norm_epsilon": 1e-5, "classifier": "gap"}),
+    # Perception Encoder: EVA's positions rescaled to its own grid (image size / patch), counted
+    # from 1 when there is a class token (see `convert`); attention pooling over every token.
+    (r"^vit_pe_", {"rope": "axial", "rope_xy": True, "layer_norm_epsilon": 1e-5,
+                   "map_num_heads": 8, "map_prefix": True}),
+    (r"^eva02_|_rope_reg\d+_gap_", {"rope": "axial", "rope_ref_grid": (16, 16)}),
+    (r"_rope_mixed_", {"rope": "mixed", "rope_temperature": 10.0, "rope_xy": True}),
+    (r"_rope_", {"rope": "axial", "rope_temperature": 100.0, "rope_xy": True}),
 )
 
 
@@ -81,11 +100,23 @@ def architecture_hints(timm_architecture):
     `layer_norm_epsilon`, `gelu`, `num_heads` where its size names one, and `normalization` where
     the table above names one."""
     name = timm_architecture.split(".")[0]
-    hints = {"layer_norm_epsilon": 1e-5 if "_clip_" in name else 1e-6,
+    clip = "_clip_" in name and not name.startswith("eva02_")  # EVA-02's CLIP towers: 1e-6
+    hints = {"layer_norm_epsilon": 1e-5 if clip or name.startswith("aimv2_") else 1e-6,
              "gelu": "quick" if "quickgelu" in name else "exact"}
-    size = re.match(r"^(?:vit|deit3?)_([a-z0-9]+)_", name)
+    size = re.match(r"^(?:vit|deit3?|eva02|vit_pe_[a-z]+)_([a-z0-9]+(?:_plus)?)_", name)
     if size and size.group(1) in _HEADS_BY_SIZE:
         hints["num_heads"] = _HEADS_BY_SIZE[size.group(1)]
+    hints.update(next((dict(heads=heads) for pattern, heads in _HEADS_BY_FAMILY
+                       if re.search(pattern, name)), {}))
+    if "heads" in hints:
+        hints["num_heads"] = hints.pop("heads")
+    rope = next((dict(found) for pattern, found in _ROPE_BY_NAME if re.search(pattern, name)), {})
+    if name.startswith("vit_pe_"):
+        grid = re.search(r"_patch(\d+)_(\d+)", name)
+        if grid:
+            side = int(grid.group(2)) // int(grid.group(1))
+            rope["rope_ref_grid"] = (side, side)
+    hints.update(rope)
     normalization = normalization_for_name(timm_architecture)
     if normalization:
         hints["normalization"] = normalization_lib.NORMALIZATIONS[normalization]
@@ -131,16 +162,8 @@ def config_beside(path):
 def unsupported_features(state_dict):
     """What the timm state dict holds that vit_keras' ViT has no place for (qk-norm, SwiGLU,
     rotary embeddings, ...), as phrases; empty for the family vit_keras reads."""
-    found = [what for pattern, what in _UNSUPPORTED
-             if any(re.search(pattern, key) for key in state_dict)]
-    fc1, fc2 = state_dict.get("blocks.0.mlp.fc1.weight"), state_dict.get("blocks.0.mlp.fc2.weight")
-    if fc1 is not None and fc2 is not None and fc1.shape[0] == 2 * fc2.shape[-1]:
-        found.append("a gated MLP (SwiGLU, packed)")
-    if "blocks.0.norm1.weight" in state_dict and "blocks.0.norm1.bias" not in state_dict:
-        found.append("norms without bias (RMSNorm)")
-    if "pos_embed" not in state_dict and any(key.startswith("blocks.") for key in state_dict):
-        found.append("no absolute position embedding")
-    return found
+    return [what for pattern, what in _UNSUPPORTED
+            if any(re.search(pattern, key) for key in state_dict)]
 
 
 def _hints_from_keys(state_dict, warn=True):
@@ -181,10 +204,12 @@ def convert(state_dict, num_heads=None, timm_architecture=None, beside=None):
     if normalization is not None:
         hints.update(normalization=normalization,
                      normalization_source="timm's config.json (pretrained_cfg mean and std)")
+    if hints.get("map_prefix") and "cls_token" in state_dict:
+        hints["rope_grid_offset"] = 1.0  # PE counts patches from 1 beside its class token
     num_heads = num_heads or hints.pop("num_heads", None) or default_num_heads(
         state_dict[_ANCHOR].shape[0])
     hints.pop("num_heads", None)
-    params = names.from_timm(state_dict, num_heads)
+    params = names.from_timm(state_dict, num_heads, hints.get("map_num_heads"))
     info = {"format": "timm", "interpolation": "bicubic", "antialias": True,
             "num_heads": num_heads, **hints}
     if "gelu" in hints:
