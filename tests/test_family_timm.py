@@ -287,7 +287,8 @@ def test_feature_grid_of_a_dynamic_size_model_leaves_out_registers():
 
 UNSUPPORTED = {  # timm model → its overrides, and what the one-line error must name
     "vit_small_patch16_224": ({"img_size": 32, "patch_size": 8, "qk_norm": True}, "qk-norm"),
-    "eva02_tiny_patch14_224": ({"img_size": 28}, "a gated MLP"),
+    "eva02_tiny_patch14_224": ({"img_size": 28, "scale_attn_inner": True},
+                               "a norm inside attention"),
 }
 
 

@@ -114,7 +114,8 @@ def _check_config(config, path):
     """Refuses a `config.json` whose fields that vit_keras reads have impossible values, or a model
     vit_keras cannot hold."""
     def bad(field, expected):
-        return errors.CheckpointError(f"{path!r}: {field} is {config.get(field)!r}; expected {expected}.")
+        return errors.CheckpointError(
+            f"{path!r}: {field} is {config.get(field)!r}; expected {expected}.")
 
     model_type = config.get("model_type", "vit")
     if model_type not in FAMILIES:

@@ -78,6 +78,8 @@ _UNSUPPORTED = (
     (r"\.mlp\.(?:w12|w3)\.", "a SwiGLU of other names (w12, w3)"),
     (r"^rel_pos|\.relative_position", "relative position biases (BEiT)"),
 )
+# Keys only timm's `Eva` class writes (AIMv2's `fc1_g` is a VisionTransformer's, without RoPE).
+_EVA_KEYS = r"\.attn\.(?:[qkv]_proj\.|[qv]_bias$)|\.gamma_[12]$|\.mlp\.norm\."
 # Rotary embeddings, by architecture name (the keys do not tell which kind, nor its settings):
 # timm's `Eva` models as timm 1.0.31 builds them. The first that matches names them.
 _ROPE_BY_NAME = (
@@ -197,6 +199,13 @@ def convert(state_dict, num_heads=None, timm_architecture=None, beside=None):
     timm_architecture = timm_architecture or beside.get("architecture")
     num_heads = num_heads or beside.get("num_heads")
     normalization = beside.get("normalization")
+    if not timm_architecture and "rope.freqs" not in state_dict and any(
+            re.search(_EVA_KEYS, key) for key in state_dict):
+        raise errors.CheckpointError(
+            "The keys of this timm checkpoint are those of timm's Eva models (EVA-02, DINOv3, "
+            "PE, RoPE-ViT), whose rotary position embeddings the keys do not describe: pass its "
+            "architecture name, timm_architecture='eva02_base_patch14_224' or the like (apps: "
+            "--timm_architecture); a hub download's config.json names it.")
     hints = _hints_from_keys(state_dict, warn=not timm_architecture)
     if timm_architecture:  # the name decides all but a normalisation it does not name
         hints = {key: value for key, value in hints.items() if key.startswith("normalization")}

@@ -1,0 +1,270 @@
+"""The rotary and gated families (issue 44) against timm and transformers: EVA-02, DINOv3 (with
+its SwiGLU H+), DINOv2 giant, RoPE-ViT mixed, Perception Encoder and AIMv2 as small random timm
+models, and transformers' `DINOv3ViTModel` and `Aimv2VisionModel` saved with `save_pretrained`,
+every parameter randomised, read back through `vit_keras.build_model_from_checkpoint`.
+
+Each is compared at the size it was built for and at another, non-square size (rotary
+embeddings follow the input's grid; absolute ones are resampled), with a relative error of 1e-4
+(max |difference| / max |reference|): float32 on both sides, summed in different orders.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import vit_keras
+from vit_keras.model import configs
+
+from conftest import NEXT_BACKEND, run_on_backend
+from test_family_timm import images_for, relative_error
+
+torch = pytest.importorskip("torch")
+timm = pytest.importorskip("timm")
+
+RTOL = 1e-4
+SMALL = {"embed_dim": 64, "depth": 2, "num_heads": 2, "num_classes": 7}
+
+# timm architecture → (its small model's overrides, another image size, the switches vit_keras
+# must read from the keys and the name, beside the paper's defaults).
+FAMILIES = {
+    "eva02_base_patch14_224": (
+        {"img_size": 28}, (42, 56),
+        {"mlp": "swiglu", "mlp_norm": True, "qkv_bias": "qv", "fc_norm": True, "class_token": True,
+         "rope": "axial", "rope_ref_grid": (16, 16)}),
+    "vit_base_patch16_dinov3": (
+        {"img_size": 32, "patch_size": 8}, (24, 40),
+        {"position_embedding": "none", "num_registers": 4, "layer_scale_init": 1e-5,
+         "class_token": True, "qkv_bias": "none", "rope": "dinov3", "rope_temperature": 100.0,
+         "rope_rotate_half": True, "layer_norm_epsilon": 1e-5}),
+    "vit_huge_plus_patch16_dinov3": (
+        {"img_size": 32, "patch_size": 8}, (24, 40),
+        {"position_embedding": "none", "num_registers": 4, "layer_scale_init": 1e-5,
+         "class_token": True, "qkv_bias": "none", "mlp": "swiglu", "rope": "dinov3",
+         "rope_temperature": 100.0, "rope_rotate_half": True, "layer_norm_epsilon": 1e-5}),
+    "vit_giant_patch14_dinov2": (  # its packed SwiGLU needs an even hidden width
+        {"img_size": 28, "embed_dim": 96}, (42, 56), {"mlp": "swiglu", "layer_scale_init": 1e-5}),
+    "vit_base_patch16_rope_mixed_224": (
+        {"img_size": 32, "patch_size": 8}, (24, 40),
+        {"position_embedding": "none", "layer_scale_init": 1e-5, "rope": "mixed",
+         "rope_temperature": 10.0, "rope_xy": True}),
+    "vit_pe_core_base_patch16_224": (
+        {"img_size": 32, "patch_size": 8}, (24, 40),
+        {"pre_norm": True, "patch_bias": False, "layer_norm_epsilon": 1e-5, "class_token": True,
+         "map_num_heads": 8, "map_prefix": True, "rope": "axial", "rope_xy": True,
+         "rope_grid_offset": 1.0, "rope_ref_grid": (14, 14)}),
+    "aimv2_large_patch14_224": (
+        {"img_size": 28}, (42, 56),
+        {"norm": "rms_norm", "mlp": "swiglu", "qkv_bias": "none", "proj_bias": False,
+         "mlp_bias": False, "patch_norm": True, "layer_norm_epsilon": 1e-5}),
+}
+
+
+def timm_model(architecture, overrides, seed=0):
+    """A small timm model of any image size (`dynamic_img_size`), every parameter random."""
+    torch.manual_seed(seed)
+    model = timm.create_model(architecture, pretrained=False, dynamic_img_size=True,
+                              **{**SMALL, **overrides})
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            is_norm_scale = "norm" in name and name.endswith("weight")
+            parameter.copy_(torch.randn_like(parameter) * 0.1 + float(is_norm_scale))
+    return model.eval()
+
+
+def timm_outputs(model, images):
+    with torch.no_grad():
+        x = torch.from_numpy(images.transpose(0, 3, 1, 2))
+        features = model.forward_features(x)
+        return model.forward_head(features).numpy(), model.forward_head(
+            features, pre_logits=True).numpy()
+
+
+def load(path, architecture, **kwargs):
+    """The model of a small timm file; it takes normalised images unless `kwargs` say else."""
+    return vit_keras.build_model_from_checkpoint(
+        path, timm_architecture=architecture, num_heads=SMALL["num_heads"],
+        **{"include_preprocessing": False, **kwargs})
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """(architecture, state-dict path, built size, other size, {size: (images, timm's logits,
+    timm's pooled features)})."""
+    architecture = request.param
+    overrides, other, _ = FAMILIES[architecture]
+    model = timm_model(architecture, overrides)
+    path = tmp_path_factory.mktemp("timm") / f"{architecture}.pth"
+    torch.save(model.state_dict(), path)
+    built = (overrides["img_size"],) * 2
+    outputs = {}
+    for size in (built, other):
+        images = images_for(size, seed=len(outputs))
+        outputs[size] = (images, *timm_outputs(model, images))
+    return architecture, str(path), built, other, outputs
+
+
+def test_logits_and_pooled_features_match_timm_at_the_built_size(family):
+    architecture, path, built, _, outputs = family
+    images, logits, pooled = outputs[built]
+    model = load(path, architecture, image_size=built)
+    assert relative_error(model(images), logits) <= RTOL
+    features = load(path, architecture, image_size=built, include_top=False)
+    assert relative_error(features(images), pooled) <= RTOL
+
+
+def test_another_size_matches_timm_built_for_it_and_with_dynamic_size(family):
+    architecture, path, built, other, outputs = family
+    images, logits, _ = outputs[other]
+    # Built at the other size: absolute embeddings resampled once, when the weights load.
+    assert relative_error(load(path, architecture, image_size=other)(images), logits) <= RTOL
+    # Built at its own size, fed the other: the grid follows the input in the forward pass.
+    dynamic = load(path, architecture, image_size=built, dynamic_image_size=True)
+    assert relative_error(dynamic(images), logits) <= RTOL
+
+
+def test_switches_are_read_from_the_keys_and_the_architecture_name(family):
+    architecture, path, _, _, _ = family
+    checkpoint = vit_keras.checkpoints.read_checkpoint(
+        path, num_heads=2, timm_architecture=architecture)
+    found = vit_keras.checkpoints.architecture(checkpoint)["switches"]
+    defaults = {name: getattr(configs.get_config("ViT-B/16"), name) for name in configs.SWITCHES}
+    assert found == {**defaults, **FAMILIES[architecture][2]}
+
+
+@pytest.mark.parametrize("architecture", ["vit_base_patch16_dinov3", "eva02_base_patch14_224"])
+def test_a_rotary_timm_file_without_its_architecture_name_asks_for_it(architecture, tmp_path):
+    # DINOv3 has no absolute embedding; EVA-02 has one, and would load, wrongly, without RoPE.
+    path = tmp_path / "model.pth"
+    torch.save(timm_model(architecture, FAMILIES[architecture][0]).state_dict(), path)
+    with pytest.raises(vit_keras.errors.CheckpointError, match="timm_architecture"):
+        vit_keras.build_model_from_checkpoint(str(path), num_heads=2)
+
+
+# transformers' models: (constructor, config arguments, built size, other size).
+HF_MODELS = {
+    "DINOv3ViTModel": ("DINOv3ViT", {"num_register_tokens": 4}, 32, (24, 40)),
+    "DINOv3ViTModel gated": ("DINOv3ViT", {"use_gated_mlp": True, "hidden_act": "silu"}, 32,
+                             (24, 40)),
+    # transformers' AIMv2 adds its learned position embeddings at the built size only.
+    "Aimv2VisionModel": ("Aimv2Vision", {"use_head": False}, 28, None),
+}
+
+
+@pytest.mark.parametrize("name", list(HF_MODELS))
+def test_transformers_models_saved_with_save_pretrained_match(name, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    prefix, arguments, size, other = HF_MODELS[name]
+    config = getattr(transformers, prefix + "Config")(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        image_size=size, patch_size=8 if size == 32 else 14, **arguments)
+    torch.manual_seed(0)
+    model = getattr(transformers, prefix + "Model")(config).eval()
+    with torch.no_grad():
+        for parameter_name, parameter in model.named_parameters():
+            is_norm_scale = "norm" in parameter_name and parameter_name.endswith("weight")
+            parameter.copy_(torch.randn_like(parameter) * 0.1 + float(is_norm_scale))
+    model.save_pretrained(tmp_path)
+    for image_size, dynamic in (((size, size), False), (other, True))[:2 if other else 1]:
+        images = images_for(image_size)
+        with torch.no_grad():
+            output = model(pixel_values=torch.from_numpy(images.transpose(0, 3, 1, 2)))
+        ours = vit_keras.build_model_from_checkpoint(
+            tmp_path, include_preprocessing=False, include_top=False,
+            image_size=size, dynamic_image_size=dynamic)
+        tokens = output.last_hidden_state.numpy()
+        # DINOv3's pooler output is its class token after the norm; AIMv2's encoder without its
+        # head is pooled by the mean of the patch tokens, as timm's aimv2 models are.
+        expected = (tokens[:, ours.num_prefix_tokens:].mean(1) if output.pooler_output is None
+                    else output.pooler_output.numpy())
+        assert relative_error(ours(images), expected) <= RTOL, image_size
+
+
+_LOAD_ALL = """
+import keras, numpy as np
+import vit_keras
+errors = {}
+for name, (path, images, expected) in ARGS["models"].items():
+    out = keras.models.load_model(path).predict(np.load(images), verbose=0)
+    errors[name] = float(np.abs(out - np.load(expected)).max() / np.abs(np.load(expected)).max())
+print(json.dumps(errors))
+"""
+
+
+@pytest.mark.slow
+def test_each_family_saved_as_keras_here_loads_on_the_next_backend(tmp_path):
+    models = {}
+    for architecture, (overrides, other, _) in FAMILIES.items():
+        path = tmp_path / f"{architecture}.pth"
+        torch.save(timm_model(architecture, overrides).state_dict(), path)
+        # Of dynamic size, fed the other size: the loaded model must follow the grid too.
+        model = load(str(path), architecture, image_size=overrides["img_size"],
+                     dynamic_image_size=True)
+        images = images_for(other)
+        stem = tmp_path / architecture
+        model.save(f"{stem}.keras")
+        np.save(f"{stem}.images.npy", images)
+        np.save(f"{stem}.expected.npy", keras.ops.convert_to_numpy(model(images)))
+        models[architecture] = (f"{stem}.keras", f"{stem}.images.npy", f"{stem}.expected.npy")
+    errors = run_on_backend(NEXT_BACKEND, _LOAD_ALL, models=models)
+    assert set(errors) == set(FAMILIES)
+    assert max(errors.values()) <= RTOL, errors
+
+
+# The families whose parts differ most: learned per-block rotary frequencies, SwiGLU with
+# DINOv3's rotary embeddings and registers, RMSNorm with projections without biases.
+EVERYTHING = ("vit_base_patch16_rope_mixed_224", "vit_huge_plus_patch16_dinov3",
+              "aimv2_large_patch14_224")
+
+
+def _loaded(architecture, tmp_path, **kwargs):
+    overrides, _, _ = FAMILIES[architecture]
+    path = tmp_path / f"{architecture}.pth"
+    torch.save(timm_model(architecture, overrides).state_dict(), path)
+    size = (overrides["img_size"],) * 2
+    return load(str(path), architecture, image_size=size, **kwargs), images_for(size)
+
+
+@pytest.mark.parametrize("architecture", EVERYTHING)
+def test_lora_layer_decay_int8_and_bfloat16_take_the_new_parts(architecture, tmp_path):
+    from vit_keras.tools import evaluation, finetuning  # pylint: disable=import-outside-toplevel
+    from vit_keras.training import layer_decay  # pylint: disable=import-outside-toplevel
+
+    model, images = _loaded(architecture, tmp_path)
+    expected = keras.ops.convert_to_numpy(model(images))
+    scale = np.abs(expected).max()
+    # Layer decay: every weight in a depth group but the final norm's and the head's.
+    scales = layer_decay.layer_decay_scales(model, 0.75)
+    grouped = {layer.name for layer in model.layers if layer.name in scales}
+    assert {layer.name for layer in model.layers if layer.weights} - grouped <= {
+        "encoder_norm", "fc_norm", "head"}
+    # int8: every projection of the blocks (SwiGLU's gate too), close to float.
+    quantized = evaluation.quantized_copy(model, "int8")
+    block = quantized.get_layer("encoderblock_0")
+    assert all(layer.quantization_mode == "int8" for layer in block.lora_targets)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(quantized(images)), expected,
+                               atol=0.05 * scale)
+    # bfloat16: the same model under the mixed policy, close to float32.
+    mixed = model.rebuilt(dtype="mixed_bfloat16")
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(mixed(images)), expected,
+                               atol=0.05 * scale)
+    # LoRA: adapters on every projection (the gate included); a fresh one changes nothing.
+    finetuning.enable_lora(model, rank=2)
+    assert all(layer.lora_enabled for layer in model.get_layer("encoderblock_0").lora_targets)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(model(images)), expected,
+                               rtol=1e-5, atol=1e-5 * scale)
+
+
+@pytest.mark.slow
+@pytest.mark.backend_independent("tensorflow")  # exports run on TensorFlow only
+def test_each_family_exports_verified(tmp_path):
+    from vit_keras.tools import export  # pylint: disable=import-outside-toplevel
+
+    for architecture in FAMILIES:
+        # Raw pixels in, normalised as the name says (the serving signatures decode images).
+        model, _ = _loaded(architecture, tmp_path, include_preprocessing=True)
+        for format_ in export.FORMATS:
+            _, verifications = export.export(
+                model, format_, tmp_path / "exports", name=architecture.replace("_", "-"))
+            assert verifications and all(
+                check.max_rel_diff <= check.tolerance for check in verifications), (
+                architecture, format_, verifications)
