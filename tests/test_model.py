@@ -28,9 +28,28 @@ PARAMETER_COUNTS = {
 }
 
 
+# The rotary and gated families' own sizes: timm's counts (`create_model(name, num_classes=1000)`
+# at 224 px), with each family's pooling.
+FAMILY_PARAMETER_COUNTS = {
+    "EVA02-B/14": (86_527_720, "gap"),  # eva02_base_patch14_224
+    "EVA02-L/14": (304_293_800, "gap"),  # eva02_large_patch14_224
+    "AIMv2-L/14": (310_222_824, "gap"),  # aimv2_large_patch14_224
+    "DINOv2-g/14": (1_136_306_664, "token"),  # vit_giant_patch14_dinov2, img_size=224
+}
+
+
 def test_variant_table_lists_the_papers_vision_transformers_by_exact_name():
     plain = [name for name, config in vit_keras.VARIANTS.items() if not config.is_hybrid]
-    assert plain == list(PARAMETER_COUNTS)
+    assert plain == list(PARAMETER_COUNTS) + list(FAMILY_PARAMETER_COUNTS)
+
+
+@pytest.mark.backend_independent
+@pytest.mark.parametrize("variant", [
+    pytest.param(name, marks=pytest.mark.slow) if name == "DINOv2-g/14" else name
+    for name in FAMILY_PARAMETER_COUNTS])
+def test_parameter_count_of_a_family_size_equals_timms(variant):
+    count, classifier = FAMILY_PARAMETER_COUNTS[variant]
+    assert _unallocated(variant, classifier=classifier).count_params() == count
 
 
 def _unallocated(variant, **kwargs):

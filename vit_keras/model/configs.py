@@ -151,8 +151,25 @@ _HYBRIDS = (
     _hybrid("R", _BY_NAME["ViT-Ti/16"], 8, ()),
 )
 
-VARIANTS = types.MappingProxyType({config.name: config for config in _VITS + _HYBRIDS})
-"""Every variant of the paper (ViTs and hybrids) by name, read-only."""
+# The rotary and gated families' sizes that the paper's table lacks (their switches are data too;
+# a checkpoint of one sets its own). DINOv3 S/B/L and PE core B have the paper's sizes: their
+# releases are the paper's variants, the switches read from the files.
+_FAMILY = (
+    ViTConfig("EVA02-B/14", 14, 768, 2048, 12, 12, mlp="swiglu", mlp_norm=True, qkv_bias="qv",
+              fc_norm=True, class_token=True, rope="axial", rope_ref_grid=(16, 16)),
+    ViTConfig("EVA02-L/14", 14, 1024, 2730, 16, 24, mlp="swiglu", mlp_norm=True, qkv_bias="qv",
+              fc_norm=True, class_token=True, rope="axial", rope_ref_grid=(16, 16)),
+    ViTConfig("AIMv2-L/14", 14, 1024, 2816, 8, 24, norm="rms_norm", mlp="swiglu",
+              qkv_bias="none", proj_bias=False, mlp_bias=False, patch_norm=True,
+              layer_norm_epsilon=1e-5),
+    # DINOv2's giant (Oquab et al.), not the ViT-g/14 of Zhai et al. ("Scaling Vision Transformers").
+    ViTConfig("DINOv2-g/14", 14, 1536, 4096, 24, 40, mlp="swiglu", layer_scale_init=1e-5),
+)
+
+VARIANTS = types.MappingProxyType(
+    {config.name: config for config in _VITS + _HYBRIDS + _FAMILY})
+"""Every variant of the paper (ViTs and hybrids) and the sizes of the rotary and gated families
+that the paper lacks (EVA-02 B and L, AIMv2 L, DINOv2 giant), by name, read-only."""
 
 
 def get_config(variant):

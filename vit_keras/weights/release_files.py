@@ -87,10 +87,10 @@ def _timm_config_problems(config, variant, numerics):
     if hints.get("num_heads", variant.num_heads) != variant.num_heads:
         problems.append(f"architecture {architecture!r} has {hints['num_heads']} heads "
                         f"(expected {variant.num_heads})")
-    for field in ("layer_norm_epsilon", "gelu"):
-        if numerics is not None and hints[field] != numerics[field]:
+    for field in numerics or ():
+        if hints.get(field) != numerics[field]:
             problems.append(f"architecture {architecture!r} computes with {field} "
-                            f"{hints[field]!r} (expected {numerics[field]!r})")
+                            f"{hints.get(field)!r} (expected {numerics[field]!r})")
     features = config.get("num_features", variant.hidden_size)
     if features != variant.hidden_size:
         problems.append(f"num_features {features!r} (expected {variant.hidden_size})")
@@ -153,10 +153,11 @@ def read_release(path, release):
              "grid": tuple(arch["grid"]) if arch["grid"] else None,
              **{name: arch["switches"][name] for name in numerics}}
     side = release.image_size // geometry.pixels_per_token(config)
+    rotary_only = arch["switches"]["position_embedding"] == "none"  # no grid is stored
     wanted = {**{name: getattr(config, name) for name in fields},
               "classifier": release.classifier, "num_classes": release.num_classes,
-              "representation_size": release.representation_size, "grid": (side, side),
-              **numerics}
+              "representation_size": release.representation_size,
+              "grid": None if rotary_only else (side, side), **numerics}
     differ = [f"{name} {found[name]} (expected {wanted[name]})" for name in wanted
               if found[name] != wanted[name]]
     if differ:

@@ -38,8 +38,9 @@ class Release:
         files at several resolutions.
       path: the file below `OFFICIAL_BASE_URL`.
       image_size: the resolution the weights were trained or fine-tuned at.
-      num_classes: the head's classes (21843 for ImageNet-21k, 1000 for ImageNet-1k), or None
-        for a backbone published without a head (DINOv2, SigLIP, CLIP, MAE).
+      num_classes: the head's classes (21843 for ImageNet-21k, 1000 for ImageNet-1k), the width
+        of a projection head without class names (PE core's 1024), or None for a backbone
+        published without a head (DINOv2, SigLIP, CLIP, MAE, DINOv3, EVA-02, AIMv2).
       representation_size: width of the `pre_logits` layer (original ImageNet-21k files), or None.
       classifier: `"token"` for the paper's ViTs, `"map"` for SigLIP's attention pooling.
       class_names: the key in `CLASS_NAME_FILES` of the head's class names (None without a head).
@@ -183,6 +184,24 @@ _FAMILY = (  # (variant, release, files' repository, other repository, image siz
      "timm/vit_large_patch14_clip_224.openai", 224, None, "token"),
     ("ViT-B/16", "mae", "timm/vit_base_patch16_224.mae", "facebook/vit-mae-base", 224, None,
      "token"),
+    # The rotary and gated families, from timm's repositories (a state dict and the config.json
+    # that names the architecture, which says the rotary settings). DINOv3 is pooled as timm
+    # pools it, by the mean of the patch tokens; PE's head is its projection (1024 features).
+    ("ViT-S/16", "dinov3", "timm/vit_small_patch16_dinov3.lvd1689m",
+     "facebook/dinov3-vits16-pretrain-lvd1689m", 256, None, "gap"),
+    ("ViT-B/16", "dinov3", "timm/vit_base_patch16_dinov3.lvd1689m",
+     "facebook/dinov3-vitb16-pretrain-lvd1689m", 256, None, "gap"),
+    ("ViT-L/16", "dinov3", "timm/vit_large_patch16_dinov3.lvd1689m",
+     "facebook/dinov3-vitl16-pretrain-lvd1689m", 256, None, "gap"),
+    ("ViT-B/16", "pe_core", "timm/vit_pe_core_base_patch16_224.fb", "facebook/PE-Core-B16-224",
+     224, 1024, "map"),
+    ("EVA02-B/14", "eva02_mim_in22k", "timm/eva02_base_patch14_224.mim_in22k", None, 224, None,
+     "gap"),
+    ("EVA02-L/14", "eva02_mim_in22k", "timm/eva02_large_patch14_224.mim_in22k", None, 224, None,
+     "gap"),
+    ("AIMv2-L/14", "aimv2", "timm/aimv2_large_patch14_224.apple_pt",
+     "apple/aimv2-large-patch14-224", 224, None, "gap"),
+    ("DINOv2-g/14", "dinov2", "timm/vit_giant_patch14_dinov2.lvd142m", None, 518, None, "token"),
 )
 _HUB_WEIGHTS = "model.safetensors"
 # The family's input normalisation by release (timm's pretrained configs and the hub's image
@@ -190,7 +209,8 @@ _HUB_WEIGHTS = "model.safetensors"
 # original (x - 127.5) / 127.5 ("inception").
 _NORMALIZATION = {"deit_in1k": "imagenet", "deit_distilled_in1k": "imagenet",
                   "deit3_in22k_ft_in1k": "imagenet", "dinov2": "imagenet",
-                  "dinov2_reg4": "imagenet", "mae": "imagenet", "clip_openai": "clip"}
+                  "dinov2_reg4": "imagenet", "mae": "imagenet", "clip_openai": "clip",
+                  "dinov3": "imagenet", "eva02_mim_in22k": "clip", "aimv2": "clip"}
 
 FAMILY_NUMERICS = {
     "deit_in1k": {"layer_norm_epsilon": 1e-6, "gelu": "exact"},
@@ -201,9 +221,14 @@ FAMILY_NUMERICS = {
     "siglip_webli": {"layer_norm_epsilon": 1e-6, "gelu": "tanh"},
     "clip_openai": {"layer_norm_epsilon": 1e-5, "gelu": "quick"},
     "mae": {"layer_norm_epsilon": 1e-6, "gelu": "exact"},
+    "dinov3": {"layer_norm_epsilon": 1e-5, "gelu": "exact", "rope": "dinov3"},
+    "pe_core": {"layer_norm_epsilon": 1e-5, "gelu": "exact", "rope": "axial"},
+    "eva02_mim_in22k": {"layer_norm_epsilon": 1e-6, "gelu": "exact", "rope": "axial"},
+    "aimv2": {"layer_norm_epsilon": 1e-5, "gelu": "exact"},
 }
 """What each family release computes with that its weights do not store, as `ViTConfig` fields:
-the LayerNorm epsilon and the GELU (`"exact"`, `"tanh"` or `"quick"`), which its repository's
+the LayerNorm epsilon, the GELU (`"exact"`, `"tanh"` or `"quick"`) and the kind of rotary
+embeddings (`rope`), which its repository's
 `config.json` states (a transformers `layer_norm_eps` and `hidden_act`, or a timm architecture
 name, see `vit_keras.weights.checkpoints.timm`). A release's files are checked against it before they
 are cached: a `config.json` that says otherwise describes other weights."""
@@ -239,7 +264,8 @@ def _table():
     for variant, name, repo, other, size, classes, classifier in _FAMILY:
         rows.append(Release(variant, name, _hub_file(repo, _HUB_WEIGHTS), size, classes,
                             classifier=classifier,
-                            class_names="imagenet2012" if classes else None, hf_hub_id=repo,
+                            class_names="imagenet2012" if classes == 1000 else None,
+                            hf_hub_id=repo,
                             base_url=HUB_BASE_URL, config_path=_hub_file(repo, "config.json"),
                             other_hub_ids=(other,) if other else ()))
     order = {name: i for i, name in enumerate(configs.VARIANTS)}
@@ -252,10 +278,15 @@ PAPER_RELEASE_NAMES = ("imagenet21k", "imagenet21k+imagenet2012", "augreg_in21k"
 """The paper's releases (ImageNet-21k, and fine-tuned on ImageNet-1k) and AugReg's ("How to train
 your ViT": ImageNet-21k, fine-tuned on ImageNet-1k, and ImageNet-1k only), in the bucket."""
 FAMILY_RELEASE_NAMES = ("deit_in1k", "deit_distilled_in1k", "deit3_in22k_ft_in1k", "dinov2",
-                        "dinov2_reg4", "siglip_webli", "clip_openai", "mae")
+                        "dinov2_reg4", "siglip_webli", "clip_openai", "mae", "dinov3", "pe_core",
+                        "eva02_mim_in22k", "aimv2")
 """The family's releases on the Hugging Face hub: DeiT (ImageNet-1k; distilled), DeiT III
-(ImageNet-21k, fine-tuned on 1k), DINOv2 (LVD-142M; with four registers), SigLIP (WebLI), CLIP
-(OpenAI's), MAE (ImageNet-1k self-supervised)."""
+(ImageNet-21k, fine-tuned on 1k), DINOv2 (LVD-142M; with four registers; giant), SigLIP (WebLI),
+CLIP (OpenAI's), MAE (ImageNet-1k self-supervised), DINOv3 (LVD-1689M), PE core, EVA-02 (masked
+image modelling on ImageNet-21k), AIMv2 (Apple's pre-training)."""
+ROTARY_RELEASE_NAMES = ("dinov3", "pe_core", "eva02_mim_in22k", "aimv2")
+"""The family's releases with rotary embeddings or a gated MLP throughout (DINOv2 giant's SwiGLU
+is a `dinov2` release)."""
 RELEASE_NAMES = PAPER_RELEASE_NAMES + FAMILY_RELEASE_NAMES
 """Every release name a `weights=` value can take."""
 
