@@ -8,6 +8,9 @@ embeddings follow the input's grid; absolute ones are resampled), with a relativ
 (max |difference| / max |reference|): float32 on both sides, summed in different orders.
 """
 
+import json
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -15,7 +18,7 @@ import pytest
 import vit_keras
 from vit_keras.model import configs
 
-from conftest import NEXT_BACKEND, run_on_backend
+from conftest import NEXT_BACKEND, run_app, run_on_backend
 from test_family_timm import images_for, relative_error
 
 torch = pytest.importorskip("torch")
@@ -268,3 +271,107 @@ def test_each_family_exports_verified(tmp_path):
             assert verifications and all(
                 check.max_rel_diff <= check.tolerance for check in verifications), (
                 architecture, format_, verifications)
+
+
+@pytest.mark.slow
+def test_finetune_app_starts_from_a_local_rotary_timm_file(tmp_path):
+    architecture = "vit_base_patch16_dinov3"
+    overrides, other, _ = FAMILIES[architecture]
+    folder = tmp_path / "hub"
+    folder.mkdir()
+    torch.save(timm_model(architecture, overrides).state_dict(), folder / "pytorch_model.bin")
+    # As the hub's timm repositories hold it: the name and the heads in config.json beside it.
+    (folder / "config.json").write_text(json.dumps(
+        {"architecture": architecture, "model_args": {"num_heads": SMALL["num_heads"]}}))
+    result = run_app("finetune.py", "--weights", str(folder / "pytorch_model.bin"),
+                     "--image_size", str(other[0]), "--batch_size", "16",
+                     "--steps_per_epoch", "1", "--epochs", "1", "--eval_batch_size", "64",
+                     "--output_dir", str(tmp_path / "runs"), "--run_name", "dinov3", timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    model = keras.models.load_model(tmp_path / "runs" / "dinov3" / "model.keras", compile=False)
+    vit = vit_keras.ViT.of(model)
+    assert vit.vit_config.rope == "dinov3" and vit.vit_config.num_registers == 4
+    assert model.output_shape == (None, 10)
+
+
+@pytest.mark.slow
+@pytest.mark.backend_independent("torch")  # fetching and checking: no backend; parity: above
+def test_a_rotary_release_loads_by_name_from_a_mirror_of_timms_repository(tmp_path, monkeypatch):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from vit_keras.weights import download, releases  # pylint: disable=import-outside-toplevel
+
+    release = releases.find_release("ViT-S/16", "dinov3")
+    architecture = "vit_small_patch16_dinov3"
+    torch.manual_seed(1)
+    reference = timm.create_model(architecture, pretrained=False, num_classes=0).eval()
+    folder = tmp_path / "mirror" / os.path.dirname(release.path)
+    folder.mkdir(parents=True)
+    safetensors_torch.save_file(reference.state_dict(), folder / "model.safetensors")
+    # What timm's hub repository holds beside the weights: the name, its tag, the data config.
+    (folder / "config.json").write_text(json.dumps({
+        "architecture": architecture, "num_features": 384,
+        "pretrained_cfg": {"tag": "lvd1689m", "mean": [0.485, 0.456, 0.406],
+                           "std": [0.229, 0.224, 0.225]}}))
+    monkeypatch.setenv(download.HOME_VARIABLE, str(tmp_path / "cache"))
+    monkeypatch.setenv(download.MIRROR_VARIABLE, str(tmp_path / "mirror"))
+    model = vit_keras.build_model("ViT-S/16", weights="dinov3", image_size=64, include_top=False)
+    assert vit_keras.ViT.of(model).vit_config.rope == "dinov3"
+    assert model.normalization.name == "imagenet"
+    pixels = np.random.default_rng(0).integers(0, 256, (1, 64, 64, 3)).astype("float32")
+    normalized = (pixels / 255 - np.array([0.485, 0.456, 0.406])) / np.array([0.229, 0.224, 0.225])
+    with torch.no_grad():
+        expected = reference(torch.from_numpy(
+            normalized.transpose(0, 3, 1, 2).astype("float32"))).numpy()
+    assert relative_error(model.predict(pixels, verbose=0), expected) <= RTOL
+
+
+def _kernels_here():
+    """The attention kernels that run on this backend and device (cuDNN's padded one through its
+    XLA stand-in, which computes the same padded and masked function)."""
+    from vit_keras.model import attention  # pylint: disable=import-outside-toplevel
+
+    backend = keras.backend.backend()
+    found = {"explicit": attention.kernel_named("explicit")}
+    if backend == "jax":
+        found.update(fused=attention.kernel_named("fused"),
+                     padded=attention.PaddedAttention("xla"))
+    if backend == "torch":
+        found["torch"] = attention.kernel_named("torch")
+    return found
+
+
+@pytest.mark.parametrize("rope, rotate_half", [("axial", False), ("dinov3", True),
+                                               ("mixed", False)])
+def test_every_attention_kernel_turns_queries_and_keys_alike(rope, rotate_half):
+    """Each kernel lays q and k out its own way (head-major, token-major, padded): all give the
+    explicit kernel's output, with attention probabilities, at an odd token count."""
+    from vit_keras.model import layers, position_embeddings  # pylint: disable=import-outside-toplevel
+
+    block = layers.TransformerBlock(2, 32, rope=rope, rope_rotate_half=rotate_half,
+                                    mlp="swiglu", qkv_bias="qv")
+    x = np.random.default_rng(0).normal(size=(2, 13, 16)).astype("float32")
+    patches = np.zeros((2, 3, 4, 16), "float32")
+    positions = position_embeddings.RotaryPositions(rope, num_prefix_tokens=1, xy=True)(patches)
+    block(x, positions)
+    for weight in block.weights:  # learned frequencies, the gate and every bias random too
+        weight.assign(np.random.default_rng(len(weight.path)).normal(
+            size=weight.shape).astype("float32") * 0.3 + (weight.path.endswith("gamma")))
+    expected, _ = block(x, positions, return_attention_scores=True)  # the explicit kernel
+    expected = keras.ops.convert_to_numpy(expected)
+    for name, kernel in _kernels_here().items():
+        block.attention._attention_kernel = kernel  # pylint: disable=protected-access
+        np.testing.assert_allclose(keras.ops.convert_to_numpy(block(x, positions)), expected,
+                                   rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def test_rotary_layers_round_trip_their_config():
+    from vit_keras.model import layers, position_embeddings  # pylint: disable=import-outside-toplevel
+
+    for layer in (position_embeddings.RotaryPositions("dinov3", (3, 4), 5, 0.5, True, (6, 8)),
+                  position_embeddings.RotaryEmbedding(4, "mixed", 10.0, False),
+                  layers.TransformerBlock(2, 32, rope="axial", rope_temperature=100.0,
+                                          norm="rms_norm", mlp="swiglu", mlp_norm=True,
+                                          qkv_bias="none", proj_bias=False, mlp_bias=False),
+                  vit_keras.SwiGLUBlock(24, inner_norm="layer_norm", use_bias=False)):
+        clone = type(layer).from_config(layer.get_config())
+        assert clone.get_config() == layer.get_config(), type(layer).__name__

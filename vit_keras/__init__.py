@@ -38,7 +38,9 @@ from vit_keras.model.layers import (
     RegisterTokens,
     TransformerBlock,
 )
+from vit_keras.model.mlp import SwiGLUBlock
 from vit_keras.model.normalization import NORMALIZATIONS, Normalization, PixelNormalization
+from vit_keras.model.position_embeddings import RotaryEmbedding, RotaryPositions
 from vit_keras.model.resnet import ResidualUnit, ResNetStage, ResNetStem, StdConv2D
 from vit_keras.model.vit import ViT, attention_scores, with_dynamic_image_size
 
@@ -100,6 +102,9 @@ __all__ = [
     "AddPositionEmbs",
     "MultiHeadDotProductAttention",
     "MlpBlock",
+    "SwiGLUBlock",
+    "RotaryPositions",
+    "RotaryEmbedding",
     "TransformerBlock",
     "TokenPooling",
     "DistillationToken",

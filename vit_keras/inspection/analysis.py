@@ -266,7 +266,11 @@ def token_size_pixels(model):
 
 def position_embedding(model):
     """The `posembed_input` weight as a NumPy array `(tokens, hidden)` (class token's row first)."""
-    return _to_numpy(model_lib.ViT.of(model).position_embedding.pos_embedding)[0]
+    embedding = model_lib.ViT.of(model).position_embedding
+    if embedding is None:
+        raise ValueError(f"{model.name} has no absolute position embedding (its positions are "
+                         f"rotary, applied in attention); there is no table to show.")
+    return _to_numpy(embedding.pos_embedding)[0]
 
 
 def patch_embedding_kernel(model):

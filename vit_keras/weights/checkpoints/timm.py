@@ -14,7 +14,14 @@ from timm's `config.json` beside a hub file (its `architecture`, and the `mean` 
 | anything else | 1e-6 | exact | not known |
 
 and the heads from its size (`tiny` 3, `small` 6, `base` 12, `large` 16, `huge` 16, `giant` 24,
-`so400m` 16) when the paper's variants do not give one for the width. Without either, the keys
+`so400m` 16, ...; AIMv2's own) when the paper's variants do not give one for the width.
+
+The rotary families (timm's `Eva` models: EVA-02, DINOv3, PE, RoPE-ViT) need the name: the keys
+give their parts (separate q/k/v projections, `q_bias`/`v_bias`, `gamma_1`/`gamma_2`, SwiGLU as
+`fc1_g`/`fc1_x` or packed in `fc1`, the MLP's norm, `patch_embed.norm`, RMSNorm's missing biases,
+RoPE-Mixed's `rope.freqs`) but not the kind and settings of the rotary embeddings, which
+`_ROPE_BY_NAME` reads from the name (docs/checkpoints.md, "The rotary and gated families"); a
+file of `Eva` keys without a name is refused rather than read without its RoPE. Without either, the keys
 decide what they can: CLIP's (`norm_pre` and a patch embedding without bias) give its epsilon and
 normalisation, a distillation token DeiT's normalisation; CLIP's GELU variant (quick in OpenAI's
 weights as timm's `_clip_quickgelu_` models hold them, exact in timm's `_clip_` ones) they cannot
