@@ -375,3 +375,24 @@ def test_rotary_layers_round_trip_their_config():
                   vit_keras.SwiGLUBlock(24, inner_norm="layer_norm", use_bias=False)):
         clone = type(layer).from_config(layer.get_config())
         assert clone.get_config() == layer.get_config(), type(layer).__name__
+
+
+def test_a_rematerialized_rotary_model_takes_the_same_training_step(tmp_path):
+    """Remat recomputes each block with its coordinates bound: the step (RoPE-Mixed's learned
+    frequencies included) equals the one without it."""
+    model, images = _loaded("vit_base_patch16_rope_mixed_224", tmp_path)
+    remat = model.rebuilt().set_remat(True)
+    before = [keras.ops.convert_to_numpy(w) for w in model.weights
+              if w.path.endswith("rope/frequencies")]
+    labels = np.array([1, 3])
+    for each in (model, remat):
+        each.compile(optimizer=keras.optimizers.SGD(0.1),
+                     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        each.train_on_batch(images, labels)
+    frequencies = [w for w in model.weights if w.path.endswith("rope/frequencies")]
+    assert len(frequencies) == SMALL["depth"]
+    assert not np.allclose(keras.ops.convert_to_numpy(frequencies[0]), before[0])  # trained
+    for trained, recomputed in zip(model.weights, remat.weights):
+        np.testing.assert_allclose(keras.ops.convert_to_numpy(recomputed),
+                                   keras.ops.convert_to_numpy(trained), rtol=1e-5, atol=1e-6,
+                                   err_msg=trained.path)
