@@ -396,3 +396,11 @@ def test_a_rematerialized_rotary_model_takes_the_same_training_step(tmp_path):
         np.testing.assert_allclose(keras.ops.convert_to_numpy(recomputed),
                                    keras.ops.convert_to_numpy(trained), rtol=1e-5, atol=1e-6,
                                    err_msg=trained.path)
+
+
+@pytest.mark.parametrize("architecture", ["vit_base_patch16_dinov3", "aimv2_large_patch14_224"])
+def test_the_keras_file_check_passes_a_rotary_or_gated_model(architecture, tmp_path):
+    # Its lower bound on the weights a file must hold counts no position table for RoPE alone.
+    model, _ = _loaded(architecture, tmp_path)
+    model.save(tmp_path / "model.keras")
+    vit_keras.check_keras_file(tmp_path / "model.keras")

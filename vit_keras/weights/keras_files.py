@@ -204,13 +204,15 @@ def _layer_weights(class_name, fields, shape):
 
 def _vit_weights(fields):
     """The fewest weights a `vit_keras.ViT` of these arguments holds: its blocks' projections and
-    MLPs, its position embeddings and its head."""
+    MLPs (a SwiGLU's gate not counted), its position embeddings and its head."""
     variant = fields["variant"]
     hidden, mlp_dim = _whole(variant.get("hidden_size")), _whole(variant.get("mlp_dim"))
     patch = _whole(variant.get("patch_size")) or 1
     size = fields.get("image_size")
     sides = size if isinstance(size, list) and len(size) == 2 else [size, size]
     tokens = math.prod(_whole(side) // patch for side in sides)
+    if variant.get("position_embedding") == "none":  # rotary embeddings alone: no table
+        tokens = 0
     head = _whole(fields.get("num_classes")) if fields.get("include_top", True) else 0
     return (_whole(variant.get("num_layers")) * (4 * hidden ** 2 + 2 * hidden * mlp_dim)
             + (tokens + head) * hidden)
