@@ -404,3 +404,23 @@ def test_the_keras_file_check_passes_a_rotary_or_gated_model(architecture, tmp_p
     model, _ = _loaded(architecture, tmp_path)
     model.save(tmp_path / "model.keras")
     vit_keras.check_keras_file(tmp_path / "model.keras")
+
+
+def test_feature_tokens_and_attention_scores_follow_the_rotary_blocks(family):
+    architecture, path, built, _, outputs = family
+    images = outputs[built][0]
+    model = load(path, architecture, image_size=built)
+    vit = vit_keras.ViT.of(model)
+    model_torch = timm_model(architecture, FAMILIES[architecture][0])
+    with torch.no_grad():
+        expected = model_torch.forward_features(
+            torch.from_numpy(images.transpose(0, 3, 1, 2))).numpy()
+    # The last block's tokens after the final norm are timm's forward_features (with fc_norm
+    # timm's `norm` is an identity: the block's own output).
+    norm = vit.encoder_norm is not None
+    tokens = vit_keras.build_feature_extractor(model, [-1], output="tokens", norm=norm)(images)
+    assert relative_error(tokens, expected) <= RTOL
+    scores = vit_keras.attention_scores(model, images)
+    tokens_count = expected.shape[1]
+    assert [s.shape for s in scores] == [(2, SMALL["num_heads"], tokens_count, tokens_count)] * 2
+    np.testing.assert_allclose(np.stack(scores).sum(-1), 1.0, rtol=1e-5)
