@@ -19,7 +19,7 @@ import vit_keras
 from vit_keras.model import configs
 
 from conftest import NEXT_BACKEND, run_app, run_on_backend
-from test_family_timm import images_for, relative_error
+from test_family_timm import _LOAD_ALL, images_for, randomised, relative_error
 
 torch = pytest.importorskip("torch")
 timm = pytest.importorskip("timm")
@@ -65,13 +65,8 @@ FAMILIES = {
 def timm_model(architecture, overrides, seed=0):
     """A small timm model of any image size (`dynamic_img_size`), every parameter random."""
     torch.manual_seed(seed)
-    model = timm.create_model(architecture, pretrained=False, dynamic_img_size=True,
-                              **{**SMALL, **overrides})
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            is_norm_scale = "norm" in name and name.endswith("weight")
-            parameter.copy_(torch.randn_like(parameter) * 0.1 + float(is_norm_scale))
-    return model.eval()
+    return randomised(timm.create_model(architecture, pretrained=False, dynamic_img_size=True,
+                                        **{**SMALL, **overrides}))
 
 
 def timm_outputs(model, images):
@@ -161,11 +156,7 @@ def test_transformers_models_saved_with_save_pretrained_match(name, tmp_path):
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
         image_size=size, patch_size=8 if size == 32 else 14, **arguments)
     torch.manual_seed(0)
-    model = getattr(transformers, prefix + "Model")(config).eval()
-    with torch.no_grad():
-        for parameter_name, parameter in model.named_parameters():
-            is_norm_scale = "norm" in parameter_name and parameter_name.endswith("weight")
-            parameter.copy_(torch.randn_like(parameter) * 0.1 + float(is_norm_scale))
+    model = randomised(getattr(transformers, prefix + "Model")(config))
     model.save_pretrained(tmp_path)
     for image_size, dynamic in (((size, size), False), (other, True))[:2 if other else 1]:
         images = images_for(image_size)
@@ -180,17 +171,6 @@ def test_transformers_models_saved_with_save_pretrained_match(name, tmp_path):
         expected = (tokens[:, ours.num_prefix_tokens:].mean(1) if output.pooler_output is None
                     else output.pooler_output.numpy())
         assert relative_error(ours(images), expected) <= RTOL, image_size
-
-
-_LOAD_ALL = """
-import keras, numpy as np
-import vit_keras
-errors = {}
-for name, (path, images, expected) in ARGS["models"].items():
-    out = keras.models.load_model(path).predict(np.load(images), verbose=0)
-    errors[name] = float(np.abs(out - np.load(expected)).max() / np.abs(np.load(expected)).max())
-print(json.dumps(errors))
-"""
 
 
 @pytest.mark.slow

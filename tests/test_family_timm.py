@@ -56,7 +56,12 @@ def relative_error(actual, expected):
 def randomised_timm_model(architecture, overrides, seed=0, **kwargs):
     """A small timm model whose every parameter (LayerScale, tokens, norms too) is random."""
     torch.manual_seed(seed)
-    model = timm.create_model(architecture, pretrained=False, **WIDTH, **overrides, **kwargs)
+    return randomised(timm.create_model(architecture, pretrained=False, **WIDTH, **overrides,
+                                        **kwargs))
+
+
+def randomised(model):
+    """`model` (a torch module) in eval mode, every parameter normal(0.1), norm scales about 1."""
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             is_norm_scale = "norm" in name and name.endswith("weight")

@@ -126,8 +126,8 @@ class _Kernel:
         """q and k turned by the layer's rotary embedding to `positions` (None: as they are)."""
         if positions is None:
             return q, k, v
-        return (layer.rope(q, positions, head_major=self.head_major),
-                layer.rope(k, positions, head_major=self.head_major), v)
+        q, k = layer.rope.turn([q, k], positions, head_major=self.head_major)
+        return q, k, v
 
 
 class FusedAttention(_Kernel):

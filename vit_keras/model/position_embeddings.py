@@ -219,6 +219,12 @@ class RotaryEmbedding(keras.layers.Layer):
     def call(self, x, positions, head_major=True):
         """`x`: queries or keys, `(batch, heads, tokens, head_dim)` (`head_major`) or `(batch,
         tokens, heads, head_dim)`; tokens past the coordinates' (padding) stay as they are."""
+        return self.turn([x], positions, head_major)[0]
+
+    def turn(self, tensors, positions, head_major=True):
+        """`call` for several tensors of one layout (an attention's q and k), the angles' sine and
+        cosine computed once."""
+        x = tensors[0]
         angles = self.angles(positions)
         tokens = x.shape[2] if head_major else x.shape[1]
         if tokens is not None and angles.shape[1] is not None and tokens > angles.shape[1]:
@@ -229,9 +235,12 @@ class RotaryEmbedding(keras.layers.Layer):
             angles = ops.repeat(angles, 2, axis=-1)
         if not head_major:
             angles = ops.transpose(angles, (1, 0, 2))  # (tokens, heads, head_dim)
-        x32 = ops.cast(x, "float32")
-        rotated = x32 * ops.cos(angles) + self._turned(x32) * ops.sin(angles)
-        return ops.cast(rotated, x.dtype)
+        cos, sin = ops.cos(angles), ops.sin(angles)
+        turned = []
+        for x in tensors:
+            x32 = ops.cast(x, "float32")
+            turned.append(ops.cast(x32 * cos + self._turned(x32) * sin, x.dtype))
+        return turned
 
     def _turned(self, x):
         """Each pair `(a, b)` → `(-b, a)`."""

@@ -506,7 +506,7 @@ def _switches(checkpoint):
         "norm": ("rms_norm" if names.BLOCK.format(0) + "LayerNorm_0/scale" in params
                  and names.BLOCK.format(0) + "LayerNorm_0/bias" not in params else "layer_norm"),
         "position_embedding": "learned" if names.POSEMB in params else "none",
-        "qkv_bias": {"qkv": "qkv", "qv": "qv", "": "none"}.get(biases, biases),
+        "qkv_bias": biases or "none",
         "proj_bias": attention + "out/bias" in params,
         "mlp_bias": mlp + "Dense_1/bias" in params,
         "mlp_norm": mlp + "norm/scale" in params,

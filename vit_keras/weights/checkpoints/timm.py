@@ -115,10 +115,10 @@ def architecture_hints(timm_architecture):
     size = re.match(r"^(?:vit|deit3?|eva02|vit_pe_[a-z]+)_([a-z0-9]+(?:_plus)?)_", name)
     if size and size.group(1) in _HEADS_BY_SIZE:
         hints["num_heads"] = _HEADS_BY_SIZE[size.group(1)]
-    hints.update(next((dict(heads=heads) for pattern, heads in _HEADS_BY_FAMILY
-                       if re.search(pattern, name)), {}))
-    if "heads" in hints:
-        hints["num_heads"] = hints.pop("heads")
+    family_heads = next((heads for pattern, heads in _HEADS_BY_FAMILY if re.search(pattern, name)),
+                        None)
+    if family_heads:
+        hints["num_heads"] = family_heads
     rope = next((dict(found) for pattern, found in _ROPE_BY_NAME if re.search(pattern, name)), {})
     if name.startswith("vit_pe_"):
         grid = re.search(r"_patch(\d+)_(\d+)", name)
@@ -220,7 +220,7 @@ def convert(state_dict, num_heads=None, timm_architecture=None, beside=None):
     if normalization is not None:
         hints.update(normalization=normalization,
                      normalization_source="timm's config.json (pretrained_cfg mean and std)")
-    if hints.get("map_prefix") and "cls_token" in state_dict:
+    if (timm_architecture or "").startswith("vit_pe_") and "cls_token" in state_dict:
         hints["rope_grid_offset"] = 1.0  # PE counts patches from 1 beside its class token
     num_heads = num_heads or hints.pop("num_heads", None) or default_num_heads(
         state_dict[_ANCHOR].shape[0])
