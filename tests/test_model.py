@@ -25,6 +25,8 @@ PARAMETER_COUNTS = {
     "ViT-L/16": 304_326_632,
     "ViT-L/32": 306_535_400,
     "ViT-H/14": 632_045_800,
+    "ViT-g/14": 1_012_611_432,  # Zhai et al.'s sizes, counted the same way
+    "ViT-G/14": 1_844_440_680,
 }
 
 
@@ -55,7 +57,7 @@ def test_parameter_count_of_a_family_size_equals_timms(variant):
 def _unallocated(variant, **kwargs):
     """The model built inside a `StatelessScope`: Keras defers every variable's initialisation, so
     even ViT-H/14 takes seconds and no memory for its weights."""
-    with keras.StatelessScope():
+    with keras.StatelessScope(initialize_variables=False):
         return vit_keras.build_model(variant, **kwargs)
 
 
@@ -65,6 +67,14 @@ def _unallocated(variant, **kwargs):
     for name in PARAMETER_COUNTS])
 def test_parameter_count_equals_vit_jax(variant):
     assert _unallocated(variant).count_params() == PARAMETER_COUNTS[variant]
+
+
+@pytest.mark.backend_independent
+@pytest.mark.parametrize("variant,millions", [("ViT-g/14", 1011), ("ViT-G/14", 1843)])
+def test_scaling_vits_count_the_parameters_of_zhai_et_al(variant, millions):
+    # Table 2 of "Scaling Vision Transformers" counts the encoder without class token and head.
+    count = _unallocated(variant, classifier="gap", include_top=False).count_params()
+    assert round(count / 1e6) == millions
 
 
 def test_parameter_count_of_an_allocated_model_equals_vit_jax():

@@ -122,7 +122,8 @@ def _hybrid(resnet, vit, patch_size, resnet_layers):
                                resnet_layers=resnet_layers)
 
 
-# Sizes from Table 1 of the paper (Ti and S from "How to train your ViT"); the same sizes with
+# Sizes from Table 1 of the paper (Ti and S from "How to train your ViT", g and G from "Scaling
+# Vision Transformers"); the same sizes with
 # 14-pixel patches are DINOv2's (S, B, L) and CLIP's ViT-L/14.
 _VITS = (
     _vit("Ti", 16, 192, 768, 3, 12),
@@ -137,6 +138,10 @@ _VITS = (
     _vit("L", 16, 1024, 4096, 16, 24),
     _vit("L", 32, 1024, 4096, 16, 24),
     _vit("H", 14, 1280, 5120, 16, 32),
+    # Zhai et al., "Scaling Vision Transformers" (CVPR 2022), Table 2: 1011M and 1843M parameters
+    # without the class token and the head.
+    _vit("g", 14, 1408, 6144, 16, 40),
+    _vit("G", 14, 1664, 8192, 16, 48),
 )
 _BY_NAME = {config.name: config for config in _VITS}
 
