@@ -17,12 +17,13 @@ def test_model_parallel_layout_shards_attention_heads_and_mlp_units():
     assert rules[".*MultiHeadDotProductAttention_1/out/kernel"] == ("model", None, None)
     assert rules[".*MlpBlock_3/Dense_0/kernel"] == (None, "model")
     assert rules[".*MlpBlock_3/Dense_1/kernel"] == ("model", None)
+    assert rules[".*MlpBlock_3/gate/kernel"] == (None, "model")  # SwiGLU's
 
 
 def test_distribution_engines_per_backend():
     backend = keras.backend.backend()
     if backend == "torch":
-        for kind in ("data_parallel", "model_parallel"):
+        for kind in ("data_parallel", "model_parallel", "fsdp"):
             with pytest.raises(ValueError, match="no distribution engine for torch"):
                 distribution.distribution_scope(kind)
     elif backend == "tensorflow":
@@ -30,8 +31,9 @@ def test_distribution_engines_per_backend():
 
         with distribution.distribution_scope("data_parallel"):
             assert isinstance(tf.distribute.get_strategy(), tf.distribute.MirroredStrategy)
-        with pytest.raises(ValueError, match="needs the JAX backend"):
-            distribution.distribution_scope("model_parallel")
+        for kind in ("model_parallel", "fsdp"):
+            with pytest.raises(ValueError, match=f"--distribution {kind} needs the JAX backend"):
+                distribution.distribution_scope(kind)
     else:
         try:
             distribution.distribution_scope("data_parallel")

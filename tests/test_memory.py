@@ -25,3 +25,19 @@ def test_a_step_that_cannot_fit_in_memory_is_refused_with_the_flags_to_change(ti
     assert "--image_size 16" in message and "--batch_size 64" in message
     assert "of a test device" in message and "GiB" in message and "\n" not in message
     assert memory.check_activation_memory(model, 64, 16, memory=(None, "unknown")) == needed
+
+
+def test_the_check_counts_what_a_device_keeps_between_steps(tiny_config):
+    """Under a sharding distribution the run passes each device's parameters, gradients and
+    optimizer state (`sharding.Placement`); too much of them is refused with fsdp as a way out."""
+    model = build_model(tiny_config, image_size=16, num_classes=3)
+    needed = memory.training_activation_bytes(model, 8)
+    resident = 3 * 2 ** 30
+    assert memory.check_activation_memory(model, 8, 16, memory=(needed + resident, "test"),
+                                          resident_bytes=resident) == needed + resident
+    with pytest.raises(memory.ActivationMemoryError) as error:
+        memory.check_activation_memory(model, 8, 16, memory=(needed + resident - 1, "a GPU"),
+                                       resident_bytes=resident)
+    message = str(error.value)
+    assert "on top of 3.0 GiB of parameters, gradients and optimizer state per device" in message
+    assert "--distribution fsdp" in message and "\n" not in message

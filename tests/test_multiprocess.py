@@ -51,18 +51,20 @@ def _env(tmp, devices):
             "PYTHONUNBUFFERED": "1"}  # the logs are read while the processes run
 
 
-def _start(output, port, epochs, tmp, *extra, app="apps/finetune.py"):
-    """Both processes of a run of `app`, with the same flags but --process_id; stdout+stderr to
-    files. `output`: the --output_dir of both, or a list of one per process."""
+def _start(output, port, epochs, tmp, *extra, app="apps/finetune.py", flags=FLAGS, devices=2):
+    """Both processes of a run of `app`, with the same flags but --process_id, `devices` XLA CPU
+    devices each; stdout+stderr to files. `output`: the --output_dir of both, or a list of one
+    per process."""
     processes = []
     outputs = output if isinstance(output, list) else [output, output]
     for index, output in enumerate(outputs):
         log = open(tmp / f"process{index}-{time.monotonic_ns()}.log", "w+")
-        command = [sys.executable, app, *FLAGS, "--epochs", str(epochs),
+        command = [sys.executable, app, *flags, "--epochs", str(epochs),
                    "--output_dir", str(output), "--coordinator_address", f"127.0.0.1:{port}",
                    "--num_processes", "2", "--process_id", str(index), *extra]
-        processes.append((subprocess.Popen(command, cwd=REPO_ROOT, env=_env(tmp, 2), stdout=log,
-                                           stderr=subprocess.STDOUT), log))
+        process = subprocess.Popen(command, cwd=REPO_ROOT, env=_env(tmp, devices), stdout=log,
+                                   stderr=subprocess.STDOUT)
+        processes.append((process, log))
     return processes
 
 

@@ -1,6 +1,7 @@
 """The application half of vit_keras: what the command-line apps in `apps/` are built from.
 
-`data` (tf.data pipelines), `recipes` (optimizers and schedules), `callbacks`, `distribution`,
+`data` (tf.data pipelines), `recipes` (optimizers and schedules), `callbacks`, `distribution`
+and `sharding` (fully sharded data parallelism),
 `run_config` (a run's settings, the training apps' flags), `training` (one run, end to end, the
 one training loop), `run_parts` (a run's optional parts: LoRA, linear probe, remat, layer decay,
 EMA), `objectives` (what a run optimises: classification or masked patch prediction), `memory`

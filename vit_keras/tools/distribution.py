@@ -1,5 +1,6 @@
-"""`--distribution`: data and model parallelism (Keras' JAX distribution API, TensorFlow's
-MirroredStrategy), in one process or, on JAX, in several cooperating ones (`initialize_processes`).
+"""`--distribution`: data, model and fully sharded data parallelism (Keras' JAX distribution
+API, TensorFlow's MirroredStrategy), in one process or, on JAX, in several cooperating ones
+(`initialize_processes`).
 Imports only Keras at module level; TensorFlow and JAX inside the functions."""
 
 import contextlib
@@ -13,7 +14,7 @@ import numpy as np
 
 from vit_keras import errors
 
-DISTRIBUTIONS = ("none", "data_parallel", "model_parallel")
+DISTRIBUTIONS = ("none", "data_parallel", "model_parallel", "fsdp")
 # The environment variables of `keras.distribution.initialize`; the apps' flags default to them.
 ADDRESSES_ENV = "KERAS_DISTRIBUTION_JOB_ADDRESSES"
 NUM_PROCESSES_ENV = "KERAS_DISTRIBUTION_NUM_PROCESSES"
@@ -204,8 +205,8 @@ def process_values(value, processes):
 
 
 def model_parallel_layout_map(device_mesh):
-    """Shards attention (over heads) and MLP kernels (over the hidden MLP units) on the mesh's
-    `model` axis; everything else is replicated."""
+    """Shards attention (over heads) and MLP kernels (over the hidden MLP units, a SwiGLU's gate
+    too) on the mesh's `model` axis; everything else is replicated."""
     from keras import distribution
 
     layout_map = distribution.LayoutMap(device_mesh)
@@ -213,23 +214,29 @@ def model_parallel_layout_map(device_mesh):
         layout_map[f".*MultiHeadDotProductAttention_1/{projection}/kernel"] = (None, "model", None)
         layout_map[f".*MultiHeadDotProductAttention_1/{projection}/bias"] = ("model", None)
     layout_map[".*MultiHeadDotProductAttention_1/out/kernel"] = ("model", None, None)
-    layout_map[".*MlpBlock_3/Dense_0/kernel"] = (None, "model")
-    layout_map[".*MlpBlock_3/Dense_0/bias"] = ("model",)
+    for hidden in ("Dense_0", "gate"):  # a SwiGLU MLP's gate is split as its Dense_0 is
+        layout_map[f".*MlpBlock_3/{hidden}/kernel"] = (None, "model")
+        layout_map[f".*MlpBlock_3/{hidden}/bias"] = ("model",)
     layout_map[".*MlpBlock_3/Dense_1/kernel"] = ("model", None)
     return layout_map
 
 
-def distribution_scope(kind="none", model_parallel_size=None, processes=Processes()):
+def distribution_scope(kind="none", model_parallel_size=None, processes=Processes(),
+                       fsdp_min_bytes=0):
     """Sets up `--distribution` and returns the context to build and compile the model in.
 
     - `data_parallel`: `keras.distribution.DataParallel` over all devices of all processes on
       JAX; `tf.distribute.MirroredStrategy` on TensorFlow. Batches are split across devices; with
       several processes Keras gives each process its slice of every batch
       (`DataParallel.distribute_dataset`), so the batch size stays the global one.
-    - `model_parallel`: `keras.distribution.ModelParallel` on JAX with a (data, model) mesh and
+    - `model_parallel`: `keras.distribution.ModelParallel` on JAX with a (batch, model) mesh and
       `model_parallel_layout_map`; `model_parallel_size` devices on the model axis (default: all,
       or with several processes each process's own: a weight sharded across processes could not
       be saved by one of them).
+    - `fsdp` (JAX): `sharding.FullyShardedDataParallel`: the batch and every weight of at least
+      `fsdp_min_bytes` (with its optimizer slots) split over all devices; with
+      `model_parallel_size` > 1, a (batch, model) mesh whose model axis shards as
+      `model_parallel` does and whose batch axis takes the FSDP rule.
     The torch backend has no such engine in Keras; other combinations raise `ValueError`, and
     several processes without a distribution raise `MultiProcessError`.
     """
@@ -238,7 +245,7 @@ def distribution_scope(kind="none", model_parallel_size=None, processes=Processe
         if processes.multi:
             raise MultiProcessError(
                 f"{processes.count} processes need --distribution data_parallel (or "
-                f"model_parallel on JAX) to share the work.")
+                f"model_parallel or fsdp on JAX) to share the work.")
         return contextlib.nullcontext()
     if kind not in DISTRIBUTIONS:
         raise ValueError(f"Unknown distribution {kind!r}; expected one of {DISTRIBUTIONS}.")
@@ -248,19 +255,18 @@ def distribution_scope(kind="none", model_parallel_size=None, processes=Processe
         devices = distribution.list_devices()
         if kind == "data_parallel":
             distribution.set_distribution(distribution.DataParallel(devices=devices))
+        elif kind == "fsdp":
+            from vit_keras.tools import sharding
+
+            model_size = int(model_parallel_size or 1)
+            mesh = _mesh(devices, model_size, processes, spanning_allowed=True)
+            rules = model_parallel_layout_map(mesh) if model_size > 1 else None
+            distribution.set_distribution(sharding.FullyShardedDataParallel(
+                mesh, layout_map=rules, min_bytes=fsdp_min_bytes))
         else:
             local = len(devices) // processes.count
             model_size = int(model_parallel_size or (local if processes.multi else len(devices)))
-            if len(devices) % model_size:
-                raise ValueError(f"model_parallel_size {model_size} does not divide the "
-                                 f"{len(devices)} devices.")
-            if processes.multi and local % model_size:
-                raise MultiProcessError(
-                    f"model_parallel_size {model_size} spreads weights over several of the "
-                    f"{processes.count} processes ({local} devices each); use a divisor of "
-                    f"{local}, so that every process holds whole weights to save.")
-            mesh = distribution.DeviceMesh((len(devices) // model_size, model_size),
-                                           ("batch", "model"), devices)
+            mesh = _mesh(devices, model_size, processes)
             distribution.set_distribution(distribution.ModelParallel(
                 layout_map=model_parallel_layout_map(mesh), batch_dim_name="batch"))
         return contextlib.nullcontext()
@@ -271,12 +277,30 @@ def distribution_scope(kind="none", model_parallel_size=None, processes=Processe
         _mirrored_strategy = tf.distribute.MirroredStrategy()
         return _mirrored_strategy.scope()
     if backend == "tensorflow":
-        raise ValueError("--distribution model_parallel needs the JAX backend: Keras' ModelParallel "
-                         "is implemented for JAX only, and TensorFlow's DTensor path is not "
-                         "supported here. Use --backend jax, or data_parallel on TensorFlow.")
+        raise ValueError(f"--distribution {kind} needs the JAX backend: Keras' ModelParallel "
+                         f"is implemented for JAX only, and TensorFlow's DTensor path is not "
+                         f"supported here. Use --backend jax, or data_parallel on TensorFlow.")
     raise ValueError(f"--distribution {kind} is not available on the {backend} backend: Keras has "
                      f"no distribution engine for torch. Use --backend jax (data_parallel, "
-                     f"model_parallel) or --backend tensorflow (data_parallel).")
+                     f"model_parallel, fsdp) or --backend tensorflow (data_parallel).")
+
+
+def _mesh(devices, model_size, processes, spanning_allowed=False):
+    """A (batch, model) `DeviceMesh` with `model_size` devices on the model axis. A model axis
+    spanning processes is refused unless `spanning_allowed` (FSDP gathers its weights to save)."""
+    from keras import distribution
+
+    local = len(devices) // processes.count
+    if model_size < 1 or len(devices) % model_size:
+        raise ValueError(f"model_parallel_size {model_size} does not divide the "
+                         f"{len(devices)} devices.")
+    if processes.multi and local % model_size and not spanning_allowed:
+        raise MultiProcessError(
+            f"model_parallel_size {model_size} spreads weights over several of the "
+            f"{processes.count} processes ({local} devices each); use a divisor of "
+            f"{local}, so that every process holds whole weights to save.")
+    return distribution.DeviceMesh((len(devices) // model_size, model_size),
+                                   ("batch", "model"), devices)
 
 
 def num_replicas(kind="none"):

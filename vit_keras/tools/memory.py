@@ -89,16 +89,24 @@ def _binary_size(count):
     return f"{value:,.1f} {unit}"
 
 
-def check_activation_memory(model, batch_size, image_size, memory=None):
+def check_activation_memory(model, batch_size, image_size, memory=None, resident_bytes=0):
     """Raises `ActivationMemoryError` (one line: the estimate, the memory, the flags to change)
-    when `training_activation_bytes` exceeds the device's memory (`device_memory()` unless
-    `memory`, a `(bytes, name)` pair, is given); returns the estimate otherwise."""
-    needed = training_activation_bytes(model, batch_size, image_size)
+    when `training_activation_bytes` plus `resident_bytes` (what a device keeps between steps:
+    its parameters, gradients and optimizer state, `sharding.Placement`) exceeds the device's
+    memory (`device_memory()` unless `memory`, a `(bytes, name)` pair, is given); returns the
+    estimate otherwise."""
+    activations = training_activation_bytes(model, batch_size, image_size)
+    needed = activations + int(resident_bytes)
     available, where = memory or device_memory()
     if available and needed > available:
+        resident = (f" on top of {_binary_size(resident_bytes)} of parameters, gradients and "
+                    f"optimizer state per device" if resident_bytes else "")
+        more = (", or split the weights over more devices (--distribution fsdp)"
+                if resident_bytes else "")
         raise ActivationMemoryError(
             f"A training step at --image_size {image_size} and --batch_size {batch_size} "
-            f"(per device) keeps at least {_binary_size(needed)} of activations for "
-            f"{model.name}, more than the {_binary_size(available)} of {where}: lower "
-            f"--image_size or --batch_size (with --accum_steps to keep the batch per update).")
+            f"(per device) keeps at least {_binary_size(activations)} of activations for "
+            f"{model.name}{resident}, more than the {_binary_size(available)} of {where}: lower "
+            f"--image_size or --batch_size (with --accum_steps to keep the batch per "
+            f"update){more}.")
     return needed

@@ -165,11 +165,18 @@ class ComputeConfig:
     distribution: str = option(
         "none", "data_parallel: keras DataParallel over all local devices (jax) or "
         "tf.distribute.MirroredStrategy (tensorflow); model_parallel: keras ModelParallel "
-        "sharding attention and MLP kernels (jax only). torch has neither.",
+        "sharding attention and MLP kernels (jax only); fsdp: every weight, its gradient and "
+        "its optimizer state split over all devices with the batch (jax only; with "
+        "--model_parallel_size, a 2-D mesh). torch has none.",
         choices=distribution_lib.DISTRIBUTIONS)
     model_parallel_size: int = option(
         None, "Devices on the mesh's model axis for model_parallel (default: all; with several "
-        "processes, each process's own).", bounds="[1, inf)")
+        "processes, each process's own) and fsdp (default 1: all devices on the data axis).",
+        bounds="[1, inf)")
+    fsdp_min_bytes: int = option(
+        0, "With --distribution fsdp, weights smaller than this many bytes stay whole on every "
+        "device (big_vision uses 4 MiB on large meshes); 0 splits every weight that has an "
+        "axis the device count divides.", bounds="[0, inf)")
     remat: bool = option(
         False, "Recompute each encoder block in the backward pass instead of storing its "
         "activations: less memory for a slower step (larger --batch_size fits).")

@@ -61,10 +61,13 @@ def atomic_save_model(model, path):
     Keras writes a `.keras` file through Python's `zipfile` (the weights' HDF5 is built in
     memory), so a full disk is an `OSError` here; h5py writing a `.weights.h5` file itself
     crashes the process when the disk fills (a segmentation fault inside `File.close`)."""
+    from vit_keras.tools import sharding
+
     temporary = f"{path[:-len('.keras')]}.tmp-{os.getpid()}.keras"
     with writing(path, temporary):
         remove_link_or_file(temporary)
-        model.save(temporary)
+        with sharding.whole_values(model):  # weights split over processes (fsdp): gathered
+            model.save(temporary)
         os.replace(temporary, path)
 
 

@@ -43,7 +43,7 @@ CLASSIFICATION = objectives_lib.Classification()
 # the processes of a multi-process run find each other. Every other flag says what is trained, so
 # a rerun that changes one is refused (`finished_run`).
 FLAGS_A_RERUN_MAY_CHANGE = ("output_dir", "run_name", "verbose", "download",
-                            "coordinator_address", "process_id", "peer_timeout")
+                            "coordinator_address", "process_id", "peer_timeout", "num_processes")
 
 
 # The flags that override a field of the recipe of the same name.
@@ -389,7 +389,10 @@ class _RunState:
 
         dataset = data.make_pipeline(self.splits, split, image_size=self.recipe.image_size,
                                      batch_size=self.eval_batch)
-        if whole_batches and self.processes.multi:  # each process an equal slice of each batch
+        # Keras' JAX distributions split every batch evenly over the devices (and the processes),
+        # so a last, partial batch is padded to a whole one of zero-weight examples.
+        if whole_batches and (self.processes.multi or (
+                self.replicas > 1 and keras.backend.backend() == "jax")):
             dataset = distribution_lib.pad_to_whole_batches(
                 dataset, self.splits.num_examples[split], self.eval_batch)
         return dataset
@@ -425,14 +428,24 @@ def _prepare(state):
     compute = config.compute
     set_precision(compute.mixed_precision)
     scope = distribution_lib.distribution_scope(compute.distribution, compute.model_parallel_size,
-                                                processes)
+                                                processes, compute.fsdp_min_bytes)
     _schedule(state)
     _find_resume_epoch(state)
     with scope:
         _build_and_compile(state)
+    resident = 0  # the bytes each device keeps between steps, under a sharding distribution
+    if compute.distribution in ("model_parallel", "fsdp") and keras.backend.backend() == "jax":
+        from vit_keras.tools import sharding
+
+        model = state.model
+        if model.optimizer is not None and not model.optimizer.built:  # its slots, laid out now
+            model.optimizer.build(model.trainable_variables)
+        placed = sharding.placement(model, compute.fsdp_min_bytes)
+        log(f"--distribution {compute.distribution}, {placed.describe()}.")
+        resident = placed.parameter_bytes + placed.optimizer_bytes + placed.gradient_bytes
     if not state.trained:
         memory.check_activation_memory(state.vit, state.recipe.batch_size // state.replicas,
-                                       state.recipe.image_size)
+                                       state.recipe.image_size, resident_bytes=resident)
     state.augmentation = augmentation_for(config)
     # An image folder's unreadable files are named in skipped_files.txt as they are met; a resumed
     # run reads it back, so that its stream skips them as the interrupted one did.

@@ -1,0 +1,195 @@
+"""Fully sharded data parallelism (`--distribution fsdp`, vit_keras.tools.sharding): the rule, the
+layouts on 8 XLA CPU devices, the step against one device's, and apps/finetune.py as two
+processes of four devices, killed and resumed as one process (docs/distributed.md)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import test_multiprocess as multiprocess
+
+from vit_keras.tools import sharding
+
+from conftest import REPO_ROOT
+
+
+@pytest.mark.backend_independent
+@pytest.mark.parametrize("shape, taken, axes, why", [
+    ((768, 3072), None, (None, "batch"), "sharded"),           # an MLP's first kernel
+    ((3072, 768), None, ("batch", None), "sharded"),           # its second
+    ((768, 768), None, (None, "batch"), "sharded"),            # ties: the last axis
+    ((768, 12, 64), (None, "model", None), ("batch", "model", None), "sharded"),  # with the model axis
+    ((12, 64), ("model", None), ("model", "batch"), "sharded"),
+    ((10,), None, (None,), "indivisible"),                     # a 10-class head's bias
+    ((), None, (), "scalar"),
+])
+def test_fsdp_splits_the_largest_free_axis_the_device_count_divides(shape, taken, axes, why):
+    assert sharding.fsdp_axes(shape, 8, taken=taken) == (axes, why)
+
+
+@pytest.mark.backend_independent
+def test_fsdp_leaves_weights_below_the_size_whole_and_one_device_alone():
+    assert sharding.fsdp_axes((768,), 8, itemsize=4, min_bytes=4096) == ((None,), "small")
+    assert sharding.fsdp_axes((1024,), 8, itemsize=4, min_bytes=4096) == (("batch",), "sharded")
+    assert sharding.fsdp_axes((768, 768), 1) == ((None, None), "one device")
+
+
+@pytest.mark.backend_independent
+def test_a_devices_bytes_are_its_shards():
+    mesh = {"batch": 8, "model": 2}
+    assert sharding.shard_bytes((768, 3072), "float32", (None, "batch"), mesh) == 768 * 384 * 4
+    assert sharding.shard_bytes((768, 12, 64), "bfloat16", ("batch", "model", None), mesh) == (
+        96 * 6 * 64 * 2)
+    assert sharding.shard_bytes((10,), "float32", (None,), mesh) == 40
+
+
+# On 8 devices: a tiny ViT trained 3 steps with AdamW under no distribution, data_parallel and
+# fsdp from the same initial weights and batches; what each device holds, and the results.
+_EIGHT_DEVICES = r"""
+import json, os
+os.environ["KERAS_BACKEND"] = "jax"
+import keras, numpy as np
+import vit_keras
+from vit_keras.tools import distribution, sharding
+
+CONFIG = dict(patch_size=4, hidden_size=64, mlp_dim=128, num_heads=4, num_layers=2)
+rng = np.random.default_rng(0)
+images = rng.uniform(0, 255, (24, 16, 16, 3)).astype("float32")
+labels = np.eye(16, dtype="float32")[rng.integers(0, 16, 24)]
+report = {}
+for kind in ("none", "data_parallel", "fsdp"):
+    keras.utils.set_random_seed(0)
+    distribution.distribution_scope(kind)
+    model = vit_keras.ViT(CONFIG, image_size=16, num_classes=16)
+    model.compile(keras.optimizers.AdamW(1e-3),
+                  keras.losses.CategoricalCrossentropy(from_logits=True))
+    model.optimizer.build(model.trainable_variables)
+    placed = sharding.placement(model)
+    blocks = [w for block in model.blocks for w in block.weights]
+    slots = [v for v in model.optimizer.variables if "encoderblock" in v.path]
+    losses = [float(model.train_on_batch(images[i:i + 8], labels[i:i + 8]))
+              for i in range(0, 24, 8)]
+    report[kind] = {
+        "bytes": [placed.parameter_bytes, placed.optimizer_bytes],
+        "uncovered": list(placed.uncovered),
+        "block_split": sorted({w.value.size // w.value.addressable_shards[0].data.size
+                               for w in blocks}),
+        "slot_split": sorted({v.value.size // v.value.addressable_shards[0].data.size
+                              for v in slots}),
+        "losses": losses,
+        "weights": [np.asarray(w).tolist() for w in model.weights],
+    }
+    keras.distribution.set_distribution(None)
+print("REPORT " + json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def eight_devices():
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_BACKEND": "jax",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    result = subprocess.run([sys.executable, "-c", _EIGHT_DEVICES], cwd=REPO_ROOT, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("REPORT "))
+    return json.loads(line[len("REPORT "):])
+
+
+@pytest.mark.jax_subprocess
+def test_fsdp_splits_every_block_weight_and_optimizer_slot_over_8_devices(eight_devices):
+    fsdp, replicated = eight_devices["fsdp"], eight_devices["data_parallel"]
+    assert fsdp["block_split"] == [8] and fsdp["slot_split"] == [8]
+    assert replicated["block_split"] == [1] and replicated["slot_split"] == [1]
+    assert fsdp["uncovered"] == []  # 16 classes: the head's bias divides too
+    # Every weight divides by 8 here, so a device holds exactly an eighth.
+    assert [b * 8 for b in fsdp["bytes"]] == replicated["bytes"] == eight_devices["none"]["bytes"]
+
+
+@pytest.mark.jax_subprocess
+def test_fsdp_trains_as_one_device_does(eight_devices):
+    import numpy as np
+
+    one, fsdp = eight_devices["none"], eight_devices["fsdp"]
+    assert len(set(one["losses"])) == 3  # the weights changed between steps
+    assert fsdp["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    for mine, reference in zip(fsdp["weights"], one["weights"]):
+        np.testing.assert_allclose(mine, reference, rtol=1e-5, atol=1e-6)
+    moved = max(np.max(np.abs(np.subtract(a, b))) for a, b in
+                zip(one["weights"], eight_devices["data_parallel"]["weights"]))
+    assert moved < 1e-5  # and as data parallelism does
+
+
+def _one_process(tmp, output, devices, epochs=multiprocess.EPOCHS):
+    return subprocess.run(
+        [sys.executable, "apps/finetune.py", *_FLAGS, "--epochs", str(epochs), "--output_dir",
+         str(output)], cwd=REPO_ROOT, env=multiprocess._env(tmp, devices), capture_output=True,
+        text=True, timeout=600)
+
+
+_FLAGS = [flag if flag != "data_parallel" else "fsdp" for flag in multiprocess.FLAGS]
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed_on_fewer_devices(tmp_path_factory):
+    """Two processes of four devices each (the weights split 8 ways across both), SIGKILLed
+    after their first backed-up epoch, then resumed by one process of four devices."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    output, port = tmp / "runs", multiprocess._free_port()
+    metadata = output / "run" / "backup" / "training_metadata.json"
+    first = multiprocess._start(output, port, multiprocess.EPOCHS, tmp, flags=_FLAGS, devices=4)
+    multiprocess._wait_for_backup(first, metadata)
+    for process, _ in first:
+        os.kill(process.pid, signal.SIGKILL)
+    first_results = multiprocess._finish(first)
+    assert [code for code, _ in first_results] == [-signal.SIGKILL] * 2, (
+        "a process ended on its own:\n" + "\n".join(out[-3000:] for _, out in first_results))
+    killed_after = json.loads(metadata.read_text())["epoch"]
+    resumed = _one_process(tmp, output, 4)
+    uninterrupted = _one_process(tmp, tmp / "reference", 8)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    return {"first": first_results, "resumed": resumed, "killed_after": killed_after,
+            "run": output / "run", "reference": tmp / "reference" / "run"}
+
+
+@pytest.mark.multiprocess
+def test_fsdp_run_of_two_processes_resumes_in_one_process_on_four_devices(
+        killed_and_resumed_on_fewer_devices):
+    run = killed_and_resumed_on_fewer_devices
+    first_log = run["first"][0][1]
+    # The weights were split over both processes' 8 devices: an eighth of a whole copy each.
+    assert "--distribution fsdp, per device:" in first_log and "(0.125 of one whole" in first_log
+    resumed = run["resumed"]
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert (f"from its backup after epoch {run['killed_after']} of {multiprocess.EPOCHS}"
+            in resumed.stdout)
+    assert "(0.250 of one whole" in resumed.stdout  # four devices now
+    metrics = json.loads((run["run"] / "metrics.json").read_text())
+    assert metrics["config"]["distribution"] == "fsdp"
+    assert metrics["resumed_from_epoch"] == run["killed_after"]
+    assert [row["epoch"] for row in metrics["history"]] == list(range(multiprocess.EPOCHS))
+    assert not (run["run"] / "backup").exists()
+    # The same global batches: the losses of one uninterrupted process of 8 devices.
+    reference = run["reference"]
+    assert (reference / "metrics.json").exists()
+    mine, theirs = multiprocess._losses(run["run"]), multiprocess._losses(reference)
+    assert len(set(theirs["loss"])) > 1
+    for key in ("loss", "val_loss", "val_accuracy"):
+        assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.multiprocess
+def test_the_fsdp_runs_model_loads_whole_in_a_fresh_process_on_torch(
+        killed_and_resumed_on_fewer_devices):
+    code = ("import keras, vit_keras, sys\n"
+            "model = keras.models.load_model(sys.argv[1])\n"
+            "print(type(model).__name__, model.count_params())\n")
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(killed_and_resumed_on_fewer_devices["run"] /
+                                         "model.keras")],
+        cwd=REPO_ROOT, env={**os.environ, "KERAS_BACKEND": "torch", "TF_CPP_MIN_LOG_LEVEL": "3"},
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-2] == "ViT"
