@@ -41,3 +41,13 @@ def test_the_check_counts_what_a_device_keeps_between_steps(tiny_config):
     message = str(error.value)
     assert "on top of 3.0 GiB of parameters, gradients and optimizer state per device" in message
     assert "--distribution fsdp" in message and "\n" not in message
+
+
+def test_a_sharded_run_that_could_not_save_is_refused_before_its_first_step():
+    """fsdp gathers the weights and optimizer state whole on each host to save them."""
+    assert memory.host_memory() > 2 ** 30
+    memory.check_host_memory_for_saving(2 ** 30, available=2 ** 31)
+    with pytest.raises(memory.ActivationMemoryError) as error:
+        memory.check_host_memory_for_saving(12_151_337_184, available=8 * 2 ** 30)  # ViT-g/14
+    message = str(error.value)
+    assert "11.3 GiB, more than the 8.0 GiB of host memory" in message and "\n" not in message

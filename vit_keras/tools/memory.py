@@ -70,6 +70,11 @@ def device_memory():
 
         if tf.config.list_physical_devices("GPU"):
             return None, "GPU"
+    return host_memory(), "host memory (RAM)"
+
+
+def host_memory():
+    """Bytes of this host's RAM, within a cgroup's limit."""
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
         with open("/sys/fs/cgroup/memory.max") as f:
@@ -77,7 +82,21 @@ def device_memory():
         physical = min(physical, int(limit)) if limit.isdigit() else physical
     except OSError:
         pass
-    return physical, "host memory (RAM)"
+    return physical
+
+
+def check_host_memory_for_saving(whole_bytes, available=None):
+    """Raises `ActivationMemoryError` (one line) when a sharded run's model and optimizer state,
+    `whole_bytes` gathered whole, cannot fit in this host's RAM (`host_memory()` unless
+    `available`): writing `model.keras` and each epoch's backup gathers them on every host
+    (`sharding.whole_values`). Checked before the first step, not at the first backup."""
+    available = host_memory() if available is None else available
+    if whole_bytes > available:
+        raise ActivationMemoryError(
+            f"Saving this run gathers its weights and optimizer state whole on each host, "
+            f"{_binary_size(whole_bytes)}, more than the {_binary_size(available)} of host "
+            f"memory: vit_keras cannot yet write sharded checkpoints without gathering (Orbax); "
+            f"use hosts with more memory, or an optimizer with less state (--optimizer sgd).")
 
 
 def _binary_size(count):

@@ -16,8 +16,7 @@ import math
 import keras
 import numpy as np
 
-DATA_AXIS = "batch"
-MODEL_AXIS = "model"
+DATA_AXIS = "batch"  # the mesh axis that splits the batch, Keras' `batch_dim_name`
 
 
 def fsdp_axes(shape, devices, itemsize=4, min_bytes=0, taken=None):
@@ -70,7 +69,7 @@ class FullyShardedDataParallel(keras.distribution.ModelParallel):
         layout_map = layout_map or keras.distribution.LayoutMap(device_mesh)
         super().__init__(layout_map=layout_map, batch_dim_name=DATA_AXIS, **kwargs)
         self.min_bytes = int(min_bytes)
-        self.decisions = {}  # variable path -> why (fsdp_axes), for Placement
+        self.decisions = {}  # variable path -> what the rule did to it (`fsdp_axes`'s why)
 
     @property
     def data_devices(self):

@@ -443,6 +443,9 @@ def _prepare(state):
         placed = sharding.placement(model, compute.fsdp_min_bytes)
         log(f"--distribution {compute.distribution}, {placed.describe()}.")
         resident = placed.parameter_bytes + placed.optimizer_bytes + placed.gradient_bytes
+        if compute.distribution == "fsdp":
+            memory.check_host_memory_for_saving(placed.total_parameter_bytes
+                                                + placed.total_optimizer_bytes)
     if not state.trained:
         memory.check_activation_memory(state.vit, state.recipe.batch_size // state.replicas,
                                        state.recipe.image_size, resident_bytes=resident)
