@@ -97,6 +97,8 @@ def _compiled_step_memory(model, optimizer, loss, batch_size):
     import jax
     import keras
 
+    from vit_keras.tools import sharding as sharding_lib
+
     mesh_distribution = keras.distribution.distribution()
 
     def spec(variable):
@@ -107,10 +109,13 @@ def _compiled_step_memory(model, optimizer, loss, batch_size):
     trainable = [spec(v) for v in model.trainable_variables]
     non_trainable = [spec(v) for v in model.non_trainable_variables]
     # Slots copy their weight's layout when created for real; ask for the weight's here.
-    by_name = {w.path.replace("/", "_") + "_": w for w in model.trainable_variables}
-    slots = [spec(next((w for prefix, w in by_name.items()
-                        if v.path.split("/")[-1].startswith(prefix)), v))
-             if len(v.shape) else jax.ShapeDtypeStruct((), v.dtype) for v in optimizer.variables]
+    def slot_spec(variable):
+        if not len(variable.shape):  # the step count, the learning rate
+            return jax.ShapeDtypeStruct((), variable.dtype)
+        weight = sharding_lib.slot_weight(variable, model.trainable_variables)
+        return spec(variable if weight is None else weight)
+
+    slots = [slot_spec(v) for v in optimizer.variables]
     data_layout = (mesh_distribution.get_data_layout((batch_size, 224, 224, 3)).backend_layout
                    if mesh_distribution else None)
     images = jax.ShapeDtypeStruct((batch_size, 224, 224, 3), "float32", sharding=data_layout)

@@ -126,6 +126,14 @@ def shard_bytes(shape, dtype, axes, mesh_shape):
     return math.prod(shard) * np.dtype(dtype).itemsize
 
 
+def slot_weight(variable, weights):
+    """The weight among `weights` whose optimizer slot `variable` is (Keras names a slot
+    `<weight path with _ for />_<slot>`, e.g. `adam_w/encoderblock_0_LayerNorm_0_gamma_momentum`),
+    or None."""
+    name = variable.path.split("/")[-1]
+    return next((w for w in weights if name.startswith(w.path.replace("/", "_") + "_")), None)
+
+
 def placement(model, min_bytes=0):
     """`Placement` of a compiled model's weights and optimizer variables under the current
     distribution, read from their layouts. A model built under the distribution holds them on
@@ -139,17 +147,16 @@ def placement(model, min_bytes=0):
     mesh_shape = (dict(zip(distribution.device_mesh.axis_names, distribution.device_mesh.shape))
                   if distribution is not None else {})
     weights = model.weights
-    by_slot_prefix = {w.path.replace("/", "_") + "_": w for w in model.trainable_weights}
 
     def axes_of(variable):
         layout = getattr(variable, "_layout", None)
         if layout is None and distribution is not None:
-            # Not created yet: the weight an optimizer slot copies ("<path>_momentum"), else the
-            # distribution's rule for the variable itself.
-            reference = next((w for prefix, w in by_slot_prefix.items()
-                              if variable.path.split("/")[-1].startswith(prefix)), variable)
-            layout = (getattr(reference, "_layout", None)
-                      or distribution.get_variable_layout(reference))
+            # Not created yet: the weight an optimizer slot copies, else the variable itself.
+            reference = slot_weight(variable, model.trainable_weights)
+            reference = variable if reference is None else reference
+            layout = getattr(reference, "_layout", None)
+            if layout is None:
+                layout = distribution.get_variable_layout(reference)
         return tuple(layout.axes) if layout is not None else (None,) * len(variable.shape)
 
     def device_bytes(variable):
