@@ -69,7 +69,6 @@ class FullyShardedDataParallel(keras.distribution.ModelParallel):
         layout_map = layout_map or keras.distribution.LayoutMap(device_mesh)
         super().__init__(layout_map=layout_map, batch_dim_name=DATA_AXIS, **kwargs)
         self.min_bytes = int(min_bytes)
-        self.decisions = {}  # variable path -> what the rule did to it (`fsdp_axes`'s why)
 
     @property
     def data_devices(self):
@@ -79,10 +78,9 @@ class FullyShardedDataParallel(keras.distribution.ModelParallel):
         if getattr(variable, "_layout", None) is not None:  # an optimizer slot: its weight's
             return variable._layout  # pylint: disable=protected-access
         rule = self._layout_map[variable.path]
-        axes, why = fsdp_axes(tuple(variable.shape), self.data_devices,
-                              np.dtype(variable.dtype).itemsize, self.min_bytes,
-                              rule.axes if rule is not None else None)
-        self.decisions[variable.path] = why
+        axes, _ = fsdp_axes(tuple(variable.shape), self.data_devices,
+                            np.dtype(variable.dtype).itemsize, self.min_bytes,
+                            rule.axes if rule is not None else None)
         return keras.distribution.TensorLayout(axes, self.device_mesh)
 
 
