@@ -1,0 +1,120 @@
+"""A model's and its optimizer's variables as one Orbax checkpoint (JAX): written by every process
+without gathering anything, each writing the shards its own devices hold, and read back onto the
+variables' current layouts, so a run may resume on another mesh, another number of processes or
+devices, as long as the device count still divides each split axis. The backup format of an
+fsdp run (`callbacks.AtomicBackupAndRestore(sharded=True)`), and how to export its weights when
+`model.keras` cannot be gathered on one host (`docs/distributed.md`).
+
+    PATH/   an Orbax checkpoint (orbax-checkpoint, tensorstore) of the tree
+            {"weights": [model.weights, in order], "optimizer": [optimizer.variables, in order]}
+
+Variables are matched by position, as `model.load_weights` matches them, and not by path: paths
+carry per-process counters (a second model built in one process is `vi_t_1`). Orbax writes into a
+temporary folder beside PATH and renames it when every process has written
+(`run_folder.ORBAX_TEMPORARY_MARK`): PATH is always a whole checkpoint.
+"""
+
+import os
+
+import keras
+
+SUFFIX = ".orbax"
+
+
+def _orbax():
+    if keras.backend.backend() != "jax":  # the checkpoint holds JAX arrays' shards
+        raise ValueError(f"Sharded Orbax checkpoints need the JAX backend (KERAS_BACKEND=jax), "
+                         f"not {keras.backend.backend()}.")
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError:
+        raise ImportError(
+            "Sharded checkpoints (--distribution fsdp) need orbax-checkpoint, which the jax "
+            "extras install: pip install 'vit-keras3[jax]' (or pip install orbax-checkpoint)."
+        ) from None
+    return ocp
+
+
+def _groups(model, with_optimizer=True):
+    """`{"weights": [...], "optimizer": [...]}`: the variables a checkpoint holds, in order (the
+    optimizer's built first, as `load_weights` does, so that its slots exist to be filled)."""
+    groups = {"weights": list(model.weights)}
+    optimizer = getattr(model, "optimizer", None)
+    if with_optimizer and optimizer is not None:
+        if not optimizer.built:
+            optimizer.build(model.trainable_variables)
+        groups["optimizer"] = list(optimizer.variables)
+    return groups
+
+
+def save(model, path):
+    """Writes `model`'s weights and its optimizer's variables to the Orbax checkpoint `path`,
+    replacing what is there. A collective: every process calls it with the same `path`, on a
+    filesystem all of them see, and each writes only its devices' shards; it returns once the
+    checkpoint is committed, on every process."""
+    ocp = _orbax()
+    tree = {group: [variable.value for variable in variables]
+            for group, variables in _groups(model).items()}
+    ocp.PyTreeCheckpointer().save(os.path.abspath(path), tree, force=True)
+
+
+def restore(model, path, with_optimizer=True):
+    """Loads the Orbax checkpoint `path` (written by `save`) into `model`'s variables, each read
+    onto its current layout: under a `keras.distribution`, every device reads only its shard.
+
+    Args:
+      model: a built model (compiled, when `with_optimizer`), of the architecture that wrote
+        `path`.
+      path: the checkpoint folder.
+      with_optimizer: also restore the optimizer's state (`False`: the weights alone, for
+        inference or export; the model need not be compiled).
+
+    Raises:
+      errors.CheckpointNotFoundError: nothing at `path`.
+      errors.CheckpointError: the checkpoint holds another number of variables, or a variable of
+        another shape, than `model` (named).
+    """
+    import jax
+
+    from vit_keras import errors
+
+    ocp = _orbax()
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise errors.CheckpointNotFoundError(f"No Orbax checkpoint at {path}.")
+    checkpointer = ocp.PyTreeCheckpointer()
+    stored = checkpointer.metadata(path).item_metadata.tree
+    groups = _groups(model, with_optimizer)
+    for group, variables in groups.items():
+        held = stored.get(group, [])
+        if len(held) != len(variables):
+            raise errors.CheckpointError(
+                f"The checkpoint {path} holds {len(held)} {group} variables but "
+                f"{model.name} has {len(variables)}: it was written by another architecture or "
+                f"training setup (LoRA, optimizer) than this model's.")
+        for variable, meta in zip(variables, held):
+            if tuple(meta.shape) != tuple(variable.shape):
+                raise errors.CheckpointError(
+                    f"The checkpoint {path} holds {variable.path} with shape "
+                    f"{tuple(meta.shape)}, but {model.name}'s is {tuple(variable.shape)}: it was "
+                    f"written by another architecture, image size or number of classes.")
+    target = {group: [jax.ShapeDtypeStruct(tuple(v.shape), v.dtype, sharding=_sharding(v))
+                      for v in variables] for group, variables in groups.items()}
+    restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+        target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        partial_restore=True))
+    for group, variables in groups.items():
+        for variable, value in zip(variables, restored[group]):
+            variable.assign(value)
+    return model
+
+
+def _sharding(variable):
+    """Where a variable's value lives: its array's sharding, or the first device's."""
+    import jax
+
+    value = variable.value
+    if isinstance(value, jax.Array):
+        return value.sharding
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
