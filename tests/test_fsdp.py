@@ -1,6 +1,8 @@
 """Fully sharded data parallelism (`--distribution fsdp`, vit_keras.tools.sharding): the rule, the
-layouts on 8 XLA CPU devices, the step against one device's, and apps/finetune.py as two
-processes of four devices, killed and resumed as one process (docs/distributed.md)."""
+layouts on 8 XLA CPU devices, the step against one device's, sharded Orbax checkpoints
+(vit_keras.tools.sharded_checkpoint) read onto another mesh, and apps/finetune.py as two
+processes of four devices, killed and resumed from their sharded backup as one process
+(docs/distributed.md)."""
 
 import json
 import os
@@ -52,9 +54,12 @@ _EIGHT_DEVICES = r"""
 import json, os
 os.environ["KERAS_BACKEND"] = "jax"
 import keras, numpy as np
+import sys
 import vit_keras
-from vit_keras.tools import distribution, sharding
+from vit_keras import errors
+from vit_keras.tools import distribution, sharded_checkpoint, sharding
 
+CHECKPOINT = sys.argv[1]
 CONFIG = dict(patch_size=4, hidden_size=64, mlp_dim=128, num_heads=4, num_layers=2)
 rng = np.random.default_rng(0)
 images = rng.uniform(0, 255, (24, 16, 16, 3)).astype("float32")
@@ -83,16 +88,41 @@ for kind in ("none", "data_parallel", "fsdp"):
         "weights": [np.asarray(w).tolist() for w in model.weights],
     }
     keras.distribution.set_distribution(None)
+    if kind == "fsdp":  # its sharded checkpoint, read back onto 4 of the 8 devices
+        sharded_checkpoint.save(model, CHECKPOINT)
+        mesh = keras.distribution.DeviceMesh((4,), ["batch"], keras.distribution.list_devices()[:4])
+        keras.distribution.set_distribution(sharding.FullyShardedDataParallel(mesh))
+        again = vit_keras.ViT(CONFIG, image_size=16, num_classes=16)
+        again.compile(keras.optimizers.AdamW(1e-3),
+                      keras.losses.CategoricalCrossentropy(from_logits=True))
+        sharded_checkpoint.restore(again, CHECKPOINT)
+        pairs = [*zip(model.weights, again.weights),
+                 *zip(model.optimizer.variables, again.optimizer.variables)]
+        report["restored"] = {
+            "equal": all(np.array_equal(np.asarray(a.value), np.asarray(b.value))
+                         for a, b in pairs),
+            "block_split": sorted({w.value.size // w.value.addressable_shards[0].data.size
+                                   for block in again.blocks for w in block.weights}),
+            "devices": sorted({len(w.value.sharding.device_set) for w in again.weights}),
+            "variables": len(pairs),
+        }
+        other = vit_keras.ViT(CONFIG, image_size=16, num_classes=10)
+        try:
+            sharded_checkpoint.restore(other, CHECKPOINT, with_optimizer=False)
+        except errors.CheckpointError as error:
+            report["restored"]["mismatch"] = str(error)
+        keras.distribution.set_distribution(None)
 print("REPORT " + json.dumps(report))
 """
 
 
 @pytest.fixture(scope="module")
-def eight_devices():
+def eight_devices(tmp_path_factory):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_BACKEND": "jax",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    result = subprocess.run([sys.executable, "-c", _EIGHT_DEVICES], cwd=REPO_ROOT, env=env,
-                            capture_output=True, text=True, timeout=600)
+    checkpoint = tmp_path_factory.mktemp("orbax") / "epoch-3.orbax"
+    result = subprocess.run([sys.executable, "-c", _EIGHT_DEVICES, str(checkpoint)],
+                            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("REPORT "))
     return json.loads(line[len("REPORT "):])
@@ -122,6 +152,78 @@ def test_fsdp_trains_as_one_device_does(eight_devices):
     assert moved < 1e-5  # and as data parallelism does
 
 
+@pytest.mark.jax_subprocess
+def test_a_sharded_checkpoint_of_8_devices_restores_onto_4(eight_devices):
+    """Each process writes its shards (nothing gathered); read back onto another mesh, every
+    weight and optimizer slot is the one saved, split over the new mesh."""
+    restored = eight_devices["restored"]
+    assert restored["equal"] and restored["variables"] > 40
+    assert restored["block_split"] == [4] and restored["devices"] == [4]
+    assert "holds head/kernel with shape (64, 16), but" in restored["mismatch"]
+    assert "is (64, 10)" in restored["mismatch"]
+
+
+# An fsdp run whose model.keras cannot be gathered on its host (its memory made small here):
+# it trains, backs up each epoch as an Orbax checkpoint, and stops before model.keras; on a host
+# with the memory, the same command resumes at the final evaluation and writes it.
+_TOO_BIG_TO_GATHER = r"""
+import json, os, shutil, sys
+os.environ["KERAS_BACKEND"] = "jax"
+import keras, numpy as np
+import vit_keras
+from vit_keras.tools import memory, sharded_checkpoint, training
+
+output = sys.argv[1]
+run = os.path.join(output, "run")
+config = training.RunConfig.of(image_size=8, batch_size=16, epochs=2, steps_per_epoch=2,
+                               distribution="fsdp", output_dir=output, run_name="run", verbose=0)
+report, logs, host_memory = {}, [], memory.host_memory
+memory.device_memory = lambda ram=host_memory(): (ram, "host memory (RAM)")  # as it is
+memory.host_memory = lambda: 2 ** 16
+try:
+    training.run(config, log=logs.append)
+except memory.HostMemoryError as error:
+    report["error"] = str(error)
+report["warnings"] = [line for line in logs if line.startswith("Warning")]
+report["files"] = sorted(os.listdir(run))
+report["backup"] = sorted(os.listdir(os.path.join(run, "backup")))
+shutil.copytree(os.path.join(run, "backup", "epoch-2.orbax"), os.path.join(output, "kept.orbax"))
+memory.host_memory, logs = host_memory, []
+metrics = training.run(config, log=logs.append)
+report["resumed"] = [line for line in logs if "evaluating the backed-up model" in line]
+report["resumed_from_epoch"] = metrics["resumed_from_epoch"]
+report["after"] = sorted(os.listdir(run))
+model = keras.models.load_model(os.path.join(run, "model.keras"))
+bare = keras.models.load_model(os.path.join(run, "model.keras"), compile=False)
+for weight in bare.weights:
+    weight.assign(np.zeros(weight.shape, weight.dtype))
+sharded_checkpoint.restore(bare, os.path.join(output, "kept.orbax"), with_optimizer=False)
+report["restored_equal"] = all(np.array_equal(np.asarray(a), np.asarray(b))
+                               for a, b in zip(model.weights, bare.weights))
+print("REPORT " + json.dumps(report))
+"""
+
+
+@pytest.mark.jax_subprocess
+def test_an_fsdp_run_too_big_to_gather_keeps_its_sharded_checkpoint_and_finishes_elsewhere(
+        tmp_path):
+    result = subprocess.run([sys.executable, "-c", _TOO_BIG_TO_GATHER, str(tmp_path)],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(next(line for line in result.stdout.splitlines()
+                             if line.startswith("REPORT "))[len("REPORT "):])
+    assert len(report["warnings"]) == 1 and "stops before writing model.keras" in (
+        report["warnings"][0])
+    assert f"sharded checkpoint {tmp_path}/run/backup/epoch-2.orbax" in report["error"]
+    # Trained and backed up without gathering: no model.keras, no metrics, the checkpoint kept.
+    assert "model.keras" not in report["files"] and "metrics.json" not in report["files"]
+    assert report["backup"] == ["epoch-2.orbax", "training_metadata.json"]
+    assert report["resumed"] and report["resumed_from_epoch"] == 2
+    assert "model.keras" in report["after"] and "backup" not in report["after"]
+    assert report["restored_equal"]  # the checkpoint's weights are model.keras's
+
+
 def _one_process(tmp, output, devices, epochs=multiprocess.EPOCHS):
     return subprocess.run(
         [sys.executable, "apps/finetune.py", *_FLAGS, "--epochs", str(epochs), "--output_dir",
@@ -147,10 +249,12 @@ def killed_and_resumed_on_fewer_devices(tmp_path_factory):
     assert [code for code, _ in first_results] == [-signal.SIGKILL] * 2, (
         "a process ended on its own:\n" + "\n".join(out[-3000:] for _, out in first_results))
     killed_after = json.loads(metadata.read_text())["epoch"]
+    left = {"backup": sorted(os.listdir(metadata.parent)),
+            "model_written": (output / "run" / "model.keras").exists()}
     resumed = _one_process(tmp, output, 4)
     uninterrupted = _one_process(tmp, tmp / "reference", 8)
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
-    return {"first": first_results, "resumed": resumed, "killed_after": killed_after,
+    return {"first": first_results, "resumed": resumed, "killed_after": killed_after, **left,
             "run": output / "run", "reference": tmp / "reference" / "run"}
 
 
@@ -161,6 +265,12 @@ def test_fsdp_run_of_two_processes_resumes_in_one_process_on_four_devices(
     first_log = run["first"][0][1]
     # The weights were split over both processes' 8 devices: an eighth of a whole copy each.
     assert "--distribution fsdp, per device:" in first_log and "(0.125 of one whole" in first_log
+    # Each epoch's backup is an Orbax checkpoint of both processes' shards; nothing was gathered
+    # (an fsdp run writes model.keras once, at its end).
+    checkpoint = f"epoch-{run['killed_after']}.orbax"
+    assert checkpoint in run["backup"] and "training_metadata.json" in run["backup"]
+    assert not any(name.endswith(".keras") for name in run["backup"])
+    assert not run["model_written"]
     resumed = run["resumed"]
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert (f"from its backup after epoch {run['killed_after']} of {multiprocess.EPOCHS}"

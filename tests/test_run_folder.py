@@ -82,10 +82,18 @@ def test_temporary_files_of_interrupted_writes_are_found_and_removed(tmp_path):
              os.path.join("backup", "training_metadata.json.tmp-123")]
     for name in kept + stale:
         open(os.path.join(folder.path, name), "wb").close()
+    # An fsdp backup: a committed Orbax checkpoint, and one a killed run had not committed.
+    for name in ("epoch-2.orbax", "epoch-3.orbax.orbax-checkpoint-tmp-1795789267"):
+        os.makedirs(os.path.join(folder.backup, name, "d"))
+        open(os.path.join(folder.backup, name, "d", "shard"), "wb").close()
+    kept.append(os.path.join("backup", "epoch-2.orbax", "d", "shard"))
+    stale.append(os.path.join("backup", "epoch-3.orbax.orbax-checkpoint-tmp-1795789267"))
     assert sorted(folder.remove_temporary_files()) == sorted(stale)
     assert folder.temporary_files() == []
     for name in kept:
         assert os.path.exists(os.path.join(folder.path, name)), name
+    assert sorted(os.listdir(folder.backup)) == ["epoch-2.orbax", "epoch-3.weights.h5",
+                                                 "training_metadata.json"]
 
 
 def test_history_rows_leave_out_the_values_csvlogger_could_not_fill(tmp_path):

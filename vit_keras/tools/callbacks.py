@@ -9,6 +9,7 @@ import keras
 import numpy as np
 
 from vit_keras import errors
+from vit_keras.tools import sharded_checkpoint
 from vit_keras.tools.run_folder import atomic_save_model, atomic_write_json, read_json
 
 
@@ -55,12 +56,19 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
     part) but only one process may write the shared `backup_dir`: the others pass a private
     `save_dir`, which takes their writes and is deleted at the end; every process resumes from
     `backup_dir`.
+
+    With `sharded=True` (an fsdp run, JAX) the weights are never gathered: each backup is an
+    Orbax checkpoint `epoch-N.orbax` (`sharded_checkpoint`) in `backup_dir`, to which every
+    process writes its own devices' shards, and which is read back onto whatever mesh the
+    resumed run has. The metadata is written once the checkpoint is committed on every process,
+    by the process whose `save_dir` is `backup_dir`.
     """
 
-    def __init__(self, backup_dir, seed=0, save_dir=None, **kwargs):
+    def __init__(self, backup_dir, seed=0, save_dir=None, sharded=False, **kwargs):
         super().__init__(backup_dir, double_checkpoint=False, **kwargs)
         self.seed = seed
         self.save_dir = save_dir or backup_dir
+        self.sharded = sharded
 
     guard = None  # a StopOnNaN: nothing is written once the loss is not finite
 
@@ -70,14 +78,22 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
         os.makedirs(self.save_dir, exist_ok=True)
         metadata_path = os.path.join(self.save_dir, "training_metadata.json")
         previous = read_json(metadata_path)
-        name = f"epoch-{self._current_epoch}.keras"
-        atomic_save_model(self.model, os.path.join(self.save_dir, name))
+        if self.sharded:
+            name = f"epoch-{self._current_epoch}{sharded_checkpoint.SUFFIX}"
+            sharded_checkpoint.save(self.model, os.path.join(self.backup_dir, name))
+        else:
+            name = f"epoch-{self._current_epoch}.keras"
+            atomic_save_model(self.model, os.path.join(self.save_dir, name))
         atomic_write_json({"epoch": self._current_epoch, "batch": self._last_batch_seen,
                            "weights": name, "seed_generators": seed_generator_states(self.model)},
                           metadata_path)
-        stale = (previous or {}).get("weights", "latest.weights.h5")
-        if stale != name and os.path.exists(os.path.join(self.save_dir, stale)):
-            os.remove(os.path.join(self.save_dir, stale))
+        stale = os.path.join(self.save_dir, (previous or {}).get("weights", "latest.weights.h5"))
+        if os.path.basename(stale) == name:
+            return
+        if os.path.isdir(stale) and not os.path.islink(stale):
+            shutil.rmtree(stale)
+        elif os.path.exists(stale):
+            os.remove(stale)
 
     def on_train_end(self, logs=None):
         if self.save_dir == self.backup_dir:
@@ -97,7 +113,11 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
                 f"The backup in {self.backup_dir} is of epoch {metadata.get('epoch')} but its "
                 f"weights file {self._weights_path} is missing; delete {self.backup_dir} to "
                 f"start the run afresh.")
-        super()._load_model()
+        if self._weights_path.endswith(sharded_checkpoint.SUFFIX):
+            sharded_checkpoint.restore(self.model, self._weights_path)
+            self.model._initial_epoch = int(metadata["epoch"])  # pylint: disable=protected-access
+        else:
+            super()._load_model()
         if "seed_generators" in metadata:
             set_seed_generator_states(self.model, metadata["seed_generators"])
 
@@ -121,6 +141,15 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
 
     def _read_metadata(self):
         return read_json(self._training_metadata_path)
+
+    @property
+    def checkpoint_path(self):
+        """The path of the backup a resumed run loads (a `.keras` file or an Orbax folder), or
+        None before the first backup."""
+        metadata = self._read_metadata()
+        if metadata is None:
+            return None
+        return os.path.join(self.backup_dir, metadata.get("weights", "latest.weights.h5"))
 
     @property
     def resume_epoch(self):

@@ -1,6 +1,7 @@
 """Whether a training step fits: a lower bound of its activations' bytes
 (`training_activation_bytes`), the memory of the device it runs on (`device_memory`), and the
-check a run makes before its first step (`check_activation_memory`)."""
+check a run makes before its first step (`check_activation_memory`); whether an fsdp run's
+model.keras can be gathered on its host (`check_host_memory_for_saving`)."""
 
 import os
 
@@ -12,6 +13,11 @@ from vit_keras.model import ViT
 
 class ActivationMemoryError(errors.UserError, ValueError):
     """A training step's activations cannot fit in the memory of the device it runs on."""
+
+
+class HostMemoryError(errors.UserError, MemoryError):
+    """An fsdp run's weights and optimizer state, gathered whole to write model.keras, cannot
+    fit in its host's memory."""
 
 
 def training_activation_bytes(model, batch_size, image_size=None):
@@ -85,18 +91,31 @@ def host_memory():
     return physical
 
 
-def check_host_memory_for_saving(whole_bytes, available=None):
-    """Raises `ActivationMemoryError` (one line) when a sharded run's model and optimizer state,
-    `whole_bytes` gathered whole, cannot fit in this host's RAM (`host_memory()` unless
-    `available`): writing `model.keras` and each epoch's backup gathers them on every host
-    (`sharding.whole_values`). Checked before the first step, not at the first backup."""
+def saving_shortfall(whole_bytes, available=None):
+    """`None` when a sharded run's weights and optimizer state, `whole_bytes` gathered whole,
+    fit in this host's RAM (`host_memory()` unless `available`); else a sentence saying so."""
     available = host_memory() if available is None else available
-    if whole_bytes > available:
-        raise ActivationMemoryError(
-            f"Saving this run gathers its weights and optimizer state whole on each host, "
-            f"{_binary_size(whole_bytes)}, more than the {_binary_size(available)} of host "
-            f"memory: vit_keras cannot yet write sharded checkpoints without gathering (Orbax); "
-            f"use hosts with more memory, or an optimizer with less state (--optimizer sgd).")
+    if whole_bytes <= available:
+        return None
+    return (f"writing model.keras gathers this run's weights and optimizer state whole on each "
+            f"host, {_binary_size(whole_bytes)}, more than its {_binary_size(available)} of "
+            f"memory")
+
+
+def check_host_memory_for_saving(whole_bytes, weight_bytes, checkpoint, available=None):
+    """Raises `HostMemoryError` (one line) when an fsdp run's model.keras cannot be gathered on
+    this host (`saving_shortfall`), naming the sharded Orbax `checkpoint` that holds the trained
+    state and the two ways to a model.keras from it (docs/distributed.md)."""
+    shortfall = saving_shortfall(whole_bytes, available)
+    if shortfall is None:
+        return
+    raise HostMemoryError(
+        f"The run trained, but {shortfall}. Its trained state stays in the sharded checkpoint "
+        f"{checkpoint}: run the same command on hosts with at least {_binary_size(whole_bytes)} "
+        f"of memory (it resumes at its final evaluation and writes model.keras), or load the "
+        f"weights alone ({_binary_size(weight_bytes)}) into the model with "
+        f"vit_keras.tools.sharded_checkpoint.restore(model, path, with_optimizer=False) and "
+        f"save or export it (docs/distributed.md).")
 
 
 def _binary_size(count):

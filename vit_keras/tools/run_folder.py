@@ -1,6 +1,7 @@
 """A training run's folder, `OUTPUT_DIR/RUN_NAME/`: the one place that knows its layout.
 
-    model.keras          the model, rewritten atomically after every epoch and at the end
+    model.keras          the model, rewritten atomically after every epoch and at the end (fsdp:
+                         at the end only)
     adapters.npz         a LoRA run's trained weights alone (`finetuning.apply_adapters`)
     metrics.json         the final metrics, the resolved recipe and the run's settings
     flags.txt            the app's flags (usable as its --flagfile)
@@ -8,7 +9,8 @@
     history.csv          one row per epoch (Keras' CSVLogger)
     training_curves.png  loss (and accuracy, for classification) per epoch
     logs/                TensorBoard event files
-    backup/              the state to resume from, while the run is unfinished
+    backup/              the state to resume from, while the run is unfinished: an epoch's
+                         model.keras, or (fsdp) an Orbax checkpoint of its shards
     skipped_files.txt    an image folder's files that could not be read, one per line
     lock                 while a process runs in the folder: its pid and host (JSON)
 
@@ -35,6 +37,8 @@ from vit_keras import errors
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # POSIX; Windows has no symbolic links to refuse here
 # The entries a run writes in its folder (beside the temporary files of its atomic writes):
 # `--overwrite` deletes a folder's contents only when it holds nothing else.
+# Orbax writes a checkpoint into a folder named with this, renamed once every process has written.
+ORBAX_TEMPORARY_MARK = ".orbax-checkpoint-tmp"
 RUN_FILES = ("model.keras", "adapters.npz", "metrics.json", "flags.txt", "class_names.json",
              "history.csv", "training_curves.png", "logs", "backup", "skipped_files.txt", "lock")
 
@@ -395,8 +399,12 @@ class RunFolder:
         process is then writing them). Returns their paths relative to the folder."""
         found = self.temporary_files()
         for name in found:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self._file(name))
+            path = self._file(name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)  # an uncommitted Orbax checkpoint
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
         return found
 
     def write_flags(self, text):
@@ -433,11 +441,13 @@ class RunFolder:
 
     def temporary_files(self):
         """Files left by interrupted atomic writes (none after a clean run), relative to the
-        folder: `NAME.tmp-PID[.keras]` beside the outputs, `*.tmp-PID[.keras]` and (from
-        earlier versions' backups) `saving-PID.weights.h5` in `backup/`."""
+        folder: `NAME.tmp-PID[.keras]` beside the outputs, `*.tmp-PID[.keras]`, an Orbax
+        checkpoint not yet committed (`epoch-N.orbax.orbax-checkpoint-tmp-*`, a folder) and
+        (from earlier versions' backups) `saving-PID.weights.h5` in `backup/`."""
         found = [name for name in os.listdir(self.path) if ".tmp-" in name and (
             os.path.isfile(self._file(name)) or os.path.islink(self._file(name)))]
         if os.path.isdir(self.backup):
             found += [os.path.join("backup", name) for name in os.listdir(self.backup)
-                      if name.startswith("saving-") or ".tmp-" in name]
+                      if name.startswith("saving-") or ".tmp-" in name
+                      or ORBAX_TEMPORARY_MARK in name]
         return found

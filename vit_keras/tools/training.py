@@ -341,6 +341,10 @@ def run(config, app="finetune", log=print, started=None, objective=CLASSIFICATIO
             if error.errno not in run_folder_lib.DISK_FULL:
                 raise
             raise run_folder_lib.write_error(error.filename or folder.path, error) from None
+        finally:  # the process as it was, however the run ended
+            set_precision("none")
+            if config.compute.distribution != "none" and keras.backend.backend() == "jax":
+                keras.distribution.set_distribution(None)
 
 
 @dataclasses.dataclass
@@ -367,6 +371,7 @@ class _RunState:
     epochs: int = None
     total_updates: int = None
     backup: callbacks_lib.AtomicBackupAndRestore = None
+    placement: object = None     # fsdp: sharding.Placement, what model.keras gathers
     resume_epoch: int = 0
     model: keras.Model = None
     vit: object = None           # the ViT inside `model` (the model itself when classifying)
@@ -444,8 +449,12 @@ def _prepare(state):
         log(f"--distribution {compute.distribution}, {placed.describe()}.")
         resident = placed.parameter_bytes + placed.optimizer_bytes + placed.gradient_bytes
         if compute.distribution == "fsdp":
-            memory.check_host_memory_for_saving(placed.total_parameter_bytes
-                                                + placed.total_optimizer_bytes)
+            state.placement = placed
+            whole = placed.total_parameter_bytes + placed.total_optimizer_bytes
+            if whole > memory.host_memory():
+                log(f"Warning: {memory.saving_shortfall(whole)}: the run trains and backs up "
+                    f"its epochs without gathering them (sharded Orbax checkpoints), and stops "
+                    f"before writing model.keras.")
     if not state.trained:
         memory.check_activation_memory(state.vit, state.recipe.batch_size // state.replicas,
                                        state.recipe.image_size, resident_bytes=resident)
@@ -481,9 +490,10 @@ def _find_resume_epoch(state):
     folder = state.folder
     # The backup outlives `fit`: it is deleted once metrics.json is written, so that a run
     # killed during its final evaluation resumes there instead of training again.
+    # fsdp: each process writes its own shards of an Orbax checkpoint, nothing gathered.
     state.backup = callbacks_lib.AtomicBackupAndRestore(
         folder.backup, seed=state.config.seed, save_dir=state.writes.backup,
-        delete_checkpoint=False)
+        sharded=state.config.compute.distribution == "fsdp", delete_checkpoint=False)
     state.resume_epoch = state.backup.resume_epoch
     found = distribution_lib.process_values(state.resume_epoch, state.processes)
     if len(set(found)) > 1:
@@ -564,9 +574,13 @@ def _callbacks(state, nan_guard):
     what they log: EMA's val_ema_*), history.csv and TensorBoard (process 0's), the model after
     every epoch (a part's own checkpoint, LoRA's), and last the backup (an epoch's backup exists
     only once its other files are written)."""
-    checkpoint = next((part.checkpoint for part in state.parts if part.checkpoint),
-                      callbacks_lib.AtomicModelCheckpoint)(state.writes.model)
-    checkpoint.guard = state.backup.guard = nan_guard
+    # fsdp writes model.keras once, at the end: each epoch's (sharded) backup gathers nothing.
+    whole = None if state.backup.sharded else callbacks_lib.AtomicModelCheckpoint
+    checkpoint = next((part.checkpoint for part in state.parts if part.checkpoint), whole)
+    checkpoint = checkpoint and checkpoint(state.writes.model)
+    if checkpoint is not None:
+        checkpoint.guard = nan_guard
+    state.backup.guard = nan_guard
     chief = state.processes.is_chief
     logs = []
     if not chief:
@@ -579,7 +593,7 @@ def _callbacks(state, nan_guard):
              for callback in part.callbacks(state.validation, nan_guard)]
     return [nan_guard, state.throughput, *parts, *logs,
             *([keras.callbacks.CSVLogger(state.folder.history, append=True)] if chief else []),
-            checkpoint, state.backup]
+            *([checkpoint] if checkpoint is not None else []), state.backup]
 
 
 def build_before_tracing(model, dataset):
@@ -615,6 +629,7 @@ def _fit(state, train_ds, val_ds):
         epoch, batch, loss = nan_guard.bad_step
         kept = (f"{state.folder.model} keeps the last epoch that ended with a finite loss"
                 if os.path.exists(state.folder.model) else
+                "an fsdp run writes model.keras only at its end" if state.backup.sharded else
                 "no epoch ended with a finite loss, so no model.keras was written")
         raise callbacks_lib.NonFiniteLossError(
             f"The training loss became {loss} at epoch {epoch + 1}, batch {batch + 1}; the run "
@@ -637,6 +652,11 @@ def _report(state, fit_seconds):
     state.splits.check_readable_classes()  # one class left readable: no result to keep
     if state.splits.skipped_files:
         state.log(state.splits.unreadable.summary())
+    if state.placement is not None:  # fsdp: too big to gather, it stays in its Orbax backup
+        placed = state.placement
+        memory.check_host_memory_for_saving(
+            placed.total_parameter_bytes + placed.total_optimizer_bytes,
+            placed.total_parameter_bytes, state.backup.checkpoint_path)
     saved = state.model
     for part in state.parts:
         saved = part.saved_model(saved)  # LoRA: merged, plain
@@ -666,9 +686,6 @@ def _report(state, fit_seconds):
         state.folder.remove_backup()
     else:
         shutil.rmtree(state.writes.path, ignore_errors=True)
-    set_precision("none")
-    if state.config.compute.distribution != "none" and keras.backend.backend() == "jax":
-        keras.distribution.set_distribution(None)
     return metrics
 
 
