@@ -12,6 +12,8 @@ Every row runs in its own process with `XLA_FLAGS=--xla_force_host_platform_devi
 - `live` (`--live` models): the same, allocated; the bytes summed over what device 0 really holds,
   and the median time of `--steps` training steps (`train_on_batch`, jit-compiled) at
   `--batch_size` images of 224 px, after one compiling step.
+  Under fsdp also the seconds to write the state as the run's sharded Orbax backup, to read it
+  back, and to write it whole as a `.keras` file.
 - `compile` (`--compile` models, under fsdp): the training step (forward, loss, gradients, AdamW)
   lowered and compiled by XLA for the 8 devices from shapes alone, and XLA's own memory analysis
   of it per device (arguments, outputs, temporaries) - for models too large to allocate here.
@@ -77,6 +79,8 @@ def _worker(model_name, kind, mode, batch_size, steps):
             float(model.train_on_batch(images, labels))
             times.append(time.perf_counter() - started)
         result["step_seconds"] = statistics.median(times)
+        if kind == "fsdp":
+            result.update(_backup_seconds(model))
         return result
     with keras.StatelessScope(initialize_variables=False):
         model = vit_keras.ViT(variant, num_classes=1000)
@@ -89,6 +93,33 @@ def _worker(model_name, kind, mode, batch_size, steps):
     if mode == "compile":
         result.update(_compiled_step_memory(model, optimizer, loss, batch_size))
     return result
+
+
+def _backup_seconds(model):
+    """Seconds to write an fsdp run's epoch backup as a sharded Orbax checkpoint and to read it
+    back onto the devices, and to write the same state whole as a `.keras` file (what each epoch
+    wrote before); with the bytes each takes on disk."""
+    import tempfile
+
+    from vit_keras.tools import sharded_checkpoint
+
+    def timed(call):
+        started = time.perf_counter()
+        call()
+        return time.perf_counter() - started
+
+    def disk_bytes(path):
+        if os.path.isfile(path):
+            return os.path.getsize(path)
+        return sum(os.path.getsize(os.path.join(root, name))
+                   for root, _, names in os.walk(path) for name in names)
+
+    with tempfile.TemporaryDirectory() as folder:
+        orbax, keras_file = os.path.join(folder, "epoch-1.orbax"), os.path.join(folder, "m.keras")
+        return {"orbax_save_seconds": timed(lambda: sharded_checkpoint.save(model, orbax)),
+                "orbax_restore_seconds": timed(lambda: sharded_checkpoint.restore(model, orbax)),
+                "keras_save_seconds": timed(lambda: model.save(keras_file)),
+                "orbax_disk_bytes": disk_bytes(orbax), "keras_disk_bytes": disk_bytes(keras_file)}
 
 
 def _compiled_step_memory(model, optimizer, loss, batch_size):
@@ -198,6 +229,12 @@ def main():
         print(f"| {row['model']} | {row['distribution']} | {row['mode']} | "
               f"{_gib(row['parameter_bytes'])} | {_gib(row['optimizer_bytes'])} | {step} | "
               f"{xla} |")
+    for row in rows:
+        if "orbax_save_seconds" in row:
+            print(f"\n{row['model']} backup under fsdp: Orbax save {row['orbax_save_seconds']:.2f}"
+                  f" s, restore {row['orbax_restore_seconds']:.2f} s, "
+                  f"{_gib(row['orbax_disk_bytes'])} GiB on disk; whole .keras save "
+                  f"{row['keras_save_seconds']:.2f} s, {_gib(row['keras_disk_bytes'])} GiB")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%d"), "devices": DEVICES,
