@@ -59,7 +59,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 docs: setup
-	$(VENV)/bin/mkdocs build --strict --quiet --site-dir site
+	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 test: lint
 	@$(MAKE) --no-print-directory -j$(TEST_JOBS) --output-sync=target $(TEST_SHARDS) \

@@ -255,8 +255,8 @@ def build_model_from_checkpoint(path, *, variant=None, image_size=None, num_clas
       The loaded `vit_keras.ViT`.
 
     Raises:
-      The errors of `resolve_weights`; `vit_keras.errors.CheckpointError` when the checkpoint
-      cannot be read or holds another architecture than `variant`.
+      vit_keras.errors.CheckpointError: when the checkpoint cannot be read or holds another
+        architecture than `variant`; and the errors of `resolve_weights`.
     """
     if variant is not None and num_heads is None:
         num_heads = configs.get_config(variant).num_heads
