@@ -98,7 +98,7 @@ def restore(model, path, with_optimizer=True):
                     f"The checkpoint {path} holds {variable.path} with shape "
                     f"{tuple(meta.shape)}, but {model.name}'s is {tuple(variable.shape)}: it was "
                     f"written by another architecture, image size or number of classes.")
-    target = {group: [jax.ShapeDtypeStruct(tuple(v.shape), v.dtype, sharding=_sharding(v))
+    target = {group: [jax.ShapeDtypeStruct(tuple(v.shape), v.dtype, sharding=v.value.sharding)
                       for v in variables] for group, variables in groups.items()}
     restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
         target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
@@ -107,14 +107,4 @@ def restore(model, path, with_optimizer=True):
         for variable, value in zip(variables, restored[group]):
             variable.assign(value)
     return model
-
-
-def _sharding(variable):
-    """Where a variable's value lives: its array's sharding, or the first device's."""
-    import jax
-
-    value = variable.value
-    if isinstance(value, jax.Array):
-        return value.sharding
-    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
 

@@ -450,11 +450,12 @@ def _prepare(state):
         resident = placed.parameter_bytes + placed.optimizer_bytes + placed.gradient_bytes
         if compute.distribution == "fsdp":
             state.placement = placed
-            whole = placed.total_parameter_bytes + placed.total_optimizer_bytes
-            if whole > memory.host_memory():
-                log(f"Warning: {memory.saving_shortfall(whole)}: the run trains and backs up "
-                    f"its epochs without gathering them (sharded Orbax checkpoints), and stops "
-                    f"before writing model.keras.")
+            shortfall = memory.saving_shortfall(placed.total_parameter_bytes
+                                                + placed.total_optimizer_bytes)
+            if shortfall:
+                log(f"Warning: {shortfall}: the run trains and backs up its epochs without "
+                    f"gathering them (sharded Orbax checkpoints), and stops before writing "
+                    f"model.keras.")
     if not state.trained:
         memory.check_activation_memory(state.vit, state.recipe.batch_size // state.replicas,
                                        state.recipe.image_size, resident_bytes=resident)
