@@ -142,9 +142,12 @@ def test_merged_model_is_plain_and_computes_what_the_lora_model_does(lora_run):
 
 
 def test_adapters_applied_to_the_base_give_the_merged_model(lora_run, tmp_path):
-    base, _, model = lora_run
+    base, before, model = lora_run
     path = finetuning.save_adapters(model, str(tmp_path / "adapters.npz"))
     rebuilt = finetuning.apply_adapters(base, path)
+    assert rebuilt is not base  # the guide's promise: a new model, the base left as it was
+    unchanged = _values(base)
+    assert all(np.array_equal(unchanged[key], before[key]) for key in before)
     expected, found = _values(finetuning.merge_lora(model)), _values(rebuilt)
     assert expected.keys() == found.keys()
     for key in expected:

@@ -8,7 +8,8 @@ blocks. Each turns the ViT a run built into the model it trains (a part of the r
   distilled DeiT's second head `head_dist`) and, with `train_norms`, the LayerNorms. The run's
   `model.keras` is `merge_lora`'s plain model (the adapters folded into the kernels: it loads
   with only `import vit_keras`), and `adapters.npz` beside it holds the trained weights alone
-  (`save_adapters`; `apply_adapters` checks them and puts them on the base model again).
+  (`save_adapters`; `apply_adapters` checks them and returns a new model, the base with them;
+  the base is not changed).
 
   Each update is `(alpha / R) * A @ B` of rank <= R, the paper's: for `out` `(heads, head_dim,
   hidden)` and the MLP's kernels Keras' own (`A` the kernel's shape with its last axis `R`), for
