@@ -1,4 +1,5 @@
-r"""Evaluates a trained .keras model on a dataset split: accuracy, top-5 and per-class accuracy.
+r"""Evaluates a trained .keras model on a dataset split: accuracy, top-5 (more than 5 classes) and
+per-class accuracy.
 
     python apps/evaluate.py --backend jax --model saved_models/finetune_digits_ViT-digits_jax/model.keras
     python apps/evaluate.py --model run/model.keras --dataset cifar10 --data_dir ~/tensorflow_datasets \
@@ -68,8 +69,7 @@ def main(argv):
     report.update(model=os.path.abspath(FLAGS.model), dataset=dataset, split=FLAGS.split,
                   backend=keras.backend.backend(),
                   skipped_files=[path for path, _ in splits.skipped_files])
-    print(f"{dataset} {FLAGS.split}: {report['count']} images, accuracy "
-          f"{100 * report['accuracy']:.2f}%, top-5 {100 * report['top5_accuracy']:.2f}%")
+    print(f"{dataset} {FLAGS.split}: {report['count']} images, {evaluation.headline(report)}")
     if FLAGS.quantize != "none":
         quantized_logits, _ = evaluation.evaluate_model(
             evaluation.quantized_copy(model, FLAGS.quantize), pipeline)
@@ -79,9 +79,9 @@ def main(argv):
         report["quantized"] = {"mode": FLAGS.quantize, "accuracy": quantized["accuracy"],
                                "top5_accuracy": quantized["top5_accuracy"],
                                "agreement_with_float": agreement}
-        print(f"{FLAGS.quantize}: accuracy {100 * quantized['accuracy']:.2f}% (float "
-              f"{100 * report['accuracy']:.2f}%), top-5 {100 * quantized['top5_accuracy']:.2f}%, "
-              f"same top-1 class as float on {100 * agreement:.2f}% of the images")
+        print(f"{FLAGS.quantize}: {evaluation.headline(quantized)} (float "
+              f"{evaluation.headline(report)}), same top-1 class as float on "
+              f"{100 * agreement:.2f}% of the images")
     print("\n| class | images | accuracy |\n|---|---|---|")
     for name, row in report["per_class"].items():
         accuracy = "-" if row["accuracy"] is None else f"{100 * row['accuracy']:.2f}%"

@@ -8,6 +8,8 @@ import dataclasses
 
 import keras
 
+from vit_keras.tools import evaluation
+
 # In the core, which `import vit_keras` registers: a saved optimizer finds them there.
 from vit_keras.training import layer_decay
 from vit_keras.training.schedules import WarmupSchedule
@@ -206,10 +208,10 @@ def compile_model(model, optimizer, label_smoothing=0.0, jit_compile=None):
     a multi-process evaluation, `distribution.pad_to_whole_batches`) and equal plain ones
     without. `jit_compile=None` compiles with `use_jit_compile()` and saves "auto"; `True` or
     `False` is used and saved as given (`portable_compile_config`)."""
-    num_classes = model.output_shape[-1]
     metrics = [keras.metrics.CategoricalAccuracy(name="accuracy")]
-    if num_classes > 5:
-        metrics.append(keras.metrics.TopKCategoricalAccuracy(5, name="top5_accuracy"))
+    if evaluation.reports_top_k(model.output_shape[-1]):
+        metrics.append(keras.metrics.TopKCategoricalAccuracy(evaluation.TOP_K,
+                                                             name="top5_accuracy"))
     model.compile(
         optimizer=optimizer,
         loss=keras.losses.CategoricalCrossentropy(from_logits=True,
