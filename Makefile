@@ -47,10 +47,11 @@ space := $(empty) $(empty)
 # $(call pytest,BACKEND,MARKER EXPRESSION,NAME,PYTEST OPTIONS): one pytest process, failing on
 # any non-zero exit.
 define pytest
-@echo "=== pytest on the $(1) backend: $(3) ==="; \
+@echo "=== pytest on the $(1) backend: $(3) ==="; start=$$(date +%s); \
 	KERAS_BACKEND=$(1) TF_CPP_MIN_LOG_LEVEL=3 $(PY) -m pytest tests -m "$(2)" \
 	  --basetemp=$(PYTEST_TMP)-$(1)-$(3) $(4) $(PYTEST_ARGS); \
 	status=$$?; \
+	echo "shard $(1) $(3): $$(( $$(date +%s) - start )) s (exit $$status)"; \
 	if [ $$status -eq 5 ]; then echo "pytest collected no tests on $(1) ($(3)): failing"; exit 1; fi; \
 	if [ $$status -ne 0 ]; then echo "tests failed on $(1) ($(3), exit $$status)"; exit 1; fi
 endef

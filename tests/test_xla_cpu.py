@@ -27,6 +27,7 @@ without = jax.jit(jax.grad(lambda x: chain(x, lambda t: t)))
 nan_grad = jax.grad(lambda x: jnp.sum(materialize_gradient(x) * jnp.nan))(x)
 print(json.dumps({
     "difference": float(jnp.max(jnp.abs(with_barrier(x) - without(x)))),
+    "scale": float(jnp.max(jnp.abs(without(x)))),
     "conditionals": with_barrier.lower(x).compile().as_text().count("conditional("),
     "nan_stays_nan": bool(jnp.all(jnp.isnan(nan_grad))),
 }))
@@ -45,7 +46,10 @@ def test_materialize_gradient_on_jax_keeps_gradients_and_survives_xla():
     and the gradient must equal the one without it."""
     result = run_on_backend("jax", _GRADIENT_CODE)
     assert result["conditionals"] == 4
-    assert result["difference"] == 0.0
+    # Not bit equality: with and without the barrier XLA fuses the same elementwise gradient into
+    # different loops, which may contract a product and a sum into one FMA (a last-bit change);
+    # a barrier that lost or scaled the gradient would be off by its whole size.
+    assert result["difference"] <= 1e-6 * result["scale"], result
     assert result["nan_stays_nan"]
 
 
