@@ -138,6 +138,15 @@ def test_a_config_json_nested_too_deep_is_refused(tmp_path, saved, depth):
         vit_keras.check_keras_file(path)
 
 
+def test_a_config_json_number_of_thousands_of_digits_is_refused(tmp_path, saved):
+    """Python refuses to read an integer of more than 4,300 digits (a ValueError that escaped as
+    a traceback)."""
+    path = _rewritten(saved, tmp_path / "digits.keras",
+                      lambda c: json.dumps(c).replace('"tiny"', "9" * 5000, 1))
+    with pytest.raises(keras_files.KerasFileError, match=r"config.json.* number too large"):
+        vit_keras.check_keras_file(path)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["inflating_config", "more_weights_than_stored", "too_deep"])
 def test_predict_refuses_a_hostile_keras_file_in_one_line(tmp_path, saved, case):

@@ -18,6 +18,7 @@ import pytest
 import vit_keras
 from vit_keras.model import normalization
 from vit_keras.weights import releases
+from vit_keras.weights.checkpoints import huggingface
 from vit_keras.weights.checkpoints import timm as timm_format
 
 torch = pytest.importorskip("torch")
@@ -361,6 +362,17 @@ def test_a_normalization_without_preprocessing_is_refused(tiny_config):
 def test_a_malformed_normalization_is_refused_with_what_was_expected(value, tiny_config):
     with pytest.raises(ValueError, match="ormali"):
         vit_keras.build_model(tiny_config, image_size=8, normalization=value)
+
+
+@pytest.mark.backend_independent  # JSON and Python floats
+def test_a_preprocessor_config_number_of_thousands_of_digits_is_refused(tmp_path):
+    """Python refuses to read an integer of more than 4,300 digits (a ValueError that escaped as
+    a traceback)."""
+    (tmp_path / "preprocessor_config.json").write_text(
+        '{"image_mean": [0.5], "image_std": [0.5], "rescale_factor": ' + "9" * 5000 + "}")
+    with pytest.raises(vit_keras.errors.CheckpointError,
+                       match=r"preprocessor_config.json.* number too large"):
+        huggingface.read_normalization(str(tmp_path), "vit")
 
 
 def test_old_models_with_a_rescaling_layer_still_say_their_normalization():

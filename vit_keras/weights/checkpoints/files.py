@@ -148,7 +148,8 @@ def read_json(path, max_bytes=16 << 20):
 
 def parse_json(data, name):
     """The JSON value in the bytes `data` (from the file `name`); a `CheckpointError` naming it
-    when it is not UTF-8 JSON or is nested too deep to parse."""
+    when it is not UTF-8 JSON, is nested too deep to parse or holds an integer of thousands of
+    digits."""
     try:
         return json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -156,6 +157,9 @@ def parse_json(data, name):
     except RecursionError as error:
         raise errors.CheckpointError(f"{name!r} nests JSON arrays or objects too deep to "
                                      f"read.") from error
+    except ValueError as error:  # Python reads no integer of over 4,300 digits
+        raise errors.CheckpointError(f"{name!r} holds a number too large to read (an integer "
+                                     f"of over 4,300 digits).") from error
 
 
 def _read_npz_array(path, archive, key):
