@@ -36,12 +36,15 @@ HOME_VARIABLE = "VIT_KERAS_HOME"
 TIMEOUT_SECONDS = 5
 """How long a connection attempt, or a read that receives nothing at all, waits before failing."""
 DEADLINE_VARIABLE = "VIT_KERAS_DOWNLOAD_DEADLINE"
-"""Replaces `DEADLINE_SECONDS` (a number of seconds)."""
+"""Replaces `DEADLINE_SECONDS` (a number of seconds, at most `MAX_SECONDS`)."""
+MAX_SECONDS = 7 * 24 * 60 * 60
+"""The longest deadline or progress window accepted: a week (a clock of centuries overflows the
+watchdog's wait, and a download held that long is held by a hostile server)."""
 DEADLINE_SECONDS = 2 * 60 * 60
 """How long one file's download (connection, headers and body) may take in all before it is
 given up; its `.part` file is kept, and the next call resumes it."""
 PROGRESS_WINDOW_VARIABLE = "VIT_KERAS_DOWNLOAD_PROGRESS_WINDOW"
-"""Replaces `PROGRESS_WINDOW_SECONDS` (a number of seconds)."""
+"""Replaces `PROGRESS_WINDOW_SECONDS` (a number of seconds, at most `MAX_SECONDS`)."""
 PROGRESS_WINDOW_SECONDS = 30
 """The window over which a download's progress is measured (see `MIN_PROGRESS_BYTES`)."""
 MIN_PROGRESS_BYTES = 64 * 1024
@@ -70,7 +73,8 @@ class InvalidFileError(WeightsUnavailableError):
 
 class DownloadSettingError(errors.UserError, ValueError):
     """An environment variable of the download (`DEADLINE_VARIABLE`,
-    `PROGRESS_WINDOW_VARIABLE`) holds something other than a positive number of seconds."""
+    `PROGRESS_WINDOW_VARIABLE`) holds something other than a positive number of seconds up to
+    `MAX_SECONDS`."""
 
 
 class FileRejected(ValueError):
@@ -154,7 +158,8 @@ def invalid_file_error(path, local, problem):
 
 
 def _seconds(variable, default):
-    """The positive number of seconds in the environment variable `variable`, else `default`."""
+    """The positive number of seconds, at most `MAX_SECONDS`, in the environment variable
+    `variable`, else `default`."""
     value = os.environ.get(variable, "").strip()
     if not value:
         return default
@@ -162,10 +167,10 @@ def _seconds(variable, default):
         seconds = float(value)
     except ValueError:
         seconds = math.nan
-    if not 0 < seconds < math.inf:
-        raise DownloadSettingError(f"{variable}={value!r} is not a positive number of seconds; "
-                                   f"unset it (the default is {default}) or give one, e.g. "
-                                   f"{variable}={default}.")
+    if not 0 < seconds <= MAX_SECONDS:
+        raise DownloadSettingError(f"{variable}={value!r} is not a positive number of seconds "
+                                   f"up to {MAX_SECONDS} (a week); unset it (the default is "
+                                   f"{default}) or give one, e.g. {variable}={default}.")
     return seconds
 
 
