@@ -404,3 +404,30 @@ def test_feature_tokens_and_attention_scores_follow_the_rotary_blocks(family):
     tokens_count = expected.shape[1]
     assert [s.shape for s in scores] == [(2, SMALL["num_heads"], tokens_count, tokens_count)] * 2
     np.testing.assert_allclose(np.stack(scores).sum(-1), 1.0, rtol=1e-5)
+
+
+# The family and size a checkpoint names, not its numbers: one pass.
+@pytest.mark.backend_independent("torch")
+@pytest.mark.parametrize("architecture, overrides, expected", [
+    ("vit_base_patch16_dinov3", {"img_size": 32}, "DINOv3-B/16"),
+    ("eva02_small_patch14_224", {"img_size": 28}, "EVA02-S/14"),
+])
+def test_a_family_file_is_named_by_its_family_and_size(architecture, overrides, expected,
+                                                       tmp_path):
+    """Not the paper's `ViT-B/16` of the same width, nor `custom`: the run line and the logs
+    name the model."""
+    path = tmp_path / "model.pth"
+    torch.save(timm.create_model(architecture, pretrained=False, depth=1, **overrides)
+               .state_dict(), path)
+    model = vit_keras.build_model_from_checkpoint(str(path), timm_architecture=architecture)
+    assert model.vit_config.name == expected and model.name == expected.replace("/", "_")
+
+
+@pytest.mark.backend_independent("torch")
+def test_a_transformers_dinov3_folder_is_named_by_its_family_and_size(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DINOv3ViTConfig(num_hidden_layers=1, image_size=32, patch_size=16)
+    assert config.hidden_size == 384  # transformers' default: ViT-S's width
+    transformers.DINOv3ViTModel(config).save_pretrained(tmp_path)
+    model = vit_keras.build_model_from_checkpoint(tmp_path, include_top=False)
+    assert model.vit_config.name == "DINOv3-S/16"

@@ -185,7 +185,7 @@ def test_a_missing_switch_is_a_precise_strict_load_error():
         vit_keras.load_pretrained(plain, path)
 
 
-def test_timm_architecture_names_decide_epsilon_gelu_heads_and_normalization():
+def test_timm_architecture_names_decide_epsilon_gelu_heads_family_and_normalization():
     def hints(name):
         found = timm_format.architecture_hints(name)
         normalization = found.pop("normalization", None)
@@ -193,13 +193,15 @@ def test_timm_architecture_names_decide_epsilon_gelu_heads_and_normalization():
         return found, normalization and normalization.name
 
     assert hints("vit_base_patch16_clip_quickgelu_224.openai") == (
-        {"layer_norm_epsilon": 1e-5, "gelu": "quick", "num_heads": 12}, "clip")
+        {"layer_norm_epsilon": 1e-5, "gelu": "quick", "num_heads": 12, "family": "CLIP"}, "clip")
     assert hints("vit_large_patch16_clip_224.laion2b") == (
-        {"layer_norm_epsilon": 1e-5, "gelu": "exact", "num_heads": 16}, "clip")
+        {"layer_norm_epsilon": 1e-5, "gelu": "exact", "num_heads": 16, "family": "CLIP"}, "clip")
     assert hints("deit3_small_patch16_224") == (
-        {"layer_norm_epsilon": 1e-6, "gelu": "exact", "num_heads": 6}, "imagenet")
+        {"layer_norm_epsilon": 1e-6, "gelu": "exact", "num_heads": 6, "family": "DeiT3"},
+        "imagenet")
     assert hints("vit_base_patch16_224") == (
-        {"layer_norm_epsilon": 1e-6, "gelu": "exact", "num_heads": 12}, None)
+        {"layer_norm_epsilon": 1e-6, "gelu": "exact", "num_heads": 12}, None)  # the paper's
+    assert hints("vit_base_patch16_224.mae")[0]["family"] == "MAE"
 
 
 def test_timm_config_json_beside_the_file_names_the_architecture(tmp_path):

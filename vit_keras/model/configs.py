@@ -177,6 +177,18 @@ VARIANTS = types.MappingProxyType(
 that the paper lacks (EVA-02 B and L, AIMv2 L, DINOv2 giant), by name, read-only."""
 
 
+# The size in a variant's name by its width (Ti 192, S 384, B 768, ..., DINOv2's giant g 1536).
+_SIZE_BY_WIDTH = {config.hidden_size: config.name.split("-")[1].split("/")[0]
+                  for config in _VITS + _FAMILY}
+
+
+def family_variant_name(family, config):
+    """A family's name for the architecture `config`: `"DINOv3-B/16"`, `"EVA02-S/14"` (the size
+    that of the variants of its width; the width itself where none has it)."""
+    size = _SIZE_BY_WIDTH.get(config.hidden_size, config.hidden_size)
+    return f"{family}-{size}/{config.patch_size}"
+
+
 def get_config(variant):
     """Resolves a variant name (`"ViT-B/16"`, or `"ViT-B_16"` as the published files spell it), a
     `ViTConfig` or a mapping of `ViTConfig` fields to a `ViTConfig`."""

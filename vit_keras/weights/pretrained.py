@@ -166,6 +166,7 @@ def build_model(variant, *, weights=None, image_size=None, num_classes=None,
                                             num_heads=configs.get_config(variant).num_heads)
         arguments["normalization"] = input_normalization(
             arguments.get("normalization"), checkpoint, arguments.get("include_preprocessing", True))
+        variant = _family_named(configs.get_config(variant), checkpoint)
     model = model_lib.ViT(variant, image_size=image_size, num_classes=num_classes,
                           representation_size=representation_size, **arguments)
     if checkpoint is not None:
@@ -194,6 +195,15 @@ def input_normalization(normalization, checkpoint, include_preprocessing=True, r
         "pass normalization='imagenet' (DeiT, DINOv2, MAE), 'clip' or (mean, std) (apps: "
         "--normalization).", checkpoint.path)
     return normalization_lib.PAPER
+
+
+def _family_named(config, checkpoint):
+    """`config` under the name of the checkpoint's family, where it has one (`"DINOv3-B/16"`,
+    not the paper's `"ViT-B/16"` of the same width, nor `"custom"`)."""
+    family = checkpoint.hints.get("family")
+    if family is None:
+        return config
+    return dataclasses.replace(config, name=configs.family_variant_name(family, config))
 
 
 def _variant_for(fields, variant, path):
@@ -252,7 +262,9 @@ def build_model_from_checkpoint(path, *, variant=None, image_size=None, num_clas
         overriding what the checkpoint says.
 
     Returns:
-      The loaded `vit_keras.ViT`.
+      The loaded `vit_keras.ViT`, named after the checkpoint's family and size where the file
+      says its family (`"DINOv3-B/16"`, `"EVA02-S/14"`, see `configs.family_variant_name`),
+      else after the paper's variant it holds, else `"custom"`.
 
     Raises:
       vit_keras.errors.CheckpointError: when the checkpoint cannot be read or holds another
@@ -264,8 +276,8 @@ def build_model_from_checkpoint(path, *, variant=None, image_size=None, num_clas
     checkpoint = loader.read_checkpoint(path, num_heads=num_heads,
                                         timm_architecture=timm_architecture)
     arch = loader.architecture(checkpoint)
-    config = dataclasses.replace(_variant_for(arch["config"], variant, checkpoint.path),
-                                 **arch["switches"])
+    config = _family_named(dataclasses.replace(
+        _variant_for(arch["config"], variant, checkpoint.path), **arch["switches"]), checkpoint)
     if image_size is None and arch["grid"] is None and config.position_embedding == "none":
         image_size = 224  # rotary embeddings alone: no size is stored, any size works
     if image_size is None:

@@ -53,6 +53,12 @@ _FAMILY_NORMALIZATION = {"deit": "imagenet", "dinov2": "imagenet",
                          "dinov2_with_registers": "imagenet", "vit_mae": "imagenet",
                          "clip_vision_model": "clip", "siglip_vision_model": "inception",
                          "dinov3_vit": "imagenet", "aimv2_vision_model": "clip"}
+# The family a `model_type` names, which names the model (`configs.family_variant_name`); a `vit`
+# folder (Google's ViTs, DINO's) keeps the paper's variant names.
+_FAMILY_NAMES = {"deit": "DeiT", "vit_mae": "MAE", "dinov2": "DINOv2",
+                 "dinov2_with_registers": "DINOv2", "clip_vision_model": "CLIP",
+                 "siglip_vision_model": "SigLIP", "dinov3_vit": "DINOv3",
+                 "aimv2_vision_model": "AIMv2"}
 FAMILIES = tuple(_DEFAULTS)
 """The `model_type`s vit_keras reads (`clip` and `siglip` folders: their `vision_config`)."""
 _VISION_TOWERS = {"clip": "clip_vision_model", "siglip": "siglip_vision_model"}
@@ -227,8 +233,9 @@ def family(state_dict, config=None):
 def hints(config, model_type="vit"):
     """Architecture facts from a `config.json` (dict, or None: the family's defaults) that the
     weights alone do not carry: `layer_norm_epsilon`, `gelu` (and the older `approximate_gelu`),
-    `num_heads`, `grid`, and the family's position-embedding layout (`posemb_prefix`: every
-    Hugging Face family adds position embeddings to its class and distillation tokens)."""
+    `num_heads`, `grid`, the `family` that names the model, and the family's position-embedding
+    layout (`posemb_prefix`: every Hugging Face family adds position embeddings to its class and
+    distillation tokens)."""
     config = vision_config(config) or {}
     _check_config({"model_type": model_type, **config}, CONFIG)
     model_type = config.get("model_type", model_type)
@@ -237,6 +244,8 @@ def hints(config, model_type="vit"):
     epsilon = config["rms_norm_eps" if model_type == "aimv2_vision_model" else "layer_norm_eps"]
     out = {"layer_norm_epsilon": float(epsilon), "gelu": gelu,
            "approximate_gelu": gelu == "tanh", "posemb_prefix": True}
+    if model_type in _FAMILY_NAMES:
+        out["family"] = _FAMILY_NAMES[model_type]
     if model_type == "dinov3_vit":  # its pooler output is the class token after the norm
         out.update(rope="dinov3", rope_temperature=float(config["rope_theta"]),
                    rope_rotate_half=True, classifier="token")

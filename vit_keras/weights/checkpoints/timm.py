@@ -102,12 +102,21 @@ _ROPE_BY_NAME = (
     (r"_rope_", {"rope": "axial", "rope_temperature": 100.0, "rope_xy": True}),
 )
 
+# The family a name belongs to, which names the model (`configs.family_variant_name`); the
+# paper's ViTs (`vit_*` of none of these) keep the paper's variant names. The first that matches.
+_FAMILY_BY_NAME = (
+    (r"_dinov3", "DINOv3"), (r"_dinov2", "DINOv2"), (r"^eva02_", "EVA02"), (r"^vit_pe_", "PE"),
+    (r"^aimv2_", "AIMv2"), (r"^deit3_", "DeiT3"), (r"^deit_", "DeiT"), (r"_siglip", "SigLIP"),
+    (r"_clip_", "CLIP"), (r"_rope_", "RoPE-ViT"), (r"\.mae$", "MAE"),
+)
+
 
 def architecture_hints(timm_architecture):
     """What a timm architecture name (`"vit_base_patch16_clip_quickgelu_224.openai"`; the
-    pretrained tag after the dot matters only for the normalisation) says that the keys do not:
-    `layer_norm_epsilon`, `gelu`, `num_heads` where its size names one, and `normalization` where
-    the table above names one."""
+    pretrained tag after the dot matters only for the normalisation and MAE's family) says what
+    the keys do not: `layer_norm_epsilon`, `gelu`, `num_heads` where its size names one, the
+    rotary settings, the `family` (`_FAMILY_BY_NAME`), and `normalization` where the table above
+    names one."""
     name = timm_architecture.split(".")[0]
     clip = "_clip_" in name and not name.startswith("eva02_")  # EVA-02's CLIP towers: 1e-6
     hints = {"layer_norm_epsilon": 1e-5 if clip or name.startswith("aimv2_") else 1e-6,
@@ -126,6 +135,10 @@ def architecture_hints(timm_architecture):
             side = int(grid.group(2)) // int(grid.group(1))
             rope["rope_ref_grid"] = (side, side)
     hints.update(rope)
+    family = next((found for pattern, found in _FAMILY_BY_NAME
+                   if re.search(pattern, timm_architecture)), None)
+    if family:
+        hints["family"] = family
     normalization = normalization_for_name(timm_architecture)
     if normalization:
         hints["normalization"] = normalization_lib.NORMALIZATIONS[normalization]
