@@ -3,7 +3,8 @@
 #   make test   - set up .venv, lint (ruff) and run the whole test suite on the TensorFlow, JAX and
 #                 torch backends
 #   make test-fast - lint, then the tests not marked `slow` on one backend (BACKEND, default jax):
-#                 the edit-test loop (416 s for JAX on a quiet 2-core machine, 2026-11-25)
+#                 the edit-test loop (4:50 for JAX on a quiet 2-core machine, 2026-11-25, as
+#                 CONTRIBUTING.md says; 416 s before tests over 5 s became slow)
 #   make docs   - build the documentation site strictly into site/ (a broken link or reference fails)
 VENV ?= .venv
 PYTHON ?= python3

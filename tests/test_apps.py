@@ -191,6 +191,7 @@ def test_train_app_uses_the_pretraining_recipe(tmp_path):
     result = _app("train.py", "--backend", BACKEND, *TINY, "--epochs", "1", "--dataset", "digits",
                   "--recipe", "pretrain", "--warmup_steps", "1", "--output_dir", str(tmp_path))
     assert "recipe pretrain" in result.stdout
+    assert re.search(r", 1 epoch of \d+ steps?, ", result.stdout), result.stdout  # not "1 epochs"
     metrics = json.loads((tmp_path / f"train_digits_ViT-digits_{BACKEND}" / "metrics.json")
                          .read_text())
     recipe = metrics["config"]["recipe"]

@@ -65,7 +65,7 @@ def test_masked_patch_prediction_scores_few_shot_accuracy_of_the_frozen_features
     summary = objective.summary({**results, "epochs": 1, "fit_time_s": 3.0,
                                  "images_per_second": 100.0,
                                  "config": {"backend": "jax", "dataset": "digits"}})
-    assert summary.startswith("Masked patch prediction loss (last epoch): 2.5000; 1 epochs")
+    assert summary.startswith("Masked patch prediction loss (last epoch): 2.5000; 1 epoch in")
     assert "Few-shot linear accuracy of the frozen features (digits test)" in summary
     assert "| 2 | " in summary
 

@@ -104,3 +104,18 @@ def test_history_rows_leave_out_the_values_csvlogger_could_not_fill(tmp_path):
     with open(folder.history, "w") as f:
         f.write("epoch,loss,val_loss\n0,6.5,NA\n1,5.0,NA\n1,4.5,NA\n")
     assert folder.read_history() == [{"epoch": 0, "loss": 6.5}, {"epoch": 1, "loss": 4.5}]
+
+
+def test_overwrite_says_it_deletes_only_once_the_folder_passed_as_a_run_folder(tmp_path):
+    from vit_keras.tools import training
+
+    folder = RunFolder(tmp_path / "Documents").create()
+    (tmp_path / "Documents" / "thesis.tex").write_text("years of work")
+    lines = []
+    with pytest.raises(RunFolderError, match="which no run writes"):
+        training.finished_run(folder, overwrite=True, log=lines.append)
+    assert not [line for line in lines if "delet" in line], lines
+    os.remove(tmp_path / "Documents" / "thesis.tex")
+    folder.write_metrics({"test_accuracy": 0.5})
+    training.finished_run(folder, overwrite=True, log=lines.append)
+    assert any("deleted" in line for line in lines), lines

@@ -271,7 +271,8 @@ class MaskedPatchPrediction(Objective):
     def summary(self, metrics):
         loss, speed = metrics.get("train_loss"), metrics.get("images_per_second")
         text = (f"Masked patch prediction loss (last epoch): "
-                f"{'-' if loss is None else f'{loss:.4f}'}; {metrics['epochs']} epochs in "
+                f"{'-' if loss is None else f'{loss:.4f}'}; {metrics['epochs']} "
+                f"epoch{'' if metrics['epochs'] == 1 else 's'} in "
                 f"{metrics['fit_time_s']:.0f} s" + (f" ({speed:.0f} images/s)" if speed else "")
                 + f", backend {metrics['config']['backend']}.")
         if metrics.get("fewshot"):

@@ -268,11 +268,11 @@ def finished_run(folder, overwrite=False, processes=distribution_lib.Processes()
         try:
             if overwrite and [name for name in os.listdir(folder.path)
                               if os.path.join(folder.path, name) != folder.lock]:
-                log(f"--overwrite: deleting what {folder.path} holds and starting the run over.")
-                folder.clear()
+                folder.clear()  # refuses a folder that is no run folder, deleting nothing
+                log(f"--overwrite: deleted what {folder.path} held; starting the run over.")
             removed = folder.remove_temporary_files()
             if removed:
-                log(f"Removed {len(removed)} temporary files of interrupted writes from "
+                log(f"Removed {_count(len(removed), 'temporary file')} of interrupted writes from "
                     f"{folder.path}: {', '.join(removed)}.")
             folder.refuse_links()
         except RunFolderError as raised:
@@ -282,6 +282,10 @@ def finished_run(folder, overwrite=False, processes=distribution_lib.Processes()
         raise error or RunFolderError(f"Process 0 could not use the run folder {folder.path} "
                                       f"(see its log).")
     return None
+
+
+def _count(number, noun):
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def _shown(value):
@@ -550,7 +554,8 @@ def _train(state):
         f"{recipe.image_size}, {state.training.num_examples['train']} "
         f"training images, batch {recipe.batch_size}"
         + (f" x {state.accum} accumulated" if state.accum > 1 else "")
-        + f", {state.epochs} epochs of {state.steps_per_epoch} steps, {recipe.optimizer} lr "
+        + f", {_count(state.epochs, 'epoch')} of {_count(state.steps_per_epoch, 'step')}, "
+        f"{recipe.optimizer} lr "
         f"{recipe.learning_rate:g}, backend {keras.backend.backend()}.")
     if state.trained:
         state.log(f"Resuming {folder.path}: its training ended (epoch {state.resume_epoch} of "
