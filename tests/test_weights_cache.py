@@ -279,6 +279,44 @@ def test_a_content_length_that_is_not_a_number_is_a_download_error(mirror):
     _assert_loads_once_the_server_behaves(server, content)
 
 
+def test_conflicting_content_lengths_are_a_download_error_and_nothing_is_cached(mirror):
+    """http.client reads as many bytes as the first header says: a 5-byte file was cached."""
+    server, content = mirror
+    server.send_content_length("5", str(len(content)))
+    with pytest.raises(download.WeightsUnavailableError) as refused:
+        download.fetch(RELEASE.path, progress=False)
+    message = str(refused.value)
+    assert _url(server) in message and "conflicting Content-Length headers" in message, message
+    assert not os.path.exists(_cached()) and not os.path.exists(_cached() + ".part")
+
+
+@pytest.mark.parametrize("content_length", [True, False], ids=["length", "no-length"])
+def test_a_file_over_the_size_cap_is_refused_until_the_cap_is_raised(mirror, monkeypatch,
+                                                                     content_length):
+    """Without a Content-Length a body of any size was cached (314 MB of zeros)."""
+    server, content = mirror
+    server.answer_instead(content, content_length=content_length)
+    monkeypatch.setenv(download.MAX_BYTES_VARIABLE, "1000")
+    with pytest.raises(download.WeightsUnavailableError) as refused:
+        download.fetch(RELEASE.path, progress=False)
+    message = str(refused.value)
+    assert _url(server) in message and "over the 1000 bytes a download may take " \
+        "(VIT_KERAS_DOWNLOAD_MAX_BYTES)" in message, message
+    assert not os.path.exists(_cached()) and not os.path.exists(_cached() + ".part")
+    monkeypatch.setenv(download.MAX_BYTES_VARIABLE, str(len(content)))
+    with open(download.fetch(RELEASE.path, progress=False), "rb") as f:
+        assert f.read() == content
+
+
+def test_a_size_cap_that_is_not_a_number_of_bytes_is_named(mirror, monkeypatch):
+    server, _ = mirror
+    monkeypatch.setenv(download.MAX_BYTES_VARIABLE, "-1")
+    with pytest.raises(download.DownloadSettingError,
+                       match="VIT_KERAS_DOWNLOAD_MAX_BYTES='-1' is not a positive number of bytes"):
+        _load_release()
+    assert server.requests == []
+
+
 # --- Links planted in the cache ------------------------------------------------------------------
 
 @pytest.mark.parametrize("honour_range", [True, False], ids=["range", "no-range"])

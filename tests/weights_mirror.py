@@ -1,15 +1,15 @@
 """A stand-in for the official weights bucket: an HTTP server on 127.0.0.1 serving a folder.
 
-It answers Range requests (as the bucket does: 206, or 416 from the end of the file on),
-records every request, and can be told to misbehave as mirrors and proxies do: cut a response
-off, answer 200 with another body (an error page, garbage, a body cut short without a
-Content-Length), send one file's body instead of another, send a Content-Length that is no
-number, trickle bytes (of the body, of the status line and headers, or of a chunk-size line), or
-hold a request until a test lets it fail. It can publish the hashes the real servers publish:
-Google Cloud Storage's `x-goog-hash: md5=...`, the Hugging Face hub's redirect of a large file to
-its storage with the sha256 in `X-Linked-Etag` (and the git blob sha1 of a small file in its
-ETag), always of the file it holds, whatever body it sends. Synthetic checkpoints are written at
-the official relative paths of `vit_keras.releases`.
+It answers Range requests (as the bucket does: 206, or 416 from the end of the file on), records
+every request, and can be told to misbehave as mirrors and proxies do: cut a response off, answer
+200 with another body (an error page, garbage, a body cut short without a Content-Length), send one
+file's body instead of another, send a Content-Length that is no number (or two that disagree),
+trickle bytes (of the body, of the status line and headers, or of a chunk-size line), or hold a
+request until a test lets it fail. It can publish the hashes the real servers publish: Google Cloud
+Storage's `x-goog-hash: md5=...`, the Hugging Face hub's redirect of a large file to its storage
+with the sha256 in `X-Linked-Etag` (and the git blob sha1 of a small file in its ETag), always of
+the file it holds, whatever body it sends. Synthetic checkpoints are written at the official
+relative paths of `vit_keras.releases`.
 """
 
 import base64
@@ -80,7 +80,8 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
         if server.trickled_chunk_size is not None:
             self._send_chunked_then_trickle(body, *server.trickled_chunk_size)
             return
-        self.send_header("Content-Length", server.content_length or str(len(body)))
+        for value in server.content_length or (str(len(body)),):
+            self.send_header("Content-Length", value)
         self._end_head()
         if server.trickle is not None:
             self._trickle(body, *server.trickle)
@@ -192,9 +193,10 @@ class MirrorServer:
         file (Range answered); the published hashes stay the file's."""
         self._server.replaced["/" + path] = body
 
-    def send_content_length(self, value):
-        """Every file is sent with the header `Content-Length: value` (e.g. `"abc"`)."""
-        self._server.content_length = value
+    def send_content_length(self, *values):
+        """Every file is sent with a header `Content-Length: value` for each of `values` (e.g.
+        `"abc"`, or two that disagree)."""
+        self._server.content_length = values
 
     def publish_hashes(self, style):
         """`"gcs"`: every file comes with Cloud Storage's `x-goog-hash: md5=<base64>`; `"hub"`:

@@ -23,6 +23,7 @@ import contextlib
 import math
 import os
 import stat
+import sys
 import tempfile
 import urllib.error
 import urllib.parse
@@ -52,6 +53,12 @@ MIN_PROGRESS_BYTES = 64 * 1024
 (the first window starts with the request, so a status line or headers that trickle count) is
 given up, even while a read is blocked: a server that trickles bytes, which `TIMEOUT_SECONDS`
 alone never catches. Its `.part` file is kept, and the next call resumes it."""
+MAX_BYTES_VARIABLE = "VIT_KERAS_DOWNLOAD_MAX_BYTES"
+"""Replaces `MAX_BYTES` (a number of bytes)."""
+MAX_BYTES = 16 << 30
+"""The largest file a download may take: twice the largest published ViT checkpoint (ViT-G/14,
+1.8 billion float32 weights), so that a server sending endless bytes, with or without a
+`Content-Length`, fills no disk. A file over it is refused and its `.part` deleted."""
 
 _HTML_STARTS = (b"<!doctype html", b"<html", b"<head", b"<body", b"<?xml")
 _OPEN_PART = (os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
@@ -72,9 +79,9 @@ class InvalidFileError(WeightsUnavailableError):
 
 
 class DownloadSettingError(errors.UserError, ValueError):
-    """An environment variable of the download (`DEADLINE_VARIABLE`,
-    `PROGRESS_WINDOW_VARIABLE`) holds something other than a positive number of seconds up to
-    `MAX_SECONDS`."""
+    """An environment variable of the download holds something other than a positive number of
+    seconds up to `MAX_SECONDS` (`DEADLINE_VARIABLE`, `PROGRESS_WINDOW_VARIABLE`) or of bytes
+    (`MAX_BYTES_VARIABLE`)."""
 
 
 class FileRejected(ValueError):
@@ -157,29 +164,34 @@ def invalid_file_error(path, local, problem):
                             f"'{path}' ({problem}). Replace it with a good copy.")
 
 
-def _seconds(variable, default):
-    """The positive number of seconds, at most `MAX_SECONDS`, in the environment variable
-    `variable`, else `default`."""
+def _setting(variable, default, unit, maximum=None):
+    """The positive number of `unit` in the environment variable `variable`, at most `maximum`
+    (a finite number when None), else `default`."""
     value = os.environ.get(variable, "").strip()
     if not value:
         return default
     try:
-        seconds = float(value)
+        number = float(value)
     except ValueError:
-        seconds = math.nan
-    if not 0 < seconds <= MAX_SECONDS:
-        raise DownloadSettingError(f"{variable}={value!r} is not a positive number of seconds "
-                                   f"up to {MAX_SECONDS} (a week); unset it (the default is "
-                                   f"{default}) or give one, e.g. {variable}={default}.")
-    return seconds
+        number = math.nan
+    if not 0 < number <= (maximum or sys.float_info.max):
+        bound = f" up to {maximum} (a week)" if maximum == MAX_SECONDS else ""
+        raise DownloadSettingError(f"{variable}={value!r} is not a positive number of {unit}"
+                                   f"{bound}; unset it (the default is {default}) or give one, "
+                                   f"e.g. {variable}={default}.")
+    return number
 
 
 def _limits():
     return download_http.Limits(
-        timeout=TIMEOUT_SECONDS, deadline=_seconds(DEADLINE_VARIABLE, DEADLINE_SECONDS),
-        progress_window=_seconds(PROGRESS_WINDOW_VARIABLE, PROGRESS_WINDOW_SECONDS),
-        min_progress_bytes=MIN_PROGRESS_BYTES, deadline_name=DEADLINE_VARIABLE,
-        progress_window_name=PROGRESS_WINDOW_VARIABLE)
+        timeout=TIMEOUT_SECONDS,
+        deadline=_setting(DEADLINE_VARIABLE, DEADLINE_SECONDS, "seconds", MAX_SECONDS),
+        progress_window=_setting(PROGRESS_WINDOW_VARIABLE, PROGRESS_WINDOW_SECONDS, "seconds",
+                                 MAX_SECONDS),
+        min_progress_bytes=MIN_PROGRESS_BYTES,
+        max_bytes=int(_setting(MAX_BYTES_VARIABLE, MAX_BYTES, "bytes")),
+        deadline_name=DEADLINE_VARIABLE, progress_window_name=PROGRESS_WINDOW_VARIABLE,
+        max_bytes_name=MAX_BYTES_VARIABLE)
 
 
 def fetch(path, *, progress=True, verify=None, base_url=None):

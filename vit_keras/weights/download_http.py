@@ -38,16 +38,20 @@ class Limits:
       progress_window: seconds over which progress is measured.
       min_progress_bytes: bytes of the file that must arrive in every progress window (the
         first starts with the request), unless the file ends.
+      max_bytes: the largest file taken; a larger one is refused and what arrived discarded.
       deadline_name: how the caller names the deadline setting, for the message.
       progress_window_name: how the caller names the progress window setting, for the message.
+      max_bytes_name: how the caller names the size cap, for the message.
     """
 
     timeout: float
     deadline: float
     progress_window: float
     min_progress_bytes: int
+    max_bytes: int
     deadline_name: str = "deadline"
     progress_window_name: str = "progress window"
+    max_bytes_name: str = "size cap"
 
 
 class GaveUp(TimeoutError):
@@ -180,13 +184,27 @@ def _range_start(response):
 
 def _content_length(response):
     """The body's length from `Content-Length`, None without one; an `OSError` for a value that
-    is not a number of bytes (a broken server or proxy: nothing it sends can be trusted)."""
-    value = response.headers.get("Content-Length")
-    if value is None:
+    is not a number of bytes, or for headers that disagree (http.client reads as many bytes as
+    the first says): a broken server or proxy, nothing it sends can be trusted."""
+    values = {value.strip() for value in response.headers.get_all("Content-Length") or ()}
+    if len(values) > 1:
+        raise OSError(f"the server sent conflicting Content-Length headers, "
+                      f"{' and '.join(sorted(values))}")
+    if not values:
         return None
-    if not re.fullmatch(r"\s*\d+\s*", value):
+    value = values.pop()
+    if not re.fullmatch(r"\d+", value):
         raise OSError(f"the server sent an invalid Content-Length, {value!r}")
     return int(value)
+
+
+def _too_large(out, size, limits):
+    """The error for a file of `size` bytes or more, over `limits.max_bytes`; what arrived in
+    `out` is discarded (no resume can make it a file that is taken)."""
+    out.truncate(0)
+    return OSError(f"the file is {size} bytes or more, over the {limits.max_bytes} bytes a "
+                   f"download may take ({limits.max_bytes_name}); raise it if the file is "
+                   f"that large")
 
 
 def receive(url, out, partial, limits, progress=True):
@@ -258,9 +276,13 @@ def _receive(url, out, partial, limits, progress, watchdog):
     with response:
         remaining = _content_length(response)
         total = done + remaining if remaining is not None else None
+        if total is not None and total > limits.max_bytes:
+            raise _too_large(out, total, limits)
         bar = _Progress(url, total, done) if progress else None
         # read1 returns what has arrived (at most one chunk), so progress is counted as it comes.
         while chunk := response.read1(_CHUNK):
+            if done + len(chunk) > limits.max_bytes:  # a body without a Content-Length
+                raise _too_large(out, done + len(chunk), limits)
             out.write(chunk)
             done += len(chunk)
             watchdog.received(len(chunk))
