@@ -364,6 +364,50 @@ def test_a_malformed_normalization_is_refused_with_what_was_expected(value, tiny
         vit_keras.build_model(tiny_config, image_size=8, normalization=value)
 
 
+@pytest.mark.backend_independent  # Python floats
+@pytest.mark.parametrize("mean,std", [(0.5, 1e-40), (0.5, 1e-300), (1e38, 0.5), (1e38, 1e38),
+                                      (1e5, 1e5), (0.5, 1e30)])
+def test_a_normalization_that_overflows_or_loses_the_image_in_float32_is_refused(mean, std):
+    """Each of these loaded and predicted NaN logits without a word (or an image that float32
+    rounding reduced to one value)."""
+    with pytest.raises(ValueError, match=r"would overflow or lose the image in float32"):
+        normalization.Normalization(mean, std)
+
+
+@pytest.mark.backend_independent  # Python floats
+def test_raw_pixels_and_the_published_normalizations_pass_the_float32_check():
+    published = [(known.mean, known.std) for known in normalization.NORMALIZATIONS.values()]
+    # A model trained on [0, 255] pixels, one trained on [0, 1] pixels.
+    for mean, std in [(0.0, 1 / 255), (0.0, 1.0), *published]:
+        normalization.Normalization(mean, std)
+
+
+@pytest.mark.backend_independent  # JSON and Python floats
+@pytest.mark.parametrize("fields", ['"rescale_factor": 1e300, "image_mean": [0.5], '
+                                    '"image_std": [0.5]',
+                                    '"image_mean": [0.5], "image_std": [1e-42]'])
+def test_a_preprocessor_config_that_overflows_float32_is_refused(tmp_path, fields):
+    (tmp_path / "preprocessor_config.json").write_text("{" + fields + "}")
+    with pytest.raises(vit_keras.errors.CheckpointError,
+                       match=r"preprocessor_config.json.*would overflow or lose the image"):
+        huggingface.read_normalization(str(tmp_path), "vit")
+
+
+@pytest.mark.backend_independent  # the npz's arrays, read with NumPy
+def test_an_npz_whose_stored_normalization_overflows_float32_is_refused(tmp_path, tiny_config):
+    from vit_keras.weights.checkpoints import npz
+
+    model = vit_keras.build_model(tiny_config, image_size=8, num_classes=3, normalization="clip")
+    vit_keras.save_npz(model, tmp_path / "model.npz")
+    with np.load(tmp_path / "model.npz") as archive:
+        arrays = {key: archive[key] for key in archive.files}
+    arrays[npz.NORMALIZATION + "std"] = np.array([1e-40, 1e-40, 1e-40])
+    np.savez(tmp_path / "hostile.npz", **arrays)
+    with pytest.raises(vit_keras.errors.CheckpointError,
+                       match=r"hostile.npz.*would overflow or lose the image in float32"):
+        npz.read(str(tmp_path / "hostile.npz"))
+
+
 @pytest.mark.backend_independent  # JSON and Python floats
 def test_a_preprocessor_config_number_of_thousands_of_digits_is_refused(tmp_path):
     """Python refuses to read an integer of more than 4,300 digits (a ValueError that escaped as

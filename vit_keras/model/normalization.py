@@ -43,6 +43,7 @@ class Normalization:
         if not all(math.isfinite(value) for value in mean + std) or min(std) <= 0:
             raise ValueError(f"Normalisation mean {mean} and std {std}: every mean must be finite "
                              f"and every std positive.")
+        _check_float32(mean, std)
         object.__setattr__(self, "mean", mean)
         object.__setattr__(self, "std", std)
 
@@ -62,13 +63,39 @@ class Normalization:
         """Whether `other` normalises as this one does (to float32 precision; one value stands
         for every channel)."""
         channels = max(map(len, (self.mean, self.std, other.mean, other.std)))
-
-        def per_channel(values):
-            return values * channels if len(values) == 1 else values
-
         return all(len(a) == len(b) and all(math.isclose(x, y, rel_tol=1e-6) for x, y in zip(a, b))
-                   for a, b in ((per_channel(self.mean), per_channel(other.mean)),
-                                (per_channel(self.std), per_channel(other.std))))
+                   for a, b in ((_per_channel(self.mean, channels),
+                                 _per_channel(other.mean, channels)),
+                                (_per_channel(self.std, channels),
+                                 _per_channel(other.std, channels))))
+
+
+_LARGEST = 65504.0
+"""The largest normalised pixel taken: float16's largest number, so that no compute dtype
+overflows (nor a float32 LayerNorm, which squares and sums the values it is given)."""
+_RESOLUTION = 2.0 ** -23
+"""float32's relative resolution: a pixel step smaller than this relative to the normalised
+values (or, absolutely, than its half, next to the model's biases of order 1) is rounded away."""
+
+
+def _check_float32(mean, std):
+    """Refuses a `mean` and `std` whose normalised pixels `(x - mean) / std`, x in [0, 1], float32
+    cannot hold: too large, or in steps of one pixel level (1/255) that rounding loses."""
+    channels = max(len(mean), len(std))
+    for m, s in zip(_per_channel(mean, channels), _per_channel(std, channels)):
+        largest, step = max(abs(m), abs(1 - m)) / s, 1 / (255 * s)
+        floor = max(largest * _RESOLUTION, _RESOLUTION / 2)
+        if largest > _LARGEST or step < floor:
+            raise ValueError(
+                f"Normalisation mean {mean} and std {std} would overflow or lose the image in "
+                f"float32: pixels normalise to values up to {largest:.3g} (at most {_LARGEST:g} "
+                f"are taken) in steps of {step:.3g} (rounding loses steps below {floor:.3g}). "
+                f"Give them in the [0, 1] pixel scale, e.g. mean 0.5 and std 0.5.")
+
+
+def _per_channel(values, channels):
+    """`values` for each of `channels` channels (one value stands for every channel)."""
+    return values * channels if len(values) == 1 else values
 
 
 def _floats(values, what):
@@ -135,8 +162,7 @@ class PixelNormalization(keras.layers.Layer):
         normalization = Normalization(mean, std)
         self.mean, self.std = normalization.mean, normalization.std
         channels = max(len(self.mean), len(self.std))
-        mean = self.mean * channels if len(self.mean) == 1 else self.mean
-        std = self.std * channels if len(self.std) == 1 else self.std
+        mean, std = _per_channel(self.mean, channels), _per_channel(self.std, channels)
         self._scale = [1.0 / (255.0 * s) for s in std]
         self._offset = [-m / s for m, s in zip(mean, std)]
 

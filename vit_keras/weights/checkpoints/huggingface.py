@@ -191,12 +191,16 @@ def read_normalization(folder, model_type):
             # (x * scale - mean) / std in the [0, 1] scale that `Normalization` takes.
             mean = [float(m) / (255 * scale) for m in _as_list(mean)]
             std = [float(s) / (255 * scale) for s in _as_list(std)]
-            return (normalization_lib.get_normalization((mean, std)),
-                    f"{PREPROCESSOR_CONFIG} (image_mean, image_std)")
         except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:
             raise errors.CheckpointError(
                 f"{path!r} does not say how pixels are normalised ({type(error).__name__}: "
                 f"{error}); expected image_mean and image_std.") from None
+        try:
+            return (normalization_lib.get_normalization((mean, std)),
+                    f"{PREPROCESSOR_CONFIG} (image_mean, image_std)")
+        except ValueError as error:  # values a model cannot compute with (see Normalization)
+            raise errors.CheckpointError(f"{path!r} (rescale_factor, image_mean, image_std): "
+                                         f"{error}") from None
     name = _FAMILY_NORMALIZATION.get(model_type)
     if name is None:
         return None, None

@@ -24,7 +24,12 @@ def read(path):
     # vit_jax resamples position embeddings with scipy.ndimage.zoom(order=1).
     info = {"format": fmt, "interpolation": "vit_jax", "antialias": False}
     if stored["mean"] is not None and stored["std"] is not None:
-        info.update(normalization=normalization.get_normalization((stored["mean"], stored["std"])),
+        try:
+            stored = normalization.get_normalization((stored["mean"], stored["std"]))
+        except ValueError as error:
+            raise errors.CheckpointError(f"{path!r}: its {NORMALIZATION}* arrays: {error}") \
+                from None
+        info.update(normalization=stored,
                     normalization_source=f"the {NORMALIZATION}* arrays of the .npz")
     else:  # vit_jax's and big_vision's files: the original weights' convention
         info.update(normalization=normalization.PAPER,
