@@ -412,6 +412,22 @@ def model_image_size(model):
     return training.model_image_size(model)
 
 
+def define_resize_only_flag():
+    """`--resize_only`, for the apps that feed a model images (predict, evaluate)."""
+    flags.DEFINE_bool(
+        "resize_only", False,
+        "Resize each image to the model's input size (bilinear, what vit_keras runs train and "
+        "evaluate with) instead of the evaluation transform its weights state (a timm "
+        "checkpoint's crop_pct and interpolation: the shorter side resized to size / crop_pct, "
+        "then the centre cropped, as timm's data config does; the model's eval_crop).")
+
+
+def eval_crop(model):
+    """The evaluation transform the apps feed `model` with (`vit_keras.tools.data.eval_resize`):
+    the model's `eval_crop` (None for a model of an earlier vit_keras), None with --resize_only."""
+    return None if FLAGS.resize_only else getattr(model, "eval_crop", None)
+
+
 def exit_on_user_error(main):
     """Wraps an absl main: a user's mistake ends the app with one line, `ERROR: <what was wrong
     and what to do>`, and status 2, without a traceback or the `--help` text.

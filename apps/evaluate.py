@@ -5,7 +5,9 @@ per-class accuracy.
     python apps/evaluate.py --model run/model.keras --dataset cifar10 --data_dir ~/tensorflow_datasets \
         --split test --json results.json
 
-The model's own input size sets the resolution (evaluation preprocessing: resize). When the model
+The model's own input size sets the resolution; its evaluation transform (`eval_crop`: the
+crop fraction and interpolation its weights state, as timm's data config; else resize) brings the
+images to it, --resize_only resizes. When the model
 sits in a run folder, the run's metrics.json supplies the dataset, data_dir, seed and val_fraction
 that were used for training, so the same held-out split is evaluated; flags override it.
 """
@@ -39,6 +41,8 @@ flags.DEFINE_enum("quantize", "none", ["none", "int8"],
                   "int8: also evaluate the model with Keras' int8 weight quantization "
                   "(model.quantize('int8'), as apps/predict.py --quantize int8 runs it) on the same "
                   "images, and print its accuracy next to float's (JSON: quantized).")
+_common.define_resize_only_flag()
+flags.declare_key_flag("resize_only")  # listed by --help with the app's own
 FLAGS = flags.FLAGS
 
 
@@ -61,7 +65,8 @@ def main(argv):
                              f"{dataset} has {splits.num_classes}; evaluate on the dataset the "
                              f"model was trained for.")
     pipeline = data.make_pipeline(splits, FLAGS.split, image_size=image_size,
-                                  batch_size=FLAGS.batch_size)
+                                  batch_size=FLAGS.batch_size,
+                                  eval_crop=_common.eval_crop(model))
     logits, labels = evaluation.evaluate_model(model, pipeline)
     if splits.skipped_files:
         print(splits.unreadable.summary())

@@ -11,11 +11,15 @@ augreg_in21k_ft_in1k, augreg_in1k; `vit_keras.list_weights()` lists them), downl
 $VIT_KERAS_HOME (default $KERAS_HOME/vit_keras) or read from the mirror VIT_KERAS_WEIGHTS_MIRROR
 names, or a checkpoint file. Offline, the app exits with status 2 and says where to place the file.
 
-Images are read with their own size, converted to RGB and resized to the model's input size (the
-evaluation preprocessing). Class names come from --class_names; else, for a release, from its
-dataset (ImageNet-1k's ship with the package, ImageNet-21k's are downloaded like the weights); else
-from class_names.json beside a .keras model (written by apps/finetune.py and apps/train.py);
-otherwise classes are numbered.
+Images are read with their own size, converted to RGB and brought to the model's input size by
+its evaluation transform: the one its weights state (a timm checkpoint's crop fraction and
+interpolation, timm's data config: the shorter side resized to size / crop_pct, then the centre
+cropped), else resized; --resize_only resizes.
+
+Class names come from --class_names; else, for a release, from its dataset (ImageNet-1k's ship
+with the package, ImageNet-21k's are downloaded like the weights); else from class_names.json
+beside a .keras model (written by apps/finetune.py and apps/train.py); otherwise classes are
+numbered.
 """
 
 import os
@@ -39,6 +43,8 @@ config_flags.define_number("image_size", None, "With --weights: the input size (
                            "nearest to it is taken). Default: the release's or the checkpoint's.",
                            bounds="[1, inf)", kind=int)
 _common.define_checkpoint_flags()
+_common.define_resize_only_flag()
+flags.declare_key_flag("resize_only")  # listed by --help with the app's own
 config_flags.define_number("top_k", 5, "Classes listed per image.", bounds="[1, inf)", kind=int)
 flags.DEFINE_string("class_names", None,
                     "A JSON list or a text file with one class name per line (default: the "
@@ -95,7 +101,8 @@ def main(argv):
         class_names = _common.read_class_names(FLAGS.class_names, None) if FLAGS.class_names \
             else (vit_keras.class_names(release) if release is not None else [])
     model = evaluation.quantized_copy(model, FLAGS.quantize)
-    images = data.load_image_files(files, _common.model_image_size(model))  # names bad files
+    images = data.load_image_files(files, _common.model_image_size(model),  # names bad files
+                                   _common.eval_crop(model))
     logits = keras.ops.convert_to_numpy(model.predict(images, verbose=0))
     predictions = evaluation.top_k_predictions(logits, class_names, FLAGS.top_k)
     for file, ranked in zip(files, predictions):

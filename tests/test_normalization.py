@@ -97,6 +97,31 @@ def test_a_timm_hub_folder_equals_timm_with_its_data_config_on_raw_pixels(timm_f
     assert relative_error(model.predict(pixels, verbose=0), expected) <= RTOL
 
 
+@pytest.mark.backend_independent("torch")  # tf.image against PIL; the model's numbers: above
+def test_predicts_preprocessing_of_a_timm_hub_folder_is_timms_data_config(timm_family, tmp_path):
+    """A raw image through apps/predict.py's preprocessing of the model (its `eval_crop`, read from
+    timm's config.json, saved with the model) equals timm's `create_transform` of its data config."""
+    from PIL import Image
+
+    from vit_keras.tools import data
+
+    _, model, folder, _, _ = timm_family
+    built = vit_keras.build_model_from_checkpoint(str(folder))
+    assert vit_keras.ViT.from_config(built.get_config()).eval_crop == built.eval_crop
+    config = timm.data.resolve_data_config({}, model=model)
+    assert built.eval_crop == (config["crop_pct"], config["interpolation"])
+    smooth = Image.fromarray(raw_pixels(40, batch=1)[0]).resize((301, 259), Image.BILINEAR)
+    smooth.save(tmp_path / "image.png")
+    expected = timm.data.create_transform(**config)(Image.open(tmp_path / "image.png"))
+    mean, std = (np.array(config[k], np.float32)[:, None, None] for k in ("mean", "std"))
+    expected = ((expected.numpy() * std + mean) * 255).transpose(1, 2, 0)
+    # At the data config's size (the pretrained one's: the small model's is not in it).
+    found = data.load_image_files([str(tmp_path / "image.png")], config["input_size"][1],
+                                  built.eval_crop)[0]
+    # PIL rounds to uint8 after each pass (test_data.py: within 1.1 of 255 at 224 and 384).
+    assert np.abs(found - expected).max() < 1.5
+
+
 def test_a_timm_state_dict_with_its_architecture_name_equals_timm_on_raw_pixels(timm_family,
                                                                                 tmp_path):
     name, model, _, pixels, expected = timm_family

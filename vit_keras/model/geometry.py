@@ -23,6 +23,25 @@ def pair(value, what="size"):
     return first, second
 
 
+EVAL_INTERPOLATIONS = ("bilinear", "bicubic")
+
+
+def eval_crop(crop):
+    """A model's evaluation transform (`ViT`'s `eval_crop`) checked, as JSON keeps it: None
+    (resize only) or `[crop_fraction in (0, 1], interpolation]`; a `ValueError` otherwise."""
+    if crop is None:
+        return None
+    try:
+        fraction, interpolation = crop
+        fraction = float(fraction)
+    except (TypeError, ValueError):
+        fraction, interpolation = None, None
+    if not (fraction is not None and 0 < fraction <= 1 and interpolation in EVAL_INTERPOLATIONS):
+        raise ValueError(f"eval_crop={crop!r}: expected None or (crop_fraction in (0, 1], one of "
+                         f"{EVAL_INTERPOLATIONS}).")
+    return [fraction, interpolation]
+
+
 def _is_integer(value):
     """An int, a NumPy integer or a 0-d array (not a pair)."""
     return isinstance(value, numbers.Integral) or getattr(value, "ndim", None) == 0

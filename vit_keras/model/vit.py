@@ -65,6 +65,12 @@ class ViT(keras.Model):
         stride times it); the position embeddings, built and loaded for `image_size`, are
         resampled inside the forward pass to each input's token grid, bicubic with antialiasing
         as timm's `dynamic_img_size=True` does, and added unchanged at `image_size` itself.
+      eval_crop: how images are prepared for it at evaluation, a record that its weights'
+        checkpoint (or family) states and apps/predict.py and apps/evaluate.py follow:
+        `(crop_fraction, interpolation)`, timm's eval transform: the shorter side resized
+        (`"bilinear"` or `"bicubic"`) to the input size / `crop_fraction`, then the centre
+        cropped; None: resized to the input size, bilinear (what vit_keras runs train and
+        evaluate with). Nothing in the graph depends on it; saved with the model.
       name: the model's name (default: the variant's, with "/" and "+" replaced by "_": TensorFlow
         refuses them in the name scopes of predict and fit).
       attention: the attention kernel of every block (`vit_keras.model.attention.KERNELS`); None lets
@@ -83,7 +89,7 @@ class ViT(keras.Model):
                  "normalization", "classifier", "representation_size", "dropout",
                  "attention_dropout", "drop_path_rate", "channels", "layer_norm_epsilon",
                  "approximate_gelu", "hybrid_numerics", "dynamic_image_size", "attention", "dtype",
-                 "name")
+                 "eval_crop", "name")
     """The keyword arguments beside `variant` (those `build_model` passes on)."""
 
     def __init__(self, variant="ViT-B/16", *, image_size=None, num_classes=None,
@@ -91,7 +97,7 @@ class ViT(keras.Model):
                  classifier="token", representation_size=None, dropout=0.0,
                  attention_dropout=0.0, drop_path_rate=0.0, channels=3, layer_norm_epsilon=None,
                  approximate_gelu=None, hybrid_numerics="vit_jax", dynamic_image_size=False,
-                 attention=None, dtype=None, name=None, **kwargs):
+                 attention=None, dtype=None, eval_crop=None, name=None, **kwargs):
         config = _with_overrides(configs.get_config(variant), layer_norm_epsilon, approximate_gelu)
         height, width = geometry.pair(224 if image_size is None else image_size, "image size")
         num_classes = 1000 if num_classes is None else int(num_classes)
@@ -213,7 +219,7 @@ class ViT(keras.Model):
             "attention_dropout": float(attention_dropout),
             "drop_path_rate": float(drop_path_rate), "channels": int(channels),
             "hybrid_numerics": hybrid_numerics, "dynamic_image_size": bool(dynamic_image_size),
-            "attention": attention, "dtype": policy}
+            "attention": attention, "dtype": policy, "eval_crop": geometry.eval_crop(eval_crop)}
         # The parts (the layers above, tracked once: Keras saves each layer under the graph's).
         self.rescale, self.stem, self.patch_embedding = rescale, stem, embedding
         self.patch_norm, self.rotary_positions = patch_norm, rotary
@@ -254,6 +260,12 @@ class ViT(keras.Model):
     def image_size(self):
         """`(height, width)` the model was built for (and its position embeddings hold)."""
         return tuple(self._arguments["image_size"])
+
+    @property
+    def eval_crop(self):
+        """`(crop_fraction, interpolation)` of its evaluation transform, or None (resize only)."""
+        crop = self._arguments["eval_crop"]
+        return None if crop is None else tuple(crop)
 
     @property
     def normalization(self):

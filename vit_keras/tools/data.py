@@ -16,6 +16,7 @@ This module imports TensorFlow; `vit_keras/__init__.py` does not import it (use 
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -687,6 +688,28 @@ def resize(image, image_size):
     return tf.clip_by_value(image, 0.0, 255.0)
 
 
+def eval_resize(image, image_size, eval_crop=None):
+    """A model's evaluation transform (`ViT.eval_crop`), float32 `(image_size, image_size, 3)`
+    in [0, 255]: `resize` for None; for `(crop_fraction, interpolation)` timm's (its
+    `resolve_data_config` + `create_transform`): the shorter side resized to
+    `floor(image_size / crop_fraction)`, the longer in proportion (truncated, as torchvision's
+    `Resize` does), antialiased as PIL resamples, then the centre `image_size` square (offsets
+    rounded half to even, as torchvision's `CenterCrop` rounds them)."""
+    if eval_crop is None:
+        return resize(image, image_size)
+    fraction, interpolation = eval_crop
+    scale = int(math.floor(image_size / fraction))
+    height, width = tf.unstack(tf.shape(image, out_type=tf.int64)[:2])
+    short, long = tf.minimum(height, width), tf.maximum(height, width)
+    longer = scale * long // short
+    size = tf.where(height <= width, tf.stack([scale, longer]), tf.stack([longer, scale]))
+    image = tf.image.resize(tf.cast(image, tf.float32), tf.cast(size, tf.int32),
+                            method=interpolation, antialias=True)
+    top, left = tf.unstack(tf.cast(tf.round(tf.cast(size - image_size, tf.float32) / 2), tf.int32))
+    image = tf.image.crop_to_bounding_box(image, top, left, image_size, image_size)
+    return tf.clip_by_value(image, 0.0, 255.0)
+
+
 @dataclasses.dataclass
 class Augmentation:
     """Train-time augmentation. Defaults are vit_jax's (inception crop, horizontal flip).
@@ -703,11 +726,13 @@ class Augmentation:
 
 
 def make_pipeline(splits, split, *, image_size, batch_size, training=False, augmentation=None,
-                  shuffle_buffer=10_000, repeat=None, drop_remainder=None, seed=0, start_batch=0):
+                  shuffle_buffer=10_000, repeat=None, drop_remainder=None, seed=0, start_batch=0,
+                  eval_crop=None):
     """The `tf.data` input of one split: `(images float32 (B, S, S, 3) in [0, 255], one-hot labels)`.
 
     Training pipelines shuffle, repeat forever, drop the last partial batch and augment;
-    evaluation pipelines resize, keep every example once, and keep the order.
+    evaluation pipelines bring each image to the size by `eval_resize(..., eval_crop)` (None:
+    resize), keep every example once, and keep the order.
 
     A training stream is a pure function of `seed` and the example index `i` counted from the
     stream's start: pass `p = i // n` over the split's `n` examples is shuffled (`shuffle_buffer`
@@ -744,7 +769,7 @@ def make_pipeline(splits, split, *, image_size, batch_size, training=False, augm
             if augmentation.flip:
                 image = tf.image.stateless_random_flip_left_right(image, flip_seed)
         else:
-            image = resize(image, image_size)
+            image = eval_resize(image, image_size, eval_crop)
         image = tf.ensure_shape(image, (image_size, image_size, 3))
         return image, tf.one_hot(label, num_classes, dtype=tf.float32)
 
@@ -849,8 +874,9 @@ def _pixel_range(images):
     return tf.clip_by_value(tf.cast(images, tf.float32), 0.0, 255.0)
 
 
-def load_image_files(paths, image_size):
-    """Reads image files for prediction: float32 `(n, image_size, image_size, 3)` in [0, 255].
+def load_image_files(paths, image_size, eval_crop=None):
+    """Reads image files for prediction: float32 `(n, image_size, image_size, 3)` in [0, 255],
+    through the model's evaluation transform `eval_crop` (`eval_resize`; None: resized).
 
     Decodes with `decode_image_file`, the decoder of the folder pipelines. Raises `ValueError`
     naming every file that does not decode (a name that is not UTF-8 is named with `\\xNN`
@@ -863,7 +889,7 @@ def load_image_files(paths, image_size):
                        f"are; rename it)")
             continue
         try:
-            images.append(resize(decode_image_file(path), image_size))
+            images.append(eval_resize(decode_image_file(path), image_size, eval_crop))
         except tf.errors.OpError as error:
             bad.append(f"{_shown(path)} ({_op_error_message(error)})")
     if bad:

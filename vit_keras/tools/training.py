@@ -393,11 +393,13 @@ class _RunState:
         return batch - batch % self.replicas or self.replicas
 
     def pipeline(self, split, whole_batches=False):
-        """A split's evaluation batches at the run's size (`Objective.evaluate`)."""
+        """A split's evaluation batches at the run's size (`Objective.evaluate`), through the
+        model's evaluation transform, as apps/evaluate.py feeds the saved model."""
         from vit_keras.tools import data  # tf.data: TensorFlow loads when a run starts
 
         dataset = data.make_pipeline(self.splits, split, image_size=self.recipe.image_size,
-                                     batch_size=self.eval_batch)
+                                     batch_size=self.eval_batch,
+                                     eval_crop=getattr(self.vit, "eval_crop", None))
         # Keras' JAX distributions split every batch evenly over the devices (and the processes),
         # so a last, partial batch is padded to a whole one of zero-weight examples.
         if whole_batches and (self.processes.multi or (

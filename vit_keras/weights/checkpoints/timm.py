@@ -33,7 +33,7 @@ import os
 import re
 
 from vit_keras import errors
-from vit_keras.model import configs
+from vit_keras.model import configs, geometry
 from vit_keras.model import normalization as normalization_lib
 from vit_keras.weights.checkpoints import files, names
 
@@ -157,8 +157,9 @@ def config_beside(path):
     """What timm's `config.json` in the folder of `path` (a hub download, or timm's
     `save_for_hf`) says, as a dict with any of: `architecture` (with its pretrained tag,
     `"vit_small_patch14_dinov2.lvd142m"`), `normalization` (the `mean` and `std` of its
-    `pretrained_cfg`) and `num_heads` (of its `model_args`). Empty when there is no such file or
-    it is not timm's: the weights alone decide."""
+    `pretrained_cfg`), `eval_crop` (its `crop_pct` and `interpolation`, for a centre crop of
+    bilinear or bicubic resizing: `ViT`'s `eval_crop`) and `num_heads` (of its `model_args`).
+    Empty when there is no such file or it is not timm's: the weights alone decide."""
     config = os.path.join(os.path.dirname(os.path.abspath(path)), CONFIG)
     if not os.path.isfile(config):
         return {}
@@ -173,6 +174,12 @@ def config_beside(path):
         if "mean" in data and "std" in data:
             found["normalization"] = normalization_lib.get_normalization(
                 (data["mean"], data["std"]))
+        if data.get("crop_mode", "center") == "center":  # else a transform vit_keras lacks
+            try:
+                found["eval_crop"] = tuple(geometry.eval_crop(
+                    (data.get("crop_pct"), data.get("interpolation"))))
+            except ValueError:
+                pass  # none that vit_keras runs: resized
         heads = (config.get("model_args") or {}).get("num_heads")
         if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0:
             found["num_heads"] = heads
@@ -219,6 +226,7 @@ def convert(state_dict, num_heads=None, timm_architecture=None, beside=None):
     timm_architecture = timm_architecture or beside.get("architecture")
     num_heads = num_heads or beside.get("num_heads")
     normalization = beside.get("normalization")
+    eval_crop = beside.get("eval_crop")
     if not timm_architecture and "rope.freqs" not in state_dict and any(
             re.search(_EVA_KEYS, key) for key in state_dict):
         raise errors.CheckpointError(
@@ -233,6 +241,8 @@ def convert(state_dict, num_heads=None, timm_architecture=None, beside=None):
     if normalization is not None:
         hints.update(normalization=normalization,
                      normalization_source="timm's config.json (pretrained_cfg mean and std)")
+    if eval_crop is not None:
+        hints["eval_crop"] = eval_crop
     if (timm_architecture or "").startswith("vit_pe_") and "cls_token" in state_dict:
         hints["rope_grid_offset"] = 1.0  # PE counts patches from 1 beside its class token
     num_heads = num_heads or hints.pop("num_heads", None) or default_num_heads(
