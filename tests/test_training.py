@@ -60,6 +60,34 @@ def test_run_raises_a_clear_error_on_nan_loss(tmp_path):
     assert not os.path.exists(run / "model.keras") and not os.path.exists(run / "backup")
 
 
+@pytest.mark.slow  # two tiny runs: over 5 s
+@pytest.mark.backend_independent  # the run loop's rule, not a backend's
+def test_a_nan_after_a_resume_keeps_the_backup_it_resumed_from(tmp_path, monkeypatch):
+    config = training.RunConfig.of(image_size=8, batch_size=16, epochs=2, steps_per_epoch=1,
+                                   output_dir=str(tmp_path), run_name="run", verbose=0)
+    backup = RunFolder(tmp_path / "run").backup
+
+    def killed_after_the_first_epoch(self, epoch, logs=None):
+        if epoch == 1:
+            raise KeyboardInterrupt  # stands in for a kill once epoch 1 is backed up
+
+    with monkeypatch.context() as patch:
+        patch.setattr(callbacks.StopOnNaN, "on_epoch_begin", killed_after_the_first_epoch)
+        with pytest.raises(KeyboardInterrupt):
+            training.run(config, log=lambda _: None)
+    kept = sorted(os.listdir(backup))
+
+    def nan_at_once(self, batch, logs=None):
+        self.bad_step = (1, batch, float("nan"))
+        self.model.stop_training = True
+
+    monkeypatch.setattr(callbacks.StopOnNaN, "on_train_batch_end", nan_at_once)
+    with pytest.raises(callbacks.NonFiniteLossError):
+        training.run(config, log=lambda _: None)
+    assert kept == ["epoch-1.keras", "training_metadata.json"]
+    assert sorted(os.listdir(backup)) == kept  # the epoch before the NaN is not lost
+
+
 def test_new_head_is_zero_and_position_embeddings_are_resampled_from_weights(tmp_path,
                                                                             tiny_config):
     from vit_keras import save_npz

@@ -622,7 +622,8 @@ def build_before_tracing(model, dataset):
 
 def _fit(state, train_ds, val_ds):
     """`model.fit` with the run's callbacks; returns its seconds. Raises `NonFiniteLossError`
-    (after deleting the backup: the next run starts afresh) when the loss stops being finite."""
+    when the loss stops being finite, keeping the backup: it holds the last epoch that ended
+    with a finite loss (a resumed run's, the epochs before it resumed)."""
     nan_guard = callbacks_lib.StopOnNaN()
     build_before_tracing(state.model, train_ds)
     fit_started = time.perf_counter()
@@ -632,8 +633,6 @@ def _fit(state, train_ds, val_ds):
                         verbose=state.config.output.verbose, shuffle=False)  # tf.data shuffles
     fit_seconds = time.perf_counter() - fit_started
     if nan_guard.bad_step:
-        if state.processes.is_chief:
-            state.folder.remove_backup()
         epoch, batch, loss = nan_guard.bad_step
         kept = (f"{state.folder.model} keeps the last epoch that ended with a finite loss"
                 if os.path.exists(state.folder.model) else
