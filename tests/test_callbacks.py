@@ -3,11 +3,14 @@
 import json
 import math
 import os
+import shutil
+import sys
 
 import keras
 import numpy as np
 import pytest
 
+from vit_keras import errors
 from vit_keras.tools import callbacks, recipes, run_folder
 
 from conftest import tiny_data, tiny_model
@@ -192,3 +195,140 @@ def test_restore_loads_a_kept_backup_into_a_model_without_training(tmp_path, tin
         np.testing.assert_array_equal(keras.ops.convert_to_numpy(restored),
                                       keras.ops.convert_to_numpy(trained))
     assert int(fresh.optimizer.iterations) == int(model.optimizer.iterations) == 2
+
+
+# --- hostile and damaged backups (vit_keras issue 55) ----------------------------------------
+
+# Orbax checkpoints hold JAX arrays: the sharded backups' tests run in the JAX pass.
+jax_only = pytest.mark.skipif(keras.backend.backend() != "jax",
+                              reason="sharded (Orbax) backups need the JAX backend")
+
+
+def _backed_up(tmp_path, tiny_config, sharded=False, epochs=1):
+    """A compiled tiny model, trained `epochs` epochs with a kept backup in tmp_path/backup."""
+    model = tiny_model(tiny_config)
+    recipes.compile_model(model, "adam")
+    backup = callbacks.AtomicBackupAndRestore(str(tmp_path / "backup"), sharded=sharded,
+                                              delete_checkpoint=False)
+    x, y = tiny_data()
+    model.fit(x, y, epochs=epochs, verbose=0, callbacks=[backup])
+    return model, backup
+
+
+def _name_in_metadata(backup, name):
+    metadata = json.load(open(backup / "training_metadata.json"))
+    (backup / "training_metadata.json").write_text(json.dumps({**metadata, "weights": name}))
+
+
+@pytest.mark.parametrize("where", ["relative", "absolute"])
+def test_a_backup_naming_a_file_outside_its_folder_is_refused_and_the_file_kept(
+        tmp_path, tiny_config, where):
+    """A metadata file naming `../x.keras` or `/.../x.keras` as its weights: the run neither
+    loads that file nor deletes it as its stale backup at the next epoch."""
+    model, _ = _backed_up(tmp_path, tiny_config)
+    outside = tmp_path / "users_own_model.keras"
+    model.save(outside)
+    _name_in_metadata(tmp_path / "backup",
+                      "../users_own_model.keras" if where == "relative" else str(outside))
+    fresh = tiny_model(tiny_config)
+    recipes.compile_model(fresh, "adam")
+    x, y = tiny_data()
+    with pytest.raises(errors.CheckpointError, match="not a backup name a run writes"):
+        fresh.fit(x, y, epochs=3, verbose=0, callbacks=[
+            callbacks.AtomicBackupAndRestore(str(tmp_path / "backup"))])
+    assert outside.exists()
+
+
+@jax_only
+def test_a_sharded_backup_naming_a_folder_outside_is_refused_and_the_folder_kept(
+        tmp_path, tiny_config):
+    model, _ = _backed_up(tmp_path / "run", tiny_config, sharded=True)
+    outside = tmp_path / "users_folder.orbax"  # an Orbax checkpoint, beside the user's own file
+    shutil.copytree(tmp_path / "run" / "backup" / "epoch-1.orbax", outside)
+    (outside / "notes.txt").write_text("mine")
+    _name_in_metadata(tmp_path / "run" / "backup", str(outside))
+    fresh = tiny_model(tiny_config)
+    recipes.compile_model(fresh, "adam")
+    x, y = tiny_data()
+    with pytest.raises(errors.CheckpointError, match="not a backup name a run writes"):
+        fresh.fit(x, y, epochs=3, verbose=0, callbacks=[callbacks.AtomicBackupAndRestore(
+            str(tmp_path / "run" / "backup"), sharded=True)])
+    assert (outside / "notes.txt").read_text() == "mine"
+
+
+def _largest_file(folder):
+    files = [os.path.join(root, name) for root, _, names in os.walk(folder) for name in names]
+    return max(files, key=os.path.getsize)
+
+
+def _damage(path, how):
+    if how == "flip":  # 4 bytes in the middle: the file keeps its size
+        data = bytearray(open(path, "rb").read())
+        middle = len(data) // 2
+        data[middle:middle + 4] = bytes(b ^ 0xFF for b in data[middle:middle + 4])
+        open(path, "wb").write(bytes(data))
+    elif how == "truncate":
+        os.truncate(path, os.path.getsize(path) // 2)
+    else:
+        os.remove(path)
+
+
+@pytest.mark.parametrize("sharded", [False, pytest.param(True, marks=jax_only)],
+                         ids=["keras", "orbax"])
+@pytest.mark.parametrize("how", ["flip", "truncate", "delete"])
+def test_a_damaged_backup_is_refused_naming_its_file(tmp_path, tiny_config, sharded, how):
+    """Each file a backup wrote is checked against the digest recorded when it was committed:
+    4 flipped bytes in an Orbax data file restore without an error of Orbax's own."""
+    _backed_up(tmp_path, tiny_config, sharded=sharded)
+    name = "epoch-1.orbax" if sharded else "epoch-1.keras"
+    damaged = _largest_file(tmp_path / "backup" / name) if sharded else str(
+        tmp_path / "backup" / name)
+    _damage(damaged, how)
+    fresh = tiny_model(tiny_config)
+    recipes.compile_model(fresh, "adam")
+    backup = callbacks.AtomicBackupAndRestore(str(tmp_path / "backup"), sharded=sharded)
+    with pytest.raises((errors.CheckpointError, FileNotFoundError)) as raised:
+        backup.restore(fresh)
+    message = str(raised.value)
+    assert damaged in message and "\n" not in message
+    if sharded or how != "delete":  # a missing .keras backup keeps its own error
+        assert isinstance(raised.value, errors.CheckpointError)
+
+
+@jax_only
+@pytest.mark.parametrize("when", ["before", pytest.param("during", marks=pytest.mark.skipif(
+    sys.platform == "win32", reason="RLIMIT_FSIZE is POSIX"))])
+def test_a_full_disk_at_a_sharded_backup_is_one_line_and_leaves_no_partial_checkpoint(
+        tmp_path, tiny_config, monkeypatch, when):
+    """Before: too little space for the checkpoint, refused before Orbax writes anything.
+    During: a write that fails (a quota, or another writer filling the disk meanwhile)."""
+    from collections import namedtuple
+
+    from vit_keras.tools import sharded_checkpoint
+
+    save = sharded_checkpoint.save
+
+    def save_on_a_full_disk(model, path):
+        # Writes past 16 KiB fail with EFBIG, as on a full disk with ENOSPC (Python ignores
+        # SIGXFSZ); the limit is this process's, put back as soon as the backup has failed.
+        import resource  # POSIX only
+
+        limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, limits[1]))
+        try:
+            save(model, path)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+
+    if when == "before":
+        usage = namedtuple("usage", "total used free")
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2 ** 30, 2 ** 30, 4096))
+    else:
+        monkeypatch.setattr(sharded_checkpoint, "save", save_on_a_full_disk)
+    with pytest.raises(run_folder.RunFolderWriteError) as raised:
+        _backed_up(tmp_path, tiny_config, sharded=True)
+    message = str(raised.value)
+    reason = "No space left on device" if when == "before" else "File too large"
+    assert message.startswith(f"Cannot write {tmp_path / 'backup' / 'epoch-1.orbax'}: {reason}")
+    assert "Free space on its disk" in message and "\n" not in message
+    assert os.listdir(tmp_path / "backup") == []  # no partial *.orbax-checkpoint-tmp

@@ -1,7 +1,9 @@
 """Training callbacks: atomic checkpoint and backup (a killed run never leaves a truncated file),
 NaN guard, throughput."""
 
+import hashlib
 import os
+import re
 import shutil
 import time
 
@@ -10,7 +12,12 @@ import numpy as np
 
 from vit_keras import errors
 from vit_keras.tools import sharded_checkpoint
-from vit_keras.tools.run_folder import atomic_save_model, atomic_write_json, read_json
+from vit_keras.tools.run_folder import atomic_save_model, atomic_write_json, read_json, writing
+
+# The backups a run writes (`epoch-N.weights.h5` and Keras' `latest.weights.h5`: earlier
+# versions'). A training_metadata.json naming anything else is refused: the run would load that
+# file, and delete it at the next epoch as its stale backup.
+_BACKUP_NAME = re.compile(r"epoch-\d+(\.keras|\.orbax|\.weights\.h5)|latest\.weights\.h5")
 
 
 class AtomicModelCheckpoint(keras.callbacks.Callback):
@@ -40,7 +47,9 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
     `model.weights`, so without them a resumed run would replay the first epoch's dropout masks.
     The JSON is replaced last, with `os.replace`: a SIGKILL at any moment leaves either the
     previous backup or the new one, never weights of one epoch with the epoch count of another,
-    nor a truncated file.
+    nor a truncated file. It also records the SHA-256 of each file of the backup, checked before
+    the backup is loaded: a damaged file is refused (`errors.CheckpointError`, naming it), and
+    so is a metadata file naming anything but a backup of this folder.
 
     On torch, Keras' `Dropout` without a seed draws from torch's global generator (torch cannot
     seed its fused dropout), and so does the `DataLoader` Keras wraps the input in, each time it
@@ -80,16 +89,22 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
         previous = read_json(metadata_path)
         if self.sharded:
             name = f"epoch-{self._current_epoch}{sharded_checkpoint.SUFFIX}"
-            sharded_checkpoint.save(self.model, os.path.join(self.backup_dir, name))
+            path = os.path.join(self.backup_dir, name)
+            with writing(path):  # a full disk: one line
+                sharded_checkpoint.save(self.model, path)
         else:
             name = f"epoch-{self._current_epoch}.keras"
-            atomic_save_model(self.model, os.path.join(self.save_dir, name))
-        atomic_write_json({"epoch": self._current_epoch, "batch": self._last_batch_seen,
-                           "weights": name, "seed_generators": seed_generator_states(self.model)},
-                          metadata_path)
-        stale = os.path.join(self.save_dir, (previous or {}).get("weights", "latest.weights.h5"))
-        if os.path.basename(stale) == name:
+            path = os.path.join(self.save_dir, name)
+            atomic_save_model(self.model, path)
+        metadata = {"epoch": self._current_epoch, "batch": self._last_batch_seen,
+                    "weights": name, "seed_generators": seed_generator_states(self.model)}
+        if self.save_dir == self.backup_dir:  # the metadata a resumed run reads
+            metadata["digests"] = file_digests(path)
+        atomic_write_json(metadata, metadata_path)
+        stale = _backup_name(previous)
+        if stale is None or stale == name:
             return
+        stale = os.path.join(self.save_dir, stale)
         if os.path.isdir(stale) and not os.path.islink(stale):
             shutil.rmtree(stale)
         elif os.path.exists(stale):
@@ -105,21 +120,52 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
         metadata = self._read_metadata()
         if metadata is None:
             return
-        # Backups written before the file was named in the metadata used Keras' name.
-        self._weights_path = os.path.join(self.backup_dir,
-                                          metadata.get("weights", "latest.weights.h5"))
+        self._weights_path = self._backup_path(metadata)
         if not os.path.exists(self._weights_path):  # Keras would resume from fresh weights
             raise FileNotFoundError(
                 f"The backup in {self.backup_dir} is of epoch {metadata.get('epoch')} but its "
                 f"weights file {self._weights_path} is missing; delete {self.backup_dir} to "
                 f"start the run afresh.")
-        if self._weights_path.endswith(sharded_checkpoint.SUFFIX):
+        sharded = self._weights_path.endswith(sharded_checkpoint.SUFFIX)
+        # A .keras backup of an earlier version, without digests, has its zip's CRCs.
+        if sharded or "digests" in metadata:
+            self._check_digests(metadata.get("digests"))
+        if sharded:
             sharded_checkpoint.restore(self.model, self._weights_path)
             self.model._initial_epoch = int(metadata["epoch"])  # pylint: disable=protected-access
         else:
             super()._load_model()
         if "seed_generators" in metadata:
             set_seed_generator_states(self.model, metadata["seed_generators"])
+
+    def _backup_path(self, metadata):
+        """The backup file (or Orbax folder) `metadata` names, in `backup_dir`."""
+        name = _backup_name(metadata)
+        if name is None:
+            named = metadata.get("weights") if isinstance(metadata, dict) else metadata
+            raise errors.CheckpointError(
+                f"{self._training_metadata_path} names {named!r} as its backup, which is not a "
+                f"backup name a run writes (epoch-N.keras or epoch-N.orbax, in "
+                f"{self.backup_dir}): delete {self.backup_dir} to start the run afresh.")
+        return os.path.join(self.backup_dir, name)
+
+    def _check_digests(self, digests):
+        """`errors.CheckpointError` naming the first file of the backup that is not as it was
+        committed: changed, missing, or added."""
+        if not isinstance(digests, dict):
+            raise errors.CheckpointError(
+                f"{self._training_metadata_path} records no digests of its backup's files "
+                f"(an earlier vit_keras wrote it), so {self._weights_path} cannot be checked: "
+                f"delete {self.backup_dir} to start the run afresh.")
+        found = file_digests(self._weights_path)
+        for name in sorted({*digests, *found}):
+            if digests.get(name) != found.get(name):
+                change = ("is missing" if name not in found else "was added" if name not in
+                          digests else "has changed")
+                raise errors.CheckpointError(
+                    f"The backup file {os.path.join(self.backup_dir, name)} {change} since the "
+                    f"backup was written (training_metadata.json records each file's SHA-256): "
+                    f"the backup is damaged; delete {self.backup_dir} to start the run afresh.")
 
     def restore(self, model):
         """Loads the backup into `model` (built and compiled as the run that wrote it) without
@@ -147,9 +193,7 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
         """The path of the backup a resumed run loads (a `.keras` file or an Orbax folder), or
         None before the first backup."""
         metadata = self._read_metadata()
-        if metadata is None:
-            return None
-        return os.path.join(self.backup_dir, metadata.get("weights", "latest.weights.h5"))
+        return None if metadata is None else self._backup_path(metadata)
 
     @property
     def resume_epoch(self):
@@ -158,6 +202,30 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
             return int(self._read_metadata()["epoch"])
         except (TypeError, KeyError, ValueError):
             return 0
+
+
+def _backup_name(metadata):
+    """The backup a training_metadata.json names, or None when it names no backup a run writes
+    (a path, another file's name)."""
+    if not isinstance(metadata, dict):
+        return None
+    name = metadata.get("weights", "latest.weights.h5")  # Keras' own, before it was named
+    return name if isinstance(name, str) and _BACKUP_NAME.fullmatch(name) else None
+
+
+def file_digests(path):
+    """`{name: SHA-256 in hex}` of the file `path`, or of each file below the folder `path`,
+    named relative to the folder `path` is in (`epoch-2.orbax/manifest.ocdbt`)."""
+    files = [path] if not os.path.isdir(path) else [
+        os.path.join(root, name) for root, _, names in os.walk(path) for name in names]
+    digests = {}
+    for file in sorted(files):
+        digest = hashlib.sha256()
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        digests[os.path.relpath(file, os.path.dirname(path))] = digest.hexdigest()
+    return digests
 
 
 def _seed_generator_variables(model):

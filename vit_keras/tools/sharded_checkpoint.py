@@ -11,14 +11,23 @@ fsdp run (`callbacks.AtomicBackupAndRestore(sharded=True)`), and how to export i
 Variables are matched by position, as `model.load_weights` matches them, and not by path: paths
 carry per-process counters (a second model built in one process is `vi_t_1`). Orbax writes into a
 temporary folder beside PATH and renames it when every process has written
-(`run_folder.ORBAX_TEMPORARY_MARK`): PATH is always a whole checkpoint.
+(`run_folder.ORBAX_TEMPORARY_MARK`): PATH is always a whole checkpoint. A disk without the room
+for a checkpoint is refused before it is written, and a write that fails removes that folder.
 """
 
+import errno
 import os
+import re
+import shutil
+import threading
 
 import keras
 
+from vit_keras.tools.run_folder import ORBAX_TEMPORARY_MARK
+
 SUFFIX = ".orbax"
+# TensorStore reports a failed write as a ValueError whose message ends with the errno.
+_OS_ERROR_CODE = re.compile(r"\[os_error_code='(\d+)'\]")
 
 
 def _orbax():
@@ -51,11 +60,33 @@ def save(model, path):
     """Writes `model`'s weights and its optimizer's variables to the Orbax checkpoint `path`,
     replacing what is there. A collective: every process calls it with the same `path`, on a
     filesystem all of them see, and each writes only its devices' shards; it returns once the
-    checkpoint is committed, on every process."""
+    checkpoint is committed, on every process.
+
+    Raises:
+      OSError: a file could not be written (`errno.ENOSPC`: a full disk); nothing of the new
+        checkpoint is left, and what was at `path` before is kept.
+    """
     ocp = _orbax()
+    path = os.path.abspath(path)
     tree = {group: [variable.value for variable in variables]
             for group, variables in _groups(model).items()}
-    ocp.PyTreeCheckpointer().save(os.path.abspath(path), tree, force=True)
+    _check_room(path, sum(value.nbytes for values in tree.values() for value in values))
+    running = set(threading.enumerate())
+    try:
+        ocp.PyTreeCheckpointer().save(path, tree, force=True)
+    except Exception as error:  # TensorStore's ValueError, asyncio's RuntimeError, an OSError
+        # Orbax's other writing threads go on after the first fails: once they end, nothing
+        # writes into the temporary folder any more.
+        for thread in set(threading.enumerate()) - running:
+            thread.join(timeout=60)
+        folder, name = os.path.split(path)
+        for entry in os.listdir(folder):
+            if entry.startswith(name + ORBAX_TEMPORARY_MARK):
+                shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
+        code = _OS_ERROR_CODE.search(str(error))
+        if code is None or isinstance(error, OSError):
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), path) from None
 
 
 def restore(model, path, with_optimizer=True):
@@ -72,7 +103,7 @@ def restore(model, path, with_optimizer=True):
     Raises:
       errors.CheckpointNotFoundError: nothing at `path`.
       errors.CheckpointError: the checkpoint holds another number of variables, or a variable of
-        another shape, than `model` (named).
+        another shape, than `model` (named), or cannot be read (a file truncated or missing).
     """
     import jax
 
@@ -83,7 +114,10 @@ def restore(model, path, with_optimizer=True):
     if not os.path.isdir(path):
         raise errors.CheckpointNotFoundError(f"No Orbax checkpoint at {path}.")
     checkpointer = ocp.PyTreeCheckpointer()
-    stored = checkpointer.metadata(path).item_metadata.tree
+    try:
+        stored = checkpointer.metadata(path).item_metadata.tree
+    except Exception as error:  # Orbax: an AttributeError where the metadata is missing
+        raise _unreadable(path, error) from None
     groups = _groups(model, with_optimizer)
     for group, variables in groups.items():
         held = stored.get(group, [])
@@ -100,11 +134,36 @@ def restore(model, path, with_optimizer=True):
                     f"written by another architecture, image size or number of classes.")
     target = {group: [jax.ShapeDtypeStruct(tuple(v.shape), v.dtype, sharding=v.value.sharding)
                       for v in variables] for group, variables in groups.items()}
-    restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
-        target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-        partial_restore=True))
+    try:
+        restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+            target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+            partial_restore=True))
+    except Exception as error:  # TensorStore's errors reach here as a bare Exception
+        raise _unreadable(path, error) from None
     for group, variables in groups.items():
         for variable, value in zip(variables, restored[group]):
             variable.assign(value)
     return model
 
+
+
+def _check_room(path, needed):
+    """`OSError(ENOSPC)` when the disk of `path` has less than `needed` bytes free: a write
+    that fails midway leaves Orbax's threads printing errors long after it is given up."""
+    folder = os.path.dirname(path)
+    while not os.path.isdir(folder):  # another process's backup folder, not yet created
+        folder = os.path.dirname(folder)
+    free = shutil.disk_usage(folder).free
+    if free < needed:
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (the checkpoint needs about "
+                                    f"{needed / 2 ** 20:.1f} MiB, {free / 2 ** 20:.1f} MiB are "
+                                    f"free)", path)
+
+
+def _unreadable(path, error):
+    from vit_keras import errors
+
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return errors.CheckpointError(
+        f"The Orbax checkpoint {path} cannot be read, a file of it is damaged or missing "
+        f"({reason[:300]}): restore it from a copy, or delete it.")
