@@ -207,6 +207,51 @@ def test_timm_name_rules_agree_with_every_timm_pretrained_config_they_claim():
     assert claimed > 200  # the table covers the family (DeiT, DINOv2, CLIP, SigLIP, AugReg, MAE)
 
 
+@pytest.mark.backend_independent  # timm's pretrained configs against a table of names
+def test_timm_eval_crop_rules_agree_with_every_timm_pretrained_config_they_claim():
+    """The architecture-name table of evaluation crops against timm's pretrained configs (the
+    oracle): every name a rule claims, tagged, and untagged where all its tags agree, has timm's
+    centre crop and interpolation; every rule claims some name."""
+    import re
+
+    wrong, by_architecture, claimed = [], {}, set()
+    for name in timm.list_pretrained():
+        if not re.match(r"^(vit_|deit|eva02_|aimv2_)", name):
+            continue
+        config = timm.models.get_pretrained_cfg(name)
+        # timm's "squash" and other modes are not a centre crop: no eval_crop reproduces them.
+        expected = (config.crop_pct, config.interpolation) if config.crop_mode == "center" else 0
+        by_architecture.setdefault(name.split(".")[0], set()).add(expected)
+        found = timm_format.eval_crop_for_name(name)
+        if found is not None:
+            claimed.add(name)
+            wrong += [] if found == expected else [name]
+    for architecture, expected in by_architecture.items():
+        found = timm_format.eval_crop_for_name(architecture)
+        if found is not None:
+            claimed.add(architecture)
+            wrong += [] if expected == {found} else [architecture]
+    assert not wrong
+    idle = [pattern for pattern, crop in timm_format._EVAL_CROP_BY_NAME
+            if crop is not None and not any(re.search(pattern, name) for name in claimed)]
+    assert not idle
+    families = ("_dinov3", "_dinov2", "^vit_pe_", "^aimv2_", r"\.mae$", "^eva02_", "^deit_",
+                "^deit3_", "_clip_", "_siglip", "_rope_", r"\.augreg")
+    assert all(any(re.search(family, name) for name in claimed) for family in families)
+
+
+@pytest.mark.backend_independent("torch")  # the crop a name gives a checkpoint: one pass
+def test_a_bare_timm_state_dict_gets_the_eval_crop_of_its_tagged_architecture(tmp_path):
+    """Without timm's config.json the architecture name with its pretrained tag says the crop:
+    EVA-02-S's MIM weights are evaluated at timm's crop_pct 0.9, bicubic."""
+    path = tmp_path / "model.pth"
+    torch.save(timm.create_model("eva02_small_patch14_224", pretrained=False, img_size=28,
+                                 embed_dim=64, depth=1, num_heads=2).state_dict(), path)
+    model = vit_keras.build_model_from_checkpoint(
+        str(path), timm_architecture="eva02_small_patch14_224.mim_in22k", num_heads=2)
+    assert model.eval_crop == (0.9, "bicubic")
+
+
 @pytest.mark.parametrize("release", [r for r in releases.RELEASES
                                      if any(i.startswith("timm/") for i in
                                             (r.hf_hub_id or "", *r.other_hub_ids))],

@@ -77,6 +77,43 @@ _NORMALIZATION_BY_NAME = (
     (r"^deit|_dinov2|\.mae$|\.dino$", "imagenet"),
     (r"_siglip|\.augreg|\.orig_in21k", "inception"),
 )
+# (pattern on "architecture.tag", eval_crop): the centre crop and interpolation of timm's
+# evaluation transform for the weights a name holds (`ViT.eval_crop`), where a file comes without
+# timm's config.json. The first that matches names it; none: resized only. A family whose every tag
+# agrees by its name; the others (EVA-02, DeiT, DeiT III, CLIP, SigLIP, RoPE-ViT, AugReg) by name and
+# tag, so an untagged name or an unknown tag is resized. timm's "squash" (CLIP's, SigLIP's and
+# EVA-02's fine-tunes at 336 to 448) is no centre crop: resized. Checked against every timm
+# pretrained config a pattern claims (tests/test_normalization.py).
+_CROP_90, _CROP_95, _CROP_100 = (0.9, "bicubic"), (0.95, "bicubic"), (1.0, "bicubic")
+_EVAL_CROP_BY_NAME = (
+    (r"_dinov[23]|^vit_pe_|^aimv2_", _CROP_100),
+    (r"\.(?:mae|dino)$", _CROP_90),
+    (r"^(?:vit|deit3?)_\w+_224\.(?:augreg2?_in\w+|orig_in21k\w*|fb_in1k)$", _CROP_90),
+    (r"^(?:vit|deit3?)_\w+_384\.(?:augreg_in\w+|orig_in21k_ft_in1k|fb_in1k|fb_in22k_ft_in1k)$",
+     _CROP_100),
+    (r"^deit3_\w+_224\.fb_in22k_ft_in1k$", _CROP_100),
+    (r"^eva02_\w+_224\.(?:mim_in22k|mim_m38m|merged2b|laion2b(?:_plus)?)$", _CROP_90),
+    (r"^eva02_\w+_(?:336|448)\.(?:mim_(?:in22k|m38m)_ft_in1k|merged2b)$", _CROP_100),
+    (r"_rope_(?:mixed_)?(?:ape_)?224\.naver_in1k$", _CROP_90),
+    (r"_rope_reg\d_gap_256\.sbb_in1k$", _CROP_95),
+    (r"^vit_base_patch(?:16|32)_clip_(?:quickgelu_)?224\.openai(?:_ft_in1k|_ft_in12k)?$", _CROP_90),
+    (r"^vit_base_patch32_clip_(?:quickgelu_)?224\.laion(?:2b(?:_ft_in1k|_ft_in12k_in1k)?|400m_e32)$",
+     _CROP_90),
+    (r"^vit_base_patch16_clip_224\.laion2b_ft_in12k$|_clip_224\.tinyclip_\w+$", _CROP_90),
+    (r"^vit_base_patch16_clip_224\.(?:laion2b|openai)_ft_in12k_in1k$", _CROP_95),
+    (r"^vit_base_patch16_clip_(?:quickgelu_)?224\.(?:laion2b|laion2b_ft_in1k|laion400m_e32)$",
+     _CROP_100),
+    (r"^vit_(?:large|huge|giant|gigantic)_patch14_clip_(?:quickgelu_)?224\.", _CROP_100),
+    (r"_clip_(?:quickgelu_)?(?:224|256)\.(?:datacompxl|dfn2b|metaclip_2pt5b|metaclip_400m)$",
+     _CROP_100),
+    (r"_clip_(?:quickgelu_)?(?:336|378)\.(?:openai|dfn5b)$|_plus_clip_240\.laion400m_e32$",
+     _CROP_100),
+    (r"^vit_base_patch32_clip_(?:384|448)\.laion2b_ft_in12k_in1k$", _CROP_100),
+    (r"_siglip_gap_(?:448|896)\.pali\w*$|^vit_so400m_patch14_siglip_gap_(?:378|384)\.webli$",
+     _CROP_100),
+    (r"_siglip_(?:gap_)?\d+\.(?:v2_webli|webli|webli_i18n|pali_mix|pali_pt|pali2_3b_pt|"
+     r"pali2_10b_pt)$", _CROP_90),
+)
 # Keys of timm ViTs that vit_keras' model has no place for, and what they are.
 _UNSUPPORTED = (
     (r"\.attn\.[qk]_norm\.", "qk-norm (a norm on queries and keys)"),
@@ -113,10 +150,10 @@ _FAMILY_BY_NAME = (
 
 def architecture_hints(timm_architecture):
     """What a timm architecture name (`"vit_base_patch16_clip_quickgelu_224.openai"`; the
-    pretrained tag after the dot matters only for the normalisation and MAE's family) says what
-    the keys do not: `layer_norm_epsilon`, `gelu`, `num_heads` where its size names one, the
-    rotary settings, the `family` (`_FAMILY_BY_NAME`), and `normalization` where the table above
-    names one."""
+    pretrained tag after the dot matters only for the normalisation, the evaluation crop and MAE's
+    family) says what the keys do not: `layer_norm_epsilon`, `gelu`, `num_heads` where its size
+    names one, the rotary settings, the `family` (`_FAMILY_BY_NAME`), and `normalization` and
+    `eval_crop` where the tables above name one."""
     name = timm_architecture.split(".")[0]
     clip = "_clip_" in name and not name.startswith("eva02_")  # EVA-02's CLIP towers: 1e-6
     hints = {"layer_norm_epsilon": 1e-5 if clip or name.startswith("aimv2_") else 1e-6,
@@ -139,6 +176,9 @@ def architecture_hints(timm_architecture):
                    if re.search(pattern, timm_architecture)), None)
     if family:
         hints["family"] = family
+    eval_crop = eval_crop_for_name(timm_architecture)
+    if eval_crop:
+        hints["eval_crop"] = eval_crop
     normalization = normalization_for_name(timm_architecture)
     if normalization:
         hints["normalization"] = normalization_lib.NORMALIZATIONS[normalization]
@@ -151,6 +191,13 @@ def normalization_for_name(timm_name):
     timm model name with or without its pretrained tag says, or None."""
     return next((found for pattern, found in _NORMALIZATION_BY_NAME
                  if re.search(pattern, timm_name)), None)  # a None rule ends the search too
+
+
+def eval_crop_for_name(timm_name):
+    """`(crop_fraction, interpolation)` of timm's evaluation transform that a timm model name with
+    its pretrained tag says (`_EVAL_CROP_BY_NAME`), or None (resize only)."""
+    return next((crop for pattern, crop in _EVAL_CROP_BY_NAME if re.search(pattern, timm_name)),
+                None)
 
 
 def config_beside(path):
