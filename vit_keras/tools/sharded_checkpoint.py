@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import threading
+import time
 
 import keras
 
@@ -76,9 +77,10 @@ def save(model, path):
         ocp.PyTreeCheckpointer().save(path, tree, force=True)
     except Exception as error:  # TensorStore's ValueError, asyncio's RuntimeError, an OSError
         # Orbax's other writing threads go on after the first fails: once they end, nothing
-        # writes into the temporary folder any more.
+        # writes into the temporary folder any more (a minute at most, for them all).
+        deadline = time.monotonic() + 60
         for thread in set(threading.enumerate()) - running:
-            thread.join(timeout=60)
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
         folder, name = os.path.split(path)
         for entry in os.listdir(folder):
             if entry.startswith(name + ORBAX_TEMPORARY_MARK):
@@ -144,7 +146,6 @@ def restore(model, path, with_optimizer=True):
         for variable, value in zip(variables, restored[group]):
             variable.assign(value)
     return model
-
 
 
 def _check_room(path, needed):
