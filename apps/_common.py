@@ -418,8 +418,9 @@ def define_resize_only_flag():
         "resize_only", False,
         "Resize each image to the model's input size (bilinear, what vit_keras runs train and "
         "evaluate with) instead of the evaluation transform its weights state (a timm "
-        "checkpoint's crop_pct and interpolation: the shorter side resized to size / crop_pct, "
-        "then the centre cropped, as timm's data config does; the model's eval_crop).")
+        "checkpoint's crop_pct and interpolation, or a transformers image processor's crop: the "
+        "shorter side resized to size / crop_pct, then the centre cropped, as timm's data "
+        "config does; the model's eval_crop).")
 
 
 def eval_crop(model):

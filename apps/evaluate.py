@@ -6,7 +6,8 @@ per-class accuracy.
         --split test --json results.json
 
 The model's own input size sets the resolution; its evaluation transform (`eval_crop`: the
-crop fraction and interpolation its weights state, as timm's data config; else resize) brings the
+crop fraction and interpolation its weights state, as timm's data config or a transformers
+image processor; else resize) brings the
 images to it, --resize_only resizes. When the model
 sits in a run folder, the run's metrics.json supplies the dataset, data_dir, seed and val_fraction
 that were used for training, so the same held-out split is evaluated; flags override it.

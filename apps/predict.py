@@ -13,8 +13,8 @@ names, or a checkpoint file. Offline, the app exits with status 2 and says where
 
 Images are read with their own size, converted to RGB and brought to the model's input size by
 its evaluation transform: the one its weights state (a timm checkpoint's crop fraction and
-interpolation, timm's data config: the shorter side resized to size / crop_pct, then the centre
-cropped), else resized; --resize_only resizes.
+interpolation, timm's data config, or a transformers image processor's crop: the shorter side
+resized to size / crop_pct, then the centre cropped), else resized; --resize_only resizes.
 
 Class names come from --class_names; else, for a release, from its dataset (ImageNet-1k's ship
 with the package, ImageNet-21k's are downloaded like the weights); else from class_names.json

@@ -355,6 +355,63 @@ def test_a_hugging_face_folder_without_a_processor_normalises_as_its_family_publ
     assert relative_error(model.predict(pixels, verbose=0), expected) <= RTOL
 
 
+# (family, its processor as published, its preprocessor_config.json's resizing fields, the
+# eval_crop they say): DINOv2's resizes the shorter side to 256 and crops 224, bicubic; ViT's
+# resizes to 224 x 224 without a crop (none: vit_keras resizes).
+HF_EVAL_CASES = [
+    ("dinov2", "BitImageProcessor",
+     {"size": {"shortest_edge": 256}, "crop_size": {"height": 224, "width": 224},
+      "do_center_crop": True, "resample": 3}, (0.875, "bicubic", "floor")),
+    ("vit", "ViTImageProcessor", {"size": {"height": 224, "width": 224}, "resample": 2}, None),
+]
+
+
+@pytest.mark.backend_independent("torch")  # tf.image against transformers; the model: above
+@pytest.mark.parametrize("family, processor, fields, expected", HF_EVAL_CASES)
+def test_predicts_preprocessing_of_a_hugging_face_folder_is_its_image_processors(
+        family, processor, fields, expected, tmp_path):
+    """A raw image through the model's `eval_crop`, read from the folder's
+    preprocessor_config.json, equals transformers' image processor of that file."""
+    from PIL import Image
+
+    from vit_keras.tools import data
+
+    torch.manual_seed(0)
+    _hf_families()[family][0]().save_pretrained(tmp_path)
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": processor, **IMAGENET, **fields}))
+    model = vit_keras.build_model_from_checkpoint(str(tmp_path), include_top=False)
+    assert model.eval_crop == expected
+    assert vit_keras.ViT.from_config(model.get_config()).eval_crop == expected
+    # DINOv2's: the longer side resized to 299 leaves 75 to crop, whose half transformers rounds
+    # down (timm: to even, one pixel further). ViT's: enlarged (shrinking, transformers antialiases
+    # where vit_keras' bilinear resize does not).
+    shape = (352, 301) if expected else (160, 203)
+    rng = np.random.default_rng(0)
+    small = rng.integers(0, 256, (shape[0] // 8 + 1, shape[1] // 8 + 1, 3), dtype=np.uint8)
+    Image.fromarray(small).resize(shape[::-1], Image.BILINEAR).save(tmp_path / "image.png")
+    image = Image.open(tmp_path / "image.png")
+    pixels = getattr(transformers, processor)(**fields)(
+        images=image, do_rescale=False, do_normalize=False, return_tensors="np")["pixel_values"]
+    found = data.load_image_files([str(tmp_path / "image.png")], 224, model.eval_crop)[0]
+    # Rounded to uint8 after resizing (as PIL, in test_data.py): within 1.1 of 255 measured.
+    assert np.abs(found - pixels[0].transpose(1, 2, 0)).max() < 1.5
+
+
+@pytest.mark.backend_independent  # JSON read in Python
+@pytest.mark.parametrize("fields", [
+    {"resample": [3]}, {"resample": True}, {"resample": 1}, {"crop_size": 257},
+    {"crop_size": {"height": 224, "width": 200}}, {"size": {"shortest_edge": 10 ** 400}},
+    {"size": 256}, {"size": {"height": 256, "width": 256}}, {"do_center_crop": False}])
+def test_a_crop_that_vit_keras_does_not_reproduce_is_resized(fields, tmp_path):
+    """Lanczos, a crop larger than the image or not square, a size too large for any image, a
+    bare number (the processor class's meaning), a squashing resize: no eval_crop, no error."""
+    config = {"size": {"shortest_edge": 256}, "crop_size": 224, "do_center_crop": True,
+              "resample": 3, **fields}
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(config))
+    assert huggingface.read_eval_crop(str(tmp_path)) is None
+
+
 # --- The normalisation travels with the model -----------------------------------------------------
 def test_the_layer_computes_x_over_255_minus_mean_over_std_per_channel():
     layer = normalization.PixelNormalization(*normalization.NORMALIZATIONS["clip"].for_channels(3))

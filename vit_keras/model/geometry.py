@@ -28,18 +28,21 @@ EVAL_INTERPOLATIONS = ("bilinear", "bicubic")
 
 def eval_crop(crop):
     """A model's evaluation transform (`ViT`'s `eval_crop`) checked, as JSON keeps it: None
-    (resize only) or `[crop_fraction in (0, 1], interpolation]`; a `ValueError` otherwise."""
+    (resize only) or `[crop_fraction in (0, 1], interpolation]`, with a third item `"floor"` where
+    the crop's offsets are rounded down (transformers' image processors; timm's round to even);
+    a `ValueError` otherwise."""
     if crop is None:
         return None
     try:
-        fraction, interpolation = crop
+        fraction, interpolation, *centre = crop
         fraction = float(fraction)
     except (TypeError, ValueError):
-        fraction, interpolation = None, None
-    if not (fraction is not None and 0 < fraction <= 1 and interpolation in EVAL_INTERPOLATIONS):
+        fraction, interpolation, centre = None, None, None
+    if not (fraction is not None and 0 < fraction <= 1 and interpolation in EVAL_INTERPOLATIONS
+            and centre in ([], ["floor"])):
         raise ValueError(f"eval_crop={crop!r}: expected None or (crop_fraction in (0, 1], one of "
-                         f"{EVAL_INTERPOLATIONS}).")
-    return [fraction, interpolation]
+                         f"{EVAL_INTERPOLATIONS}[, 'floor']).")
+    return [fraction, interpolation, *centre]
 
 
 def _is_integer(value):

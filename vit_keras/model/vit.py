@@ -69,8 +69,10 @@ class ViT(keras.Model):
         checkpoint (or family) states and apps/predict.py and apps/evaluate.py follow:
         `(crop_fraction, interpolation)`, timm's eval transform: the shorter side resized
         (`"bilinear"` or `"bicubic"`) to the input size / `crop_fraction`, then the centre
-        cropped; None: resized to the input size, bilinear (what vit_keras runs train and
-        evaluate with). Nothing in the graph depends on it; saved with the model.
+        cropped (offsets rounded to even; `(crop_fraction, interpolation, "floor")`: rounded
+        down, as transformers' image processors crop); None: resized to the input size, bilinear
+        (what vit_keras runs train and evaluate with). Nothing in the graph depends on it; saved
+        with the model.
       name: the model's name (default: the variant's, with "/" and "+" replaced by "_": TensorFlow
         refuses them in the name scopes of predict and fit).
       attention: the attention kernel of every block (`vit_keras.model.attention.KERNELS`); None lets
@@ -263,7 +265,8 @@ class ViT(keras.Model):
 
     @property
     def eval_crop(self):
-        """`(crop_fraction, interpolation)` of its evaluation transform, or None (resize only)."""
+        """`(crop_fraction, interpolation[, "floor"])` of its evaluation transform, or None
+        (resize only)."""
         crop = self._arguments["eval_crop"]
         return None if crop is None else tuple(crop)
 

@@ -694,10 +694,11 @@ def eval_resize(image, image_size, eval_crop=None):
     `resolve_data_config` + `create_transform`): the shorter side resized to
     `floor(image_size / crop_fraction)`, the longer in proportion (truncated, as torchvision's
     `Resize` does), antialiased as PIL resamples, then the centre `image_size` square (offsets
-    rounded half to even, as torchvision's `CenterCrop` rounds them)."""
+    rounded half to even, as torchvision's `CenterCrop` rounds them; down with a third item
+    `"floor"`, as transformers' image processors crop)."""
     if eval_crop is None:
         return resize(image, image_size)
-    fraction, interpolation = eval_crop
+    fraction, interpolation, *centre = eval_crop
     scale = int(math.floor(image_size / fraction))
     height, width = tf.unstack(tf.shape(image, out_type=tf.int64)[:2])
     short, long = tf.minimum(height, width), tf.maximum(height, width)
@@ -705,7 +706,8 @@ def eval_resize(image, image_size, eval_crop=None):
     size = tf.where(height <= width, tf.stack([scale, longer]), tf.stack([longer, scale]))
     image = tf.image.resize(tf.cast(image, tf.float32), tf.cast(size, tf.int32),
                             method=interpolation, antialias=True)
-    top, left = tf.unstack(tf.cast(tf.round(tf.cast(size - image_size, tf.float32) / 2), tf.int32))
+    margins = tf.cast(size - image_size, tf.float32) / 2
+    top, left = tf.unstack(tf.cast(tf.floor(margins) if centre else tf.round(margins), tf.int32))
     image = tf.image.crop_to_bounding_box(image, top, left, image_size, image_size)
     return tf.clip_by_value(image, 0.0, 255.0)
 

@@ -13,6 +13,7 @@ class has when a field is left out.
 """
 
 import logging
+import math
 import os
 import re
 
@@ -174,13 +175,44 @@ def read_config(folder):
     return config
 
 
+def _preprocessor_config(folder):
+    """`(path, dict)` of the folder's `preprocessor_config.json`, or `(path, None)` without one."""
+    path = os.path.join(folder, PREPROCESSOR_CONFIG)
+    return path, read_json(path) if os.path.isfile(path) else None
+
+
+def read_eval_crop(folder):
+    """The evaluation transform (`ViT.eval_crop`) of the folder's image processor: for
+    `do_center_crop` after resizing the shorter side (`size.shortest_edge`), `(crop_size /
+    shortest_edge, "bilinear" or "bicubic" by its PIL `resample` code 2 or 3, "floor")`. None
+    (resize only) without the file or a crop, and for the crops vit_keras does not reproduce:
+    after resizing to `size.height` x `size.width`, a side of `crop_size` that is not square, a
+    bare number for `size` (its meaning is the processor class's) or another resampling."""
+    _, config = _preprocessor_config(folder)
+    if not config or not config.get("do_center_crop"):
+        return None
+    size, crop = config.get("size"), config.get("crop_size")
+    short = size.get("shortest_edge") if isinstance(size, dict) and len(size) == 1 else None
+    if isinstance(crop, dict) and crop.get("height") == crop.get("width"):
+        crop = crop.get("height")
+    resample = config.get("resample")
+    interpolation = {2: "bilinear", 3: "bicubic"}.get(resample) if _positive_int(resample) else None
+    # A side beyond int32 is none that tf.image resizes to (and beyond floats, none to divide).
+    if not (_positive_int(short) and _positive_int(crop) and crop <= short < 2**31
+            and interpolation):
+        return None
+    fraction = crop / short
+    while math.floor(crop / fraction) < short:  # the shorter side resized as the file says
+        fraction = math.nextafter(fraction, 0)
+    return fraction, interpolation, "floor"
+
+
 def read_normalization(folder, model_type):
     """`(Normalization, where it comes from)` of a folder's pixels: its image processor's
     `preprocessor_config.json` (`image_mean`, `image_std`, `rescale_factor`, `do_normalize`), else
     the published processors of its family `model_type`; `(None, None)` when neither says."""
-    path = os.path.join(folder, PREPROCESSOR_CONFIG)
-    if os.path.isfile(path):
-        config = read_json(path)
+    path, config = _preprocessor_config(folder)
+    if config is not None:
         try:
             scale = float(config.get("rescale_factor", 1 / 255)) if config.get(
                 "do_rescale", True) else 1.0
@@ -284,7 +316,8 @@ def convert(state_dict, config=None, num_heads=None, folder=None):
     """`(canonical params, info)`. The heads come from `config.json`, else from `num_heads`, else
     from the paper's variant of that width; LayerNorm epsilon and GELU variant from `config.json`,
     else the family's defaults (ViT's epsilon is 1e-12, CLIP's GELU the quick one, ...); the
-    input normalisation from `folder`'s image processor (see `read_normalization`)."""
+    input normalisation and evaluation crop from `folder`'s image processor (see
+    `read_normalization`, `read_eval_crop`)."""
     model_type = family(state_dict, config)
     state_dict = _encoder_and_heads(state_dict, model_type)
     info = {"format": "huggingface", "interpolation": "bicubic", "antialias": False,
@@ -293,6 +326,9 @@ def convert(state_dict, config=None, num_heads=None, folder=None):
         normalization, source = read_normalization(folder, model_type)
         if normalization is not None:
             info.update(normalization=normalization, normalization_source=source)
+        eval_crop = read_eval_crop(folder)
+        if eval_crop is not None:
+            info["eval_crop"] = eval_crop
     if num_heads and "num_heads" not in info:  # config.json knows better than the caller
         info["num_heads"] = num_heads
     if "num_heads" not in info:
