@@ -3,12 +3,15 @@ gigabytes (a `config.json` that inflates, a layer size no model has, more weight
 stores) or that nests too deep is refused with one error naming it, and the apps that load a
 user's model say so in one line. Saved models of every kind vit_keras builds pass.
 
-The checks read the zip archive and its JSON: the same on every backend, so one pass runs them."""
+The checks that read the zip archive and its JSON alone give the same answer on every backend,
+so one pass runs them (`zip_only`); those that reach Keras's own sizing of the layers, built
+unallocated on the pass's backend, run on every backend."""
 
 import json
 import os
 import zipfile
 
+import keras
 import numpy as np
 import pytest
 
@@ -17,7 +20,7 @@ from vit_keras.weights import keras_files
 
 from conftest import TINY_CONFIG, run_app
 
-pytestmark = pytest.mark.backend_independent
+zip_only = pytest.mark.backend_independent
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +85,7 @@ def test_a_saved_model_passes(tmp_path, saved):
     keras_files.check_keras_file(tmp_path / "not_a_zip.h5")  # nothing there: Keras's to report
 
 
+@zip_only  # each backend's unallocated build is test_a_saved_model_passes's
 @pytest.mark.slow  # a 6 M-parameter model built and saved, and a quantized one
 def test_saved_hybrid_and_int8_models_pass(tmp_path):
     hybrid = tmp_path / "hybrid.keras"
@@ -94,6 +98,7 @@ def test_saved_hybrid_and_int8_models_pass(tmp_path):
     keras_files.check_keras_file(tmp_path / "int8.keras")
 
 
+@zip_only
 def test_a_config_json_that_inflates_to_hundreds_of_megabytes_is_refused_unread(tmp_path, saved):
     path = _rewritten(saved, tmp_path / "bomb.keras", config_member=_inflating_config)
     assert os.path.getsize(path) < 2 << 20
@@ -102,6 +107,7 @@ def test_a_config_json_that_inflates_to_hundreds_of_megabytes_is_refused_unread(
         vit_keras.check_keras_file(path)
 
 
+@zip_only
 def test_a_layer_size_no_model_has_is_refused_before_building(tmp_path, saved):
     path = _rewritten(saved, tmp_path / "wide.keras",
                       lambda c: _with_variant_field(c, "mlp_dim", 20_000_000))
@@ -110,6 +116,7 @@ def test_a_layer_size_no_model_has_is_refused_before_building(tmp_path, saved):
         vit_keras.check_keras_file(path)
 
 
+@zip_only
 def test_a_layer_size_of_a_functional_file_of_an_earlier_version_is_refused(tmp_path):
     legacy = os.path.join(os.path.dirname(__file__), "data", "legacy_vit.keras")
     path = _rewritten(legacy, tmp_path / "wide.keras",
@@ -120,6 +127,7 @@ def test_a_layer_size_of_a_functional_file_of_an_earlier_version_is_refused(tmp_
         vit_keras.check_keras_file(path)
 
 
+@zip_only
 def test_a_model_of_more_weights_than_its_file_stores_is_refused(tmp_path, saved):
     """mlp_dim 2,000,000 is a size some layer could have; a model of 2 such blocks of width 32 has
     256 M weights, which a file of 200 kB cannot hold."""
@@ -131,6 +139,22 @@ def test_a_model_of_more_weights_than_its_file_stores_is_refused(tmp_path, saved
         vit_keras.check_keras_file(path)
 
 
+@pytest.mark.parametrize("layer,field,weights", [("LSTM", "units", 400_160_000),
+                                                  ("GRU", "units", 300_150_000)])
+def test_a_layer_class_the_check_has_no_rule_for_is_sized_by_keras_without_allocating(
+        tmp_path, layer, field, weights):
+    """A 17 kB file of one LSTM(10000) passed, and loading it took 4 GB on TensorFlow. Keras
+    sizes each layer as it builds it, on this pass's backend, without allocating."""
+    small = tmp_path / "small.keras"
+    keras.Sequential([keras.Input((None, 3)), getattr(keras.layers, layer)(4)]).save(small)
+    path = _rewritten(small, tmp_path / "wide.keras", lambda c: _with_field(c, layer, field, 10_000))
+    with pytest.raises(keras_files.KerasFileError,
+                       match=rf"describes a model of {weights} weights .*but its weights file "
+                             rf"holds at most \d+ bytes"):
+        vit_keras.check_keras_file(path)
+
+
+@zip_only
 @pytest.mark.parametrize("depth", [100, 5000])
 def test_a_config_json_nested_too_deep_is_refused(tmp_path, saved, depth):
     path = _rewritten(saved, tmp_path / "deep.keras", lambda c: _deep(c, depth))
@@ -138,6 +162,7 @@ def test_a_config_json_nested_too_deep_is_refused(tmp_path, saved, depth):
         vit_keras.check_keras_file(path)
 
 
+@zip_only
 def test_a_config_json_number_of_thousands_of_digits_is_refused(tmp_path, saved):
     """Python refuses to read an integer of more than 4,300 digits (a ValueError that escaped as
     a traceback)."""
@@ -147,6 +172,7 @@ def test_a_config_json_number_of_thousands_of_digits_is_refused(tmp_path, saved)
         vit_keras.check_keras_file(path)
 
 
+@zip_only
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["inflating_config", "more_weights_than_stored", "too_deep"])
 def test_predict_refuses_a_hostile_keras_file_in_one_line(tmp_path, saved, case):

@@ -13,7 +13,12 @@ directory and its (bounded) `config.json`, and refuses:
 - a layer size field (`units`, `filters`, `mlp_dim`, `hidden_size`, heads, kernel sizes, ...)
   beyond `MAX_SIZE`;
 - a model whose layers, from their configs and the shapes they were built for, would hold more
-  weights than the archive's weights file can store (at the least half a byte each: int4).
+  weights than the archive's weights file can store (at the least half a byte each: int4);
+  first from the sizes of the layers vit_keras knows, before anything is built, then for every
+  layer class as Keras itself sizes it: the model is built inside a `keras.StatelessScope` that
+  never initializes its variables, and their shapes are counted (a 17 kB `LSTM(10000)` claims
+  400 M weights without allocating one);
+- a model Keras cannot build that way (a layer no library registers, a `Lambda` in safe mode).
 
 Every app that loads a user's `.keras` file calls it first.
 """
@@ -46,13 +51,14 @@ class KerasFileError(errors.UserError, ValueError):
     """A `.keras` file that cannot be loaded safely; the message names it and what is wrong."""
 
 
-def check_keras_file(path):
+def check_keras_file(path, safe_mode=True):
     """Refuses a `.keras` file that would exhaust memory or recursion when loaded, before Keras
     reads it (see the module docstring). A path that is not a zip archive (a folder, a legacy
     `.h5` file, nothing) is left to Keras, whose error names it.
 
     Args:
       path: the file.
+      safe_mode: as `keras.saving.load_model`'s: whether a `Lambda` layer's code is refused.
 
     Raises:
       KerasFileError: a `vit_keras.errors.UserError` naming the file and what is wrong with it.
@@ -73,14 +79,47 @@ def check_keras_file(path):
     except errors.CheckpointError as error:  # config.json is no JSON
         raise KerasFileError(str(error)) from error
     _check_depth(path, config)
-    claimed, largest = _weights_claimed(path, config)
     storable = 2 * sum(member.file_size for member in members
                        if member.filename not in _METADATA) + (1 << 20)
-    if claimed > storable:
+    claimed, largest = _weights_claimed(path, config)
+    _check_storable(path, f"at least {claimed} weights ({largest} the largest layer)", claimed,
+                    storable)
+    built = _weights_built(path, config, safe_mode)
+    _check_storable(path, f"{built} weights (as Keras builds it)", built, storable)
+
+
+def _check_storable(path, described, count, storable):
+    if count > storable:
         raise KerasFileError(
-            f"{path} describes a model of at least {claimed} weights ({largest} the largest "
-            f"layer), but its weights file holds at most {storable // 2} bytes: the model it "
-            f"describes is not the one it stores. Refusing to build it.")
+            f"{path} describes a model of {described}, but its weights file holds at most "
+            f"{storable // 2} bytes: the model it describes is not the one it stores. Refusing "
+            f"to build it.")
+
+
+def _weights_built(path, config, safe_mode):
+    """The number of weights the model `config` describes holds as Keras builds it, from the
+    shapes of the variables it declares inside a `keras.StatelessScope` that never initializes
+    them: nothing is allocated, whatever the layer class."""
+    import keras  # pylint: disable=import-outside-toplevel
+    from keras.src.backend.common import global_state  # pylint: disable=import-outside-toplevel
+    from keras.src.saving import serialization_lib  # pylint: disable=import-outside-toplevel
+
+    # Keras keeps the variables a stateless scope declared, to initialize them when the next
+    # scope closes: those of this model are taken off that list again, never to be allocated.
+    pending = global_state.get_global_attribute("uninitialized_variables", [],
+                                                set_to_default=True)
+    known = len(pending)
+    try:
+        with keras.StatelessScope(initialize_variables=False), \
+                serialization_lib.ObjectSharingScope():
+            model = keras.saving.deserialize_keras_object({**config, "compile_config": None},
+                                                          safe_mode=safe_mode)
+        return sum(math.prod(variable.shape) for variable in model.weights)
+    except Exception as error:  # noqa: BLE001  (whatever a layer's code raises for this config)
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise KerasFileError(f"{path} could not be loaded as a Keras model: {reason}") from error
+    finally:
+        del pending[known:]
 
 
 def _check_members(path, members):
