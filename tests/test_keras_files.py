@@ -7,7 +7,9 @@ The checks that read the zip archive and its JSON alone give the same answer on 
 so one pass runs them (`zip_only`); those that reach Keras's own sizing of the layers, built
 unallocated on the pass's backend, run on every backend."""
 
+import gc
 import json
+import math
 import os
 import zipfile
 
@@ -152,6 +154,11 @@ def test_a_layer_class_the_check_has_no_rule_for_is_sized_by_keras_without_alloc
                        match=rf"describes a model of {weights} weights .*but its weights file "
                              rf"holds at most \d+ bytes"):
         vit_keras.check_keras_file(path)
+    # Keras keeps the variables a stateless scope declares, to allocate them when the next scope
+    # closes: none of the checked model's may outlive the check.
+    gc.collect()
+    assert not [v for v in gc.get_objects() if isinstance(v, keras.Variable)
+                and math.prod(v.shape) >= 10_000 * 10_000], "a sized variable outlived the check"
 
 
 @zip_only
