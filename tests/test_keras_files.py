@@ -119,6 +119,16 @@ def test_a_layer_size_no_model_has_is_refused_before_building(tmp_path, saved):
 
 
 @zip_only
+def test_a_depth_no_model_has_is_refused_before_building(tmp_path, saved):
+    """20,000 blocks of width 1 claim few weights, but building them took 5 GB and 4 minutes."""
+    path = _rewritten(saved, tmp_path / "deep.keras",
+                      lambda c: _with_variant_field(c, "num_layers", 20_000))
+    with pytest.raises(keras_files.KerasFileError,
+                       match=r"layer '\w+' \(ViT\) has num_layers 20000, beyond the 1024 blocks"):
+        vit_keras.check_keras_file(path)
+
+
+@zip_only
 def test_a_layer_size_of_a_functional_file_of_an_earlier_version_is_refused(tmp_path):
     legacy = os.path.join(os.path.dirname(__file__), "data", "legacy_vit.keras")
     path = _rewritten(legacy, tmp_path / "wide.keras",

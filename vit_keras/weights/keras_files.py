@@ -36,6 +36,10 @@ MAX_DEPTH = 64
 """The deepest nesting of a `config.json` read (a ViT's is about 10, each nested model adds 4)."""
 MAX_SIZE = 1 << 24
 """The largest value of a layer size field (the widest published ViT's MLP is 24576)."""
+MAX_BLOCKS = 1024
+"""The most encoder blocks (`num_layers`) or ResNet units per stage (`resnet_layers`) a model may
+have (the deepest published ViT has 48). Each costs Python objects as it is built, about 0.25 MB
+even at width 1: 20,000 blocks took 5 GB and 4 minutes to build before any weight."""
 _EXPANSION_FLOOR = 64 << 20
 _MAX_EXPANSION = 100
 _DEFLATE_MAX_RATIO = 1100
@@ -192,6 +196,14 @@ def _weights_claimed(path, config):
                         f"{path}: layer {name!r} ({layer['class_name']}) has {field} {value}, "
                         f"beyond the {MAX_SIZE} of any model vit_keras loads; building it would "
                         f"take more memory than the file could ever fill. Refusing to build it.")
+        for field in ("num_layers", "resnet_layers"):
+            values = sizes.get(field)
+            for value in values if isinstance(values, list) else [values]:
+                if _whole(value) > MAX_BLOCKS:
+                    raise KerasFileError(
+                        f"{path}: layer {name!r} ({layer['class_name']}) has {field} {value}, "
+                        f"beyond the {MAX_BLOCKS} blocks of any model vit_keras loads; building "
+                        f"it would take more memory than its weights. Refusing to build it.")
         build = layer.get("build_config")
         shape = build.get("input_shape") if isinstance(build, dict) else None
         count = _layer_weights(layer["class_name"], fields, shape)
