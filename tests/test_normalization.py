@@ -467,6 +467,17 @@ def test_build_model_with_a_checkpoint_file_takes_its_normalization(tmp_path):
     assert relative_error(built.predict(pixels, verbose=0), timm_logits(model, pixels)) <= RTOL
 
 
+def test_build_model_with_a_checkpoint_file_takes_its_eval_crop_and_family(tmp_path):
+    folder = hub_folder(randomised_timm_model("vit_small_patch14_dinov2.lvd142m", {"img_size": 28}),
+                        tmp_path / "hub")
+    built = vit_keras.build_model(
+        {"name": "small", "patch_size": 14, "hidden_size": 64, "mlp_dim": 256, "num_heads": 2,
+         "num_layers": 2, "layer_scale_init": 1e-5},
+        weights=str(folder / "model.safetensors"), image_size=28, num_classes=7)
+    assert built.eval_crop == (1.0, "bicubic")  # timm's pretrained_cfg in its config.json
+    assert built.name.startswith("DINOv2")
+
+
 def test_loading_into_a_model_built_for_other_pixels_warns(tmp_path, caplog):
     model = randomised_timm_model("vit_small_patch14_dinov2.lvd142m", {"img_size": 28})
     folder = hub_folder(model, tmp_path / "hub")

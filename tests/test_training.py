@@ -110,6 +110,21 @@ def test_new_head_is_zero_and_position_embeddings_are_resampled_from_weights(tmp
         atol=1e-6)
 
 
+def test_keras_file_weights_for_another_head_keep_the_models_name_and_eval_crop(tmp_path,
+                                                                               tiny_config):
+    """The new head goes through the npz layout, which holds neither: the run line and
+    apps/evaluate.py would name a `custom` model and resize."""
+    source = build_model(tiny_config, image_size=8, num_classes=7, eval_crop=(0.9, "bicubic"),
+                         name="EVA02-tiny")
+    path = str(tmp_path / "source.keras")
+    source.save(path)
+    recipe = dataclasses.replace(recipes.FINETUNE_RECIPE, image_size=8)
+    model = training.build_run_model(training.RunConfig.of(weights=path), recipe, num_classes=3,
+                                     log=lambda _: None)
+    assert model.output_shape == (None, 3)
+    assert (model.name, model.eval_crop) == ("EVA02-tiny", (0.9, "bicubic"))
+
+
 def test_keras_file_weights_get_a_new_zero_head_and_resampled_position_embeddings(tmp_path,
                                                                                   tiny_config):
     source = build_model(tiny_config, image_size=8, num_classes=7)

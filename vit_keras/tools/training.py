@@ -158,12 +158,14 @@ def build_run_model(config, recipe, num_classes, log=print):
                 log(f"Continuing from {weights} (same classes and image size).")
                 return loaded
         # Another head or resolution: go through the npz layout, which resamples position
-        # embeddings and zero-initialises a new head (one mechanism for every weight source).
+        # embeddings and zero-initialises a new head (one mechanism for every weight source),
+        # and keeps neither the model's name (its family's) nor its evaluation crop.
         with tempfile.TemporaryDirectory() as scratch:
             path = save_npz(loaded, os.path.join(scratch, "weights.npz"))
             return pretrained.build_model_from_checkpoint(
                 path, image_size=recipe.image_size, num_classes=num_classes,
-                include_top=True, **options)
+                include_top=True, name=loaded.name, eval_crop=getattr(loaded, "eval_crop", None),
+                **options)
     if weights:
         # A release name without --model: pretrained.release_of raises ReleaseNeedsVariantError
         # (one check, one message; the apps make it before the data loads).

@@ -167,6 +167,7 @@ def build_model(variant, *, weights=None, image_size=None, num_classes=None,
         arguments["normalization"] = input_normalization(
             arguments.get("normalization"), checkpoint, arguments.get("include_preprocessing", True))
         variant = _family_named(configs.get_config(variant), checkpoint)
+        arguments.setdefault("eval_crop", checkpoint.hints.get("eval_crop"))
     model = model_lib.ViT(variant, image_size=image_size, num_classes=num_classes,
                           representation_size=representation_size, **arguments)
     if checkpoint is not None:
