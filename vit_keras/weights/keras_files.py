@@ -45,9 +45,10 @@ _MAX_EXPANSION = 100
 _DEFLATE_MAX_RATIO = 1100
 _SIZE_FIELDS = ("units", "filters", "mlp_dim", "hidden_size", "num_heads", "key_dim", "value_dim",
                 "input_dim", "output_dim", "num_tokens", "patch_size", "kernel_size",
-                "output_shape", "features", "num_units", "num_layers", "width_factor",
+                "output_shape", "features", "num_units", "width_factor",
                 "representation_size", "num_classes", "intermediate_size", "image_size",
                 "channels")
+_DEPTH_FIELDS = ("num_layers", "resnet_layers")
 _METADATA = ("config.json", "metadata.json")
 
 
@@ -188,22 +189,16 @@ def _weights_claimed(path, config):
         if layer["class_name"] == "ViT" and isinstance(fields.get("variant"), dict):
             # A vit_keras.ViT saves its arguments, its variant's sizes among them.
             sizes = {**fields["variant"], **fields}
-        for field in _SIZE_FIELDS:
+        for field in (*_SIZE_FIELDS, *_DEPTH_FIELDS):
+            limit, what = ((MAX_BLOCKS, f"{MAX_BLOCKS} blocks") if field in _DEPTH_FIELDS
+                           else (MAX_SIZE, str(MAX_SIZE)))
             values = sizes.get(field)
             for value in values if isinstance(values, list) else [values]:
-                if _whole(value) > MAX_SIZE:
+                if _whole(value) > limit:
                     raise KerasFileError(
                         f"{path}: layer {name!r} ({layer['class_name']}) has {field} {value}, "
-                        f"beyond the {MAX_SIZE} of any model vit_keras loads; building it would "
+                        f"beyond the {what} of any model vit_keras loads; building it would "
                         f"take more memory than the file could ever fill. Refusing to build it.")
-        for field in ("num_layers", "resnet_layers"):
-            values = sizes.get(field)
-            for value in values if isinstance(values, list) else [values]:
-                if _whole(value) > MAX_BLOCKS:
-                    raise KerasFileError(
-                        f"{path}: layer {name!r} ({layer['class_name']}) has {field} {value}, "
-                        f"beyond the {MAX_BLOCKS} blocks of any model vit_keras loads; building "
-                        f"it would take more memory than its weights. Refusing to build it.")
         build = layer.get("build_config")
         shape = build.get("input_shape") if isinstance(build, dict) else None
         count = _layer_weights(layer["class_name"], fields, shape)
