@@ -332,3 +332,36 @@ def test_a_full_disk_at_a_sharded_backup_is_one_line_and_leaves_no_partial_check
     assert message.startswith(f"Cannot write {tmp_path / 'backup' / 'epoch-1.orbax'}: {reason}")
     assert "Free space on its disk" in message and "\n" not in message
     assert os.listdir(tmp_path / "backup") == []  # no partial *.orbax-checkpoint-tmp
+
+
+@jax_only
+def test_a_failed_sharded_save_whose_orbax_thread_reraises_at_join_is_still_one_oserror(
+        tmp_path, tiny_config, monkeypatch):
+    """Orbax's writing threads re-raise their own error when joined (`_SignalingThread.join`):
+    one still running when the save gives up made the app end in a traceback, its temporary
+    folder left on the full disk."""
+    import threading
+
+    import orbax.checkpoint as ocp
+
+    from vit_keras.tools import sharded_checkpoint
+
+    full = ValueError("Failed writing: No space left on device [os_error_code='28']")
+
+    class Thread(threading.Thread):
+        def join(self, timeout=None):
+            super().join(timeout)
+            raise full
+
+    class Checkpointer:
+        def save(self, path, tree, force):
+            os.makedirs(path + ".orbax-checkpoint-tmp-0")
+            Thread(target=threading.Event().wait, args=(0.2,)).start()
+            raise full
+
+    monkeypatch.setattr(ocp, "PyTreeCheckpointer", Checkpointer)
+    model = tiny_model(tiny_config)
+    recipes.compile_model(model, "adam")
+    with pytest.raises(OSError, match="No space left on device"):
+        sharded_checkpoint.save(model, str(tmp_path / "epoch-1.orbax"))
+    assert os.listdir(tmp_path) == []

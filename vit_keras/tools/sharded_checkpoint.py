@@ -77,10 +77,11 @@ def save(model, path):
         ocp.PyTreeCheckpointer().save(path, tree, force=True)
     except Exception as error:  # TensorStore's ValueError, asyncio's RuntimeError, an OSError
         # Orbax's other writing threads go on after the first fails: once they end, nothing
-        # writes into the temporary folder any more (a minute at most, for them all).
+        # writes into the temporary folder any more (a minute at most, for them all). Thread's
+        # own join: Orbax's re-raises the thread's error, the one this save reports below.
         deadline = time.monotonic() + 60
         for thread in set(threading.enumerate()) - running:
-            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+            threading.Thread.join(thread, timeout=max(0.0, deadline - time.monotonic()))
         folder, name = os.path.split(path)
         for entry in os.listdir(folder):
             if entry.startswith(name + ORBAX_TEMPORARY_MARK):
