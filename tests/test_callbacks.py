@@ -365,3 +365,41 @@ def test_a_failed_sharded_save_whose_orbax_thread_reraises_at_join_is_still_one_
     with pytest.raises(OSError, match="No space left on device"):
         sharded_checkpoint.save(model, str(tmp_path / "epoch-1.orbax"))
     assert os.listdir(tmp_path) == []
+
+
+@jax_only
+def test_a_write_landing_after_a_failed_sharded_save_gave_up_is_removed_too(
+        tmp_path, tiny_config, monkeypatch):
+    """TensorStore's writes still under way end on threads of its own, after Orbax's: one of
+    them left its file, and so the temporary folder, behind on the full disk."""
+    import threading
+
+    import orbax.checkpoint as ocp
+
+    from vit_keras.tools import sharded_checkpoint
+
+    path = tmp_path / "epoch-1.orbax"
+    temporary = tmp_path / "epoch-1.orbax.orbax-checkpoint-tmp-0"
+    failed = threading.Event()
+
+    def late_write():  # a thread not started by the save, as TensorStore's are not
+        failed.wait()
+        threading.Event().wait(0.1)
+        os.makedirs(temporary / "ocdbt.process_0", exist_ok=True)
+        (temporary / "ocdbt.process_0" / "manifest.ocdbt").write_bytes(b"late")
+
+    class Checkpointer:
+        def save(self, path, tree, force):
+            os.makedirs(temporary)
+            failed.set()
+            raise ValueError("Failed writing: No space left on device [os_error_code='28']")
+
+    writer = threading.Thread(target=late_write)
+    writer.start()
+    monkeypatch.setattr(ocp, "PyTreeCheckpointer", Checkpointer)
+    model = tiny_model(tiny_config)
+    recipes.compile_model(model, "adam")
+    with pytest.raises(OSError, match="No space left on device"):
+        sharded_checkpoint.save(model, str(path))
+    writer.join()
+    assert os.listdir(tmp_path) == []

@@ -76,20 +76,38 @@ def save(model, path):
     try:
         ocp.PyTreeCheckpointer().save(path, tree, force=True)
     except Exception as error:  # TensorStore's ValueError, asyncio's RuntimeError, an OSError
-        # Orbax's other writing threads go on after the first fails: once they end, nothing
-        # writes into the temporary folder any more (a minute at most, for them all). Thread's
-        # own join: Orbax's re-raises the thread's error, the one this save reports below.
+        # Orbax's other writing threads go on after the first fails (a minute at most, for
+        # them all; Thread's own join: Orbax's re-raises the thread's error, the one this save
+        # reports below), and TensorStore's writes, on its own threads, may land later still:
+        # the temporary folder is removed until half a second passes without one.
         deadline = time.monotonic() + 60
         for thread in set(threading.enumerate()) - running:
             threading.Thread.join(thread, timeout=max(0.0, deadline - time.monotonic()))
-        folder, name = os.path.split(path)
-        for entry in os.listdir(folder):
-            if entry.startswith(name + ORBAX_TEMPORARY_MARK):
-                shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
-        code = _OS_ERROR_CODE.search(str(error))
-        if code is None or isinstance(error, OSError):
+        while _remove_temporary_folders(path) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        failure = write_failure(error, path)
+        if failure is None:
             raise
-        raise OSError(int(code[1]), os.strerror(int(code[1])), path) from None
+        raise failure from None
+
+
+def _remove_temporary_folders(path):
+    """Removes Orbax's temporary folders of the checkpoint `path`; whether there were any."""
+    folder, name = os.path.split(path)
+    found = [entry for entry in os.listdir(folder) if entry.startswith(name + ORBAX_TEMPORARY_MARK)]
+    for entry in found:
+        shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
+    return bool(found)
+
+
+def write_failure(error, path=None):
+    """The `OSError` of a file Orbax could not write, from the error its save or one of its
+    writing threads raised: `error` itself, or TensorStore's ValueError naming the errno, as an
+    OSError for `path`; None for any other error."""
+    if isinstance(error, OSError):
+        return error
+    code = _OS_ERROR_CODE.search(str(error))
+    return None if code is None else OSError(int(code[1]), os.strerror(int(code[1])), path)
 
 
 def restore(model, path, with_optimizer=True):
