@@ -19,6 +19,7 @@ it, and one format for every warning.
   files are left out), whose end Keras finds by running out, interrupting nothing.
 """
 
+import contextlib
 import importlib.abc
 import importlib.machinery
 import logging
@@ -26,6 +27,7 @@ import os
 import re
 import sys
 import tempfile
+import traceback
 import warnings
 
 TF_LOG_LEVEL = "TF_CPP_MIN_LOG_LEVEL"
@@ -61,6 +63,68 @@ def _set_up_logging():
     for name in _INFO_LOGGERS:
         logging.getLogger(name).setLevel(logging.INFO)
     absl_logging.get_absl_handler().setFormatter(_LevelPrefix())
+
+
+@contextlib.contextmanager
+def quiet_failed_checkpoint_writes():
+    """While a training run runs, leaves out what an fsdp backup's failed write prints besides
+    the app's one `ERROR: Cannot write ...` line (a full disk, a quota), hundreds of tracebacks
+    that repeat it: Orbax logs each of its writing threads' errors before the save raises the
+    first (the line); TensorStore's writes still under way then post their results to the
+    asyncio loop Orbax has closed (unraisable `RuntimeError: Event loop is closed`s), and
+    asyncio logs their failures, which nothing reads ("Future exception was never retrieved").
+    Any other error is printed as before. The apps' own, not the library's: it changes the
+    process's logging and `sys.unraisablehook`, put back at the end of a run without a failed
+    write."""
+    # Imported now: the records may come while the interpreter shuts down.
+    from vit_keras.tools import sharded_checkpoint  # pylint: disable=import-outside-toplevel
+
+    loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]  # Orbax's, asyncio's
+    previous_hook = sys.unraisablehook
+    dropped = []
+
+    def printed(record):
+        if (_reports_a_background_error(record)
+                and sharded_checkpoint.write_failure(record.exc_info[1])):
+            dropped.append(record)
+            return False
+        return True
+
+    def hook(unraisable):
+        if _posted_to_a_closed_loop(unraisable):
+            dropped.append(unraisable)
+        else:
+            previous_hook(unraisable)
+
+    for logger in loggers:
+        logger.addFilter(printed)
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        # After a failed write the run ends in its error, and the app with it; TensorStore's
+        # writes still under way print until the process exits (asyncio's tasks freed at its
+        # end), so the filters stay.
+        if not dropped:
+            sys.unraisablehook = previous_hook
+            for logger in loggers:
+                logger.removeFilter(printed)
+
+
+def _reports_a_background_error(record):
+    """Whether `record` is Orbax's log of a thread's error, or asyncio's of a task's that
+    nothing read, with the error."""
+    message = str(record.msg)
+    return bool(record.exc_info) and record.exc_info[1] is not None and (
+        "_SignalingThread.run() raised" in message or message.startswith(
+            ("Future exception was never retrieved", "Task exception was never retrieved")))
+
+
+def _posted_to_a_closed_loop(unraisable):
+    frames = traceback.extract_tb(unraisable.exc_traceback)[-2:]
+    return (type(unraisable.exc_value) is RuntimeError
+            and str(unraisable.exc_value) == "Event loop is closed"
+            and [frame.name for frame in frames] == ["call_soon_threadsafe", "_check_closed"])
 
 
 class _LevelPrefix(logging.Formatter):

@@ -8,6 +8,7 @@ import zipfile
 from absl import app, flags
 import numpy as np
 
+import _app_output
 import _backend
 
 FLAGS = flags.FLAGS
@@ -360,7 +361,8 @@ def training_app(name, started, recipe="auto", recipe_help=None, objective=None)
         if config.output.verbose is None:  # after flags.txt: a replay decides for its own output
             config = config.replace(verbose=progress_verbosity())
         run_objective = config_flags.from_flags(objective)
-        metrics = training.run(config, app=name, started=started, objective=run_objective)
+        with _app_output.quiet_failed_checkpoint_writes():
+            metrics = training.run(config, app=name, started=started, objective=run_objective)
         print()
         print(run_objective.summary(metrics))
         process = metrics.get("process", {"index": 0})

@@ -343,3 +343,59 @@ def test_the_normalization_flag_offers_every_named_normalization():
     import vit_keras
 
     assert _common.NORMALIZATION_NAMES == tuple(vit_keras.NORMALIZATIONS)
+
+
+def _unraisable(error):
+    import types
+
+    return types.SimpleNamespace(exc_type=type(error), exc_value=error, err_msg=None,
+                                 exc_traceback=error.__traceback__, object=None)
+
+
+@pytest.mark.backend_independent
+def test_a_runs_failed_checkpoint_write_is_quiet_and_every_other_error_printed(
+        monkeypatch, caplog):
+    """What Orbax and asyncio print after an fsdp backup's failed write repeats the app's one
+    line: left out; another error of theirs, an unraisable of another kind, still print."""
+    import asyncio
+    import logging
+
+    loop = asyncio.new_event_loop()
+    loop.close()
+    try:
+        loop.call_soon_threadsafe(print)  # as TensorStore's callbacks do, after Orbax's save
+    except RuntimeError as error:
+        closed = error
+    try:
+        raise RuntimeError("Event loop is closed")  # the same words, raised elsewhere
+    except RuntimeError as error:
+        elsewhere = error
+    full = ValueError("Failed writing: No space left on device [os_error_code='28']")
+    unraisables = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisables.append)
+    for name in ("absl", "asyncio"):  # the filters stay after a failed write: not past this test
+        monkeypatch.setattr(logging.getLogger(name), "filters", [])
+    orbax = "[process=0][thread=t][operation_id=1] _SignalingThread.run() raised an exception: %s"
+    with caplog.at_level(logging.ERROR), _app_output.quiet_failed_checkpoint_writes():
+        for error in (closed, elsewhere, ValueError("a bug")):
+            sys.unraisablehook(_unraisable(error))
+        for error in (full, KeyError("a bug")):
+            logging.getLogger("absl").error(orbax, error, exc_info=error)
+            logging.getLogger("asyncio").error("Task exception was never retrieved",
+                                               exc_info=error)
+    assert [str(u.exc_value) for u in unraisables] == ["Event loop is closed", "a bug"]
+    assert unraisables[0].exc_value is elsewhere
+    assert [(r.name, str(r.exc_info[1])) for r in caplog.records] == [
+        ("absl", "'a bug'"), ("asyncio", "'a bug'")]
+
+
+@pytest.mark.backend_independent
+def test_a_run_without_a_failed_checkpoint_write_puts_back_the_hook_and_the_loggers():
+    import logging
+
+    hook, loggers = sys.unraisablehook, [logging.getLogger(n) for n in ("absl", "asyncio")]
+    filters = [list(logger.filters) for logger in loggers]
+    with _app_output.quiet_failed_checkpoint_writes():
+        assert sys.unraisablehook is not hook
+    assert sys.unraisablehook is hook
+    assert [logger.filters for logger in loggers] == filters

@@ -305,6 +305,28 @@ def test_the_fsdp_runs_model_loads_whole_in_a_fresh_process_on_torch(
     assert result.stdout.split()[-2] == "ViT"
 
 
+
+@pytest.mark.slow
+@pytest.mark.jax_subprocess
+@pytest.mark.skipif(sys.platform == "win32", reason="RLIMIT_FSIZE is POSIX")
+def test_a_disk_filling_during_an_fsdp_backup_ends_the_app_in_one_line(tmp_path):
+    """Epoch 1's Orbax backup fails midway: writes past 16 KiB fail with EFBIG, as on a full disk
+    with ENOSPC (the run folder's files before it are smaller; its checkpoint files are not).
+    Orbax logs each failing thread's error, TensorStore's writes then find asyncio's loop closed
+    and asyncio logs their errors, hundreds of tracebacks: the app prints its one line alone."""
+    limit = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384)); "
+             "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+    result = subprocess.run(
+        [sys.executable, "-c", limit, "apps/finetune.py", *_FLAGS, "--epochs", "1",
+         "--output_dir", str(tmp_path)], cwd=REPO_ROOT, env=multiprocess._env(tmp_path, 4),
+        capture_output=True, text=True, timeout=600)
+    backup = tmp_path / "run" / "backup"
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        f"ERROR: Cannot write {backup / 'epoch-1.orbax'}: File too large")
+    assert "Traceback" not in result.stderr and "Event loop is closed" not in result.stderr
+    assert os.listdir(backup) == []  # no partial *.orbax-checkpoint-tmp
+
 @pytest.mark.slow
 @pytest.mark.jax_subprocess
 @pytest.mark.parametrize("kind", ["fsdp", "model_parallel"])
