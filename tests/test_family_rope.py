@@ -173,6 +173,95 @@ def test_transformers_models_saved_with_save_pretrained_match(name, tmp_path):
         assert relative_error(ours(images), expected) <= RTOL, image_size
 
 
+IMAGENET = (np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225]))
+
+
+def _dinov3_folder(folder, **arguments):
+    """A small random `DINOv3ViTModel` saved with `save_pretrained` in `folder`, of 32 px."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DINOv3ViTConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        image_size=32, patch_size=8, **arguments)
+    torch.manual_seed(0)
+    model = randomised(transformers.DINOv3ViTModel(config))
+    model.save_pretrained(folder)
+    return model
+
+
+# The MLP follows `config.json`: its activation from `hidden_act`, whether it is gated from
+# `use_gated_mlp` (and the weights); before, both of these loaded as another MLP (relative error
+# 0.11 to 0.33).
+@pytest.mark.parametrize("gated, activation", [(True, "gelu"), (False, "silu")])
+def test_transformers_dinov3_mlp_follows_its_config_on_raw_pixels(gated, activation, tmp_path):
+    model = _dinov3_folder(tmp_path, use_gated_mlp=gated, hidden_act=activation)
+    # As a user calls it: default arguments, raw pixels (normalised as DINOv3's processors do).
+    ours = vit_keras.build_model_from_checkpoint(tmp_path, include_top=False)
+    assert ours.vit_config.mlp == {(True, "gelu"): "geglu", (False, "silu"): "silu"}[
+        gated, activation]
+    pixels = np.random.default_rng(0).integers(0, 256, (2, 32, 32, 3)).astype("float32")
+    normalized = ((pixels / 255 - IMAGENET[0]) / IMAGENET[1]).astype("float32")
+    with torch.no_grad():
+        expected = model(pixel_values=torch.from_numpy(normalized.transpose(0, 3, 1, 2)))
+    assert relative_error(ours(pixels), expected.pooler_output.numpy()) <= RTOL
+
+
+def test_a_transformers_config_that_contradicts_its_weights_or_the_caller_is_refused(tmp_path):
+    _dinov3_folder(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    with pytest.raises(vit_keras.errors.CheckpointError, match="num_attention_heads=2"):
+        vit_keras.build_model_from_checkpoint(tmp_path, num_heads=4)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "use_gated_mlp": True}))
+    with pytest.raises(vit_keras.errors.CheckpointError, match="use_gated_mlp=true.*no gate"):
+        vit_keras.build_model_from_checkpoint(tmp_path)
+
+
+def test_a_timm_hub_folder_builds_the_size_and_heads_its_config_json_says(tmp_path):
+    # As timm writes it for a hub (`save_for_hf`): the model's arguments beside the weights. Its
+    # `pretrained_cfg` says DINOv3's 256 px; its `model_args` the 48 px this model was built for.
+    from timm.models import _hub  # pylint: disable=import-outside-toplevel
+
+    arguments = {"img_size": 48, "patch_size": 8, "embed_dim": 64, "depth": 2, "num_heads": 2}
+    torch.manual_seed(0)
+    reference = randomised(timm.create_model("vit_base_patch16_dinov3", **arguments))
+    _hub.save_for_hf(reference, tmp_path, model_args=arguments, safe_serialization=True)
+    ours = vit_keras.build_model_from_checkpoint(tmp_path / "model.safetensors")
+    assert ours.image_size == (48, 48) and ours.vit_config.num_heads == 2
+    pixels = np.random.default_rng(0).integers(0, 256, (2, 48, 48, 3)).astype("float32")
+    normalized = ((pixels / 255 - IMAGENET[0]) / IMAGENET[1]).astype("float32")
+    with torch.no_grad():
+        expected = reference(torch.from_numpy(normalized.transpose(0, 3, 1, 2))).numpy()
+    assert relative_error(ours(pixels), expected) <= RTOL
+
+
+@pytest.mark.parametrize("architecture", ["eva02_base_patch14_224", "vit_base_patch16_dinov3",
+                                          "vit_giant_patch14_dinov2", "aimv2_large_patch14_224"])
+def test_a_timm_file_narrower_than_its_name_needs_its_heads(architecture, tmp_path):
+    # 96 wide, 4 heads: neither the name's heads (12, 24, 8) nor the paper's for any width.
+    overrides, _, _ = FAMILIES[architecture]
+    torch.manual_seed(0)
+    reference = randomised(timm.create_model(
+        architecture, **{**overrides, "embed_dim": 96, "num_heads": 4, "depth": 1}))
+    path = tmp_path / "model.pth"
+    torch.save(reference.state_dict(), path)
+    with pytest.raises(vit_keras.errors.CheckpointError, match=r"96 wide.*num_heads="):
+        vit_keras.build_model_from_checkpoint(path, timm_architecture=architecture)
+    # With timm's config.json beside it, its heads are the model_args'; a caller's other heads
+    # contradict it.
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architecture": architecture, "model_args": {"embed_dim": 96, "num_heads": 4}}))
+    with pytest.raises(vit_keras.errors.CheckpointError, match="disagree: num_heads says 2"):
+        vit_keras.build_model_from_checkpoint(path, num_heads=2)
+    size = (overrides["img_size"],) * 2
+    ours = vit_keras.build_model_from_checkpoint(path, image_size=size, include_top=False,
+                                                 include_preprocessing=False)
+    assert ours.vit_config.num_heads == 4
+    images = images_for(size)
+    with torch.no_grad():
+        expected = reference.forward_head(reference.forward_features(
+            torch.from_numpy(images.transpose(0, 3, 1, 2))), pre_logits=True).numpy()
+    assert relative_error(ours(images), expected) <= RTOL
+
+
 @pytest.mark.slow
 def test_each_family_saved_as_keras_here_loads_on_the_next_backend(tmp_path):
     models = {}

@@ -193,16 +193,26 @@ def test_timm_architecture_names_decide_epsilon_gelu_heads_family_and_normalizat
         found.pop("eval_crop", None)  # its own table's test: tests/test_normalization.py
         return found, normalization and normalization.name
 
+    # Heads by width: a name's heads hold at the width its size has (B: 768, and timm's B+ 896).
+    size = {"image_size": (224, 224)}
     assert hints("vit_base_patch16_clip_quickgelu_224.openai") == (
-        {"layer_norm_epsilon": 1e-5, "gelu": "quick", "num_heads": 12, "family": "CLIP"}, "clip")
+        {"layer_norm_epsilon": 1e-5, "gelu": "quick", "heads_by_width": {768: 12, 896: 14},
+         "family": "CLIP", **size}, "clip")
     assert hints("vit_large_patch16_clip_224.laion2b") == (
-        {"layer_norm_epsilon": 1e-5, "gelu": "exact", "num_heads": 16, "family": "CLIP"}, "clip")
+        {"layer_norm_epsilon": 1e-5, "gelu": "exact", "heads_by_width": {1024: 16},
+         "family": "CLIP", **size}, "clip")
     assert hints("deit3_small_patch16_224") == (
-        {"layer_norm_epsilon": 1e-6, "gelu": "exact", "num_heads": 6, "family": "DeiT3"},
-        "imagenet")
-    assert hints("vit_base_patch16_224") == (
-        {"layer_norm_epsilon": 1e-6, "gelu": "exact", "num_heads": 12}, None)  # the paper's
+        {"layer_norm_epsilon": 1e-6, "gelu": "exact", "heads_by_width": {384: 6},
+         "family": "DeiT3", **size}, "imagenet")
+    assert hints("vit_base_patch16_224") == (  # the paper's
+        {"layer_norm_epsilon": 1e-6, "gelu": "exact", "heads_by_width": {768: 12, 896: 14},
+         **size}, None)
     assert hints("vit_base_patch16_224.mae")[0]["family"] == "MAE"
+    # Where a name's heads are not its size's; DINOv3's 256 px from its family, not its name.
+    assert hints("vit_pe_core_gigantic_patch14_448")[0]["heads_by_width"] == {1536: 16}
+    assert hints("aimv2_large_patch14_224")[0]["heads_by_width"] == {1024: 8}
+    assert hints("vit_huge_plus_patch16_dinov3.lvd1689m")[0]["heads_by_width"] == {1280: 20}
+    assert hints("vit_base_patch16_dinov3")[0]["image_size"] == (256, 256)
 
 
 def test_timm_config_json_beside_the_file_names_the_architecture(tmp_path):

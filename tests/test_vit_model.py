@@ -142,8 +142,8 @@ def test_a_new_mlp_is_one_class_and_one_config_value(monkeypatch):
 
 
 def test_an_unknown_slot_value_is_refused_by_name():
-    with pytest.raises(ValueError, match="Unknown MLP 'geglu'"):
-        ViT({**TINY, "mlp": "geglu"}, image_size=32)
+    with pytest.raises(ValueError, match="Unknown MLP 'reglu'"):
+        ViT({**TINY, "mlp": "reglu"}, image_size=32)
     with pytest.raises(ValueError, match="Unknown norm 'rms'"):
         ViT({**TINY, "norm": "rms"}, image_size=32)
     with pytest.raises(ValueError, match="unknown position_embedding 'rope'"):

@@ -38,7 +38,7 @@ from vit_keras.model.layers import (
     RegisterTokens,
     TransformerBlock,
 )
-from vit_keras.model.mlp import SwiGLUBlock
+from vit_keras.model.mlp import GeGLUBlock, SiLUMlpBlock, SwiGLUBlock
 from vit_keras.model.normalization import NORMALIZATIONS, Normalization, PixelNormalization
 from vit_keras.model.position_embeddings import RotaryEmbedding, RotaryPositions
 from vit_keras.model.resnet import ResidualUnit, ResNetStage, ResNetStem, StdConv2D
@@ -103,6 +103,8 @@ __all__ = [
     "MultiHeadDotProductAttention",
     "MlpBlock",
     "SwiGLUBlock",
+    "GeGLUBlock",
+    "SiLUMlpBlock",
     "RotaryPositions",
     "RotaryEmbedding",
     "TransformerBlock",

@@ -2,12 +2,17 @@
 
 `MLPS` names each implementation (`ViTConfig.mlp`); `make_mlp` builds the one a config names.
 Each takes `(batch, tokens, hidden)` to `(batch, tokens, hidden)` and is built with the block.
-A new MLP (a gated SwiGLU) is one class here and one entry in `MLPS`.
+A new MLP is one class here and one entry in `MLPS`, and the readers of the checkpoints that
+hold it name it (`vit_keras.weights.checkpoints`).
 
-- `"gelu"`: `MlpBlock`, the paper's Dense → GELU → Dense (vit_jax's weight names).
+- `"gelu"`: `MlpBlock`, the paper's Dense → GELU → Dense (vit_jax's weight names); the GELU is
+  `ViTConfig.gelu`'s.
+- `"silu"`: `SiLUMlpBlock`, Dense → SiLU → Dense (transformers' DINOv3 with `hidden_act="silu"`).
 - `"swiglu"`: `SwiGLUBlock`, `Dense_1(silu(gate(x)) * Dense_0(x))` (EVA-02, DINOv2 giant, DINOv3's
   large sizes, AIMv2). timm packs `gate` and `Dense_0` into one `fc1` (DINOv2 giant) or keeps
   them apart (`fc1_g`, `fc1_x`); the checkpoint converters unpack, so one class holds both.
+- `"geglu"`: `GeGLUBlock`, the same gated MLP with `ViTConfig.gelu`'s GELU as the gate
+  (transformers' DINOv3 with `use_gated_mlp=True, hidden_act="gelu"`).
 
 Both take `use_bias` (AIMv2's have none) and an optional norm before the output projection
 (`inner_norm`, a `vit_keras.model.norms.NORMS` name: EVA-02's `scale_mlp`).
@@ -84,11 +89,14 @@ class MlpBlock(keras.layers.Layer):
         # Chosen once for this backend and device (see vit_keras.model.kernels): `dense(x)`, torch's
         # linear, or on XLA:CPU an einsum with bfloat16 products; GELU in its fastest form.
         self._project = kernels.choose_projection()
-        self._gelu = _choose_gelu(self.gelu)
+        self._activation = ops.silu if self.activation == "silu" else _choose_gelu(self.gelu)
+
+    activation = "gelu"
+    """The activation: `"gelu"` (the variant `gelu` names) or `"silu"`."""
 
     def _hidden(self, x):
         """`(batch, tokens, hidden)` → the activations before the output projection."""
-        return self._gelu(self._project(self.dense_0, x))
+        return self._activation(self._project(self.dense_0, x))
 
     def call(self, x, training=None):
         x = kernels.dropped(self._dropout, self._hidden(x), training)
@@ -121,13 +129,15 @@ class SwiGLUBlock(MlpBlock):
     `fc1`). `gelu` is kept for the config's sake; the gate is SiLU.
     """
 
+    activation = "silu"
+
     def build(self, input_shape):
         self.gate = self._dense(self.mlp_dim, input_shape[-1], "gate")
         self.gate.build(input_shape)
         super().build(input_shape)
 
     def _hidden(self, x):
-        return ops.silu(self._project(self.gate, x)) * self._project(self.dense_0, x)
+        return self._activation(self._project(self.gate, x)) * self._project(self.dense_0, x)
 
     @property
     def lora_targets(self):
@@ -135,7 +145,22 @@ class SwiGLUBlock(MlpBlock):
         return [self.gate, self.dense_0, self.dense_1]
 
 
-MLPS = {"gelu": MlpBlock, "swiglu": SwiGLUBlock}
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class SiLUMlpBlock(MlpBlock):
+    """`MlpBlock` with SiLU in place of GELU (`gelu` is kept for the config's sake)."""
+
+    activation = "silu"
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class GeGLUBlock(SwiGLUBlock):
+    """`SwiGLUBlock` with the GELU that `gelu` names as the gate: `Dense_1(gelu(gate(x)) *
+    Dense_0(x))`."""
+
+    activation = "gelu"
+
+
+MLPS = {"gelu": MlpBlock, "silu": SiLUMlpBlock, "swiglu": SwiGLUBlock, "geglu": GeGLUBlock}
 """The MLP implementations by the name a `ViTConfig.mlp` gives."""
 
 

@@ -230,6 +230,20 @@ class ViT(keras.Model):
         self.encoder_norm, self.pooling, self.fc_norm = encoder_norm, pooling, fc_norm
         self.pre_logits, self.heads = pre_logits, list(classifier_heads)
 
+    def call(self, inputs, training=None, mask=None, **kwargs):
+        # Keras checks the input's shape in `__call__`, which JAX's `predict` and `fit` skip (they
+        # trace `call`): a model without absolute position embeddings would run on images of
+        # another size there, silently unlike what it was built and loaded for.
+        if not self.dynamic_image_size:
+            found = tuple(keras.ops.shape(inputs)[1:3]) if hasattr(inputs, "shape") else ()
+            if len(found) == 2 and all(isinstance(side, int) for side in found) and (
+                    found != self.image_size):
+                raise ValueError(
+                    f"Model {self.name!r} takes {self.image_size[0]}x{self.image_size[1]} images; "
+                    f"got {found[0]}x{found[1]}. Resize the images, or build the model with "
+                    f"image_size={found} or dynamic_image_size=True.")
+        return super().call(inputs, training=training, mask=mask, **kwargs)
+
     # -- configuration ----------------------------------------------------------------------------
 
     def get_config(self):

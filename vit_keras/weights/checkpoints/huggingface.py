@@ -28,10 +28,13 @@ PREPROCESSOR_CONFIG = "preprocessor_config.json"
 # The patch embedding of every family: ViT/DeiT/DINOv2/MAE `embeddings.patch_embeddings.projection`,
 # CLIP/SigLIP `embeddings.patch_embedding`; under `vit.`, `deit.` or `vision_model.` (full CLIP).
 _ANCHOR = re.compile(r"(?:^|\.)embeddings\.patch_embed(?:dings?)?\.(?:projection\.)?weight$")
-# Hugging Face activation names → `ViTConfig.gelu`; "silu" is a SwiGLU's gate (AIMv2's, DINOv3's
-# gated MLP), where the GELU variant is not used.
-_GELU = {"gelu": "exact", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "quick_gelu": "quick",
-         "silu": "exact"}
+# Hugging Face activation names → the MLP's activation: a `ViTConfig.gelu` variant, or "silu"
+# (AIMv2's gate; DINOv3's plain or gated MLP may take either).
+_ACTIVATIONS = {"gelu": "exact", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh",
+                "quick_gelu": "quick", "silu": "silu"}
+# The MLP (`ViTConfig.mlp`) by (gated, SiLU).
+_MLPS = {(False, False): "gelu", (False, True): "silu", (True, False): "geglu",
+         (True, True): "swiglu"}
 # Each family's config-class defaults for the fields vit_keras reads (transformers leaves a field
 # out of `config.json` when it has the default, in older folders and nested `vision_config`s).
 _DEFAULTS = {
@@ -60,6 +63,10 @@ _FAMILY_NAMES = {"deit": "DeiT", "vit_mae": "MAE", "dinov2": "DINOv2",
                  "dinov2_with_registers": "DINOv2", "clip_vision_model": "CLIP",
                  "siglip_vision_model": "SigLIP", "dinov3_vit": "DINOv3",
                  "aimv2_vision_model": "AIMv2"}
+# Each family's config-class head count. A `config.json` leaves out the fields at their class's
+# defaults (transformers 4 saved the difference), so one without `num_attention_heads` has these;
+# without a `config.json` the heads are the caller's or the paper's for the width.
+_DEFAULT_HEADS = {"dinov3_vit": 6, "aimv2_vision_model": 8}  # the others: 12
 FAMILIES = tuple(_DEFAULTS)
 """The `model_type`s vit_keras reads (`clip` and `siglip` folders: their `vision_config`)."""
 _VISION_TOWERS = {"clip": "clip_vision_model", "siglip": "siglip_vision_model"}
@@ -138,8 +145,9 @@ def _check_config(config, path):
     epsilon = config.get("layer_norm_eps", 1.0)
     if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not epsilon > 0:
         raise bad("layer_norm_eps", "a positive number")
-    if config.get("hidden_act", "gelu") not in _GELU:
-        raise bad("hidden_act", f"one of {sorted(_GELU)} (the activations vit_keras supports)")
+    if config.get("hidden_act", "gelu") not in _ACTIVATIONS:
+        raise bad("hidden_act", f"one of {sorted(_ACTIVATIONS)} (the activations vit_keras "
+                                f"supports)")
     if config.get("use_swiglu_ffn"):
         raise bad("use_swiglu_ffn", "false: read DINOv2 giant from timm's file "
                                     "(vit_giant_patch14_dinov2), whose SwiGLU vit_keras holds")
@@ -271,15 +279,23 @@ def hints(config, model_type="vit"):
     weights alone do not carry: `layer_norm_epsilon`, `gelu` (and the older `approximate_gelu`),
     `num_heads`, `grid`, the `family` that names the model, and the family's position-embedding
     layout (`posemb_prefix`: every Hugging Face family adds position embeddings to its class and
-    distillation tokens)."""
+    distillation tokens), the MLP's activation (`silu`: SiLU, else the GELU `gelu` names) and,
+    where the config says, whether it is `gated` (DINOv3's `use_gated_mlp`)."""
+    given = config is not None
     config = vision_config(config) or {}
     _check_config({"model_type": model_type, **config}, CONFIG)
     model_type = config.get("model_type", model_type)
     config = {**_DEFAULTS[model_type], **config}
-    gelu = _GELU[config["hidden_act"]]
+    if given:
+        config.setdefault("num_attention_heads", _DEFAULT_HEADS.get(model_type, 12))
+    activation = _ACTIVATIONS[config["hidden_act"]]
+    gelu = "exact" if activation == "silu" else activation
     epsilon = config["rms_norm_eps" if model_type == "aimv2_vision_model" else "layer_norm_eps"]
     out = {"layer_norm_epsilon": float(epsilon), "gelu": gelu,
-           "approximate_gelu": gelu == "tanh", "posemb_prefix": True}
+           "approximate_gelu": gelu == "tanh", "posemb_prefix": True,
+           "silu": activation == "silu"}
+    if isinstance(config.get("use_gated_mlp"), bool):
+        out["gated"] = config["use_gated_mlp"]
     if model_type in _FAMILY_NAMES:
         out["family"] = _FAMILY_NAMES[model_type]
     if model_type == "dinov3_vit":  # its pooler output is the class token after the norm
@@ -313,11 +329,14 @@ def _encoder_and_heads(state_dict, model_type):
 
 
 def convert(state_dict, config=None, num_heads=None, folder=None):
-    """`(canonical params, info)`. The heads come from `config.json`, else from `num_heads`, else
-    from the paper's variant of that width; LayerNorm epsilon and GELU variant from `config.json`,
-    else the family's defaults (ViT's epsilon is 1e-12, CLIP's GELU the quick one, ...); the
-    input normalisation and evaluation crop from `folder`'s image processor (see
-    `read_normalization`, `read_eval_crop`)."""
+    """`(canonical params, info)`. The heads come from `config.json` (its family's default where
+    it leaves them out), else from `num_heads`, else from the paper's variant of that width; a
+    `num_heads` that `config.json` contradicts is a `CheckpointError`. LayerNorm epsilon and the
+    MLP's activation come from `config.json`, else the family's defaults (ViT's epsilon is 1e-12,
+    CLIP's GELU the quick one, ...), and whether the MLP is gated from the weights (a
+    `use_gated_mlp` that contradicts them is a `CheckpointError`); the input normalisation and
+    evaluation crop from `folder`'s image processor (see `read_normalization`,
+    `read_eval_crop`)."""
     model_type = family(state_dict, config)
     state_dict = _encoder_and_heads(state_dict, model_type)
     info = {"format": "huggingface", "interpolation": "bicubic", "antialias": False,
@@ -329,9 +348,20 @@ def convert(state_dict, config=None, num_heads=None, folder=None):
         eval_crop = read_eval_crop(folder)
         if eval_crop is not None:
             info["eval_crop"] = eval_crop
-    if num_heads and "num_heads" not in info:  # config.json knows better than the caller
-        info["num_heads"] = num_heads
+    if num_heads and info.setdefault("num_heads", num_heads) != num_heads:
+        raise errors.CheckpointError(
+            f"num_heads={num_heads} was asked for, but {os.path.join(folder or '.', CONFIG)!r} "
+            f"says num_attention_heads={info['num_heads']}: a model of other heads would not "
+            f"compute what the checkpoint was trained to.")
     if "num_heads" not in info:
         hidden = next(v for k, v in state_dict.items() if _ANCHOR.search(k)).shape[0]
         info["num_heads"] = timm.default_num_heads(hidden)
-    return names.from_huggingface(state_dict, info["num_heads"]), info
+    params = names.from_huggingface(state_dict, info["num_heads"])
+    gated = names.MLP.format(0) + "gate/kernel" in params
+    if info.pop("gated", gated) != gated:
+        raise errors.CheckpointError(
+            f"{os.path.join(folder or '.', CONFIG)!r} says use_gated_mlp="
+            f"{str(not gated).lower()}, but the weights have {'a' if gated else 'no'} gate "
+            f"projection (mlp.gate_proj): the config and the weights are of different models.")
+    info["mlp"] = _MLPS[gated, info.pop("silu")]
+    return params, info

@@ -13,8 +13,9 @@ from timm's `config.json` beside a hub file (its `architecture`, and the `mean` 
 | `_siglip`, tag `.augreg*` or `.orig_in21k*` | 1e-6 | exact | `"inception"` |
 | anything else | 1e-6 | exact | not known |
 
-and the heads from its size (`tiny` 3, `small` 6, `base` 12, `large` 16, `huge` 16, `giant` 24,
-`so400m` 16, ...; AIMv2's own) when the paper's variants do not give one for the width.
+and the heads from its size (`tiny` 3, `small` 6, `base` 12, `large` 16, ...; AIMv2's own) at the
+width that size has: a file of another width needs its heads from the caller or the config
+(`convert`).
 
 The rotary families (timm's `Eva` models: EVA-02, DINOv3, PE, RoPE-ViT) need the name: the keys
 give their parts (separate q/k/v projections, `q_bias`/`v_bias`, `gamma_1`/`gamma_2`, SwiGLU as
@@ -41,12 +42,24 @@ logger = logging.getLogger("vit_keras")
 
 _ANCHOR = "patch_embed.proj.weight"
 CONFIG = "config.json"
-_HEADS_BY_SIZE = {"tiny": 3, "small": 6, "small_plus": 6, "base": 12, "large": 16, "huge": 16,
-                  "huge_plus": 20, "giant": 24, "gigantic": 16, "7b": 32, "so400m": 16,
-                  "so150m": 16}
-# AIMv2 has fewer heads than the ViT of its width.
-_HEADS_BY_FAMILY = ((r"^aimv2_large_", 8), (r"^aimv2_huge_", 12), (r"^aimv2_1b_", 16),
-                    (r"^aimv2_3b_", 24))
+# The heads of the models timm (1.0.31) builds under a size in their names, by width: the
+# name's heads hold for a file of that width only. A narrowed file (timm's `embed_dim=...`) of
+# another width takes its heads from the caller or timm's config.json, or is refused.
+_HEADS_BY_SIZE = {"tiny": {192: 3}, "small": {384: 6}, "small_plus": {384: 6},
+                  "medium": {512: 8}, "mediumd": {512: 8}, "betwixt": {640: 10},
+                  "base": {768: 12, 896: 14}, "large": {1024: 16}, "huge": {1280: 16},
+                  "huge_plus": {1280: 20}, "giant": {1408: 16, 1536: 24},
+                  "gigantic": {1664: 16}, "enormous": {1792: 16}, "so150m": {896: 14},
+                  "so400m": {1152: 16}, "7b": {4096: 32}}
+# Names whose heads are not their size's (the first that matches): AIMv2's, PE's gigantic, and
+# timm's B/16 with mean pooling.
+_HEADS_BY_NAME = ((r"^aimv2_large_", {1024: 8}), (r"^aimv2_huge_", {1536: 12}),
+                  (r"^aimv2_1b_", {2048: 16}), (r"^aimv2_3b_", {3072: 24}),
+                  (r"^vit_pe_[a-z]+_gigantic_", {1536: 16}),
+                  (r"^vit_base_patch16_gap_224$", {768: 16}))
+# The input size of the rotary families without absolute embeddings whose names do not end in it
+# (timm's pretrained_cfg `input_size`), for a file without timm's config.json.
+_IMAGE_SIZE_BY_NAME = ((r"_dinov3", 256),)
 
 
 def matches(state_dict):
@@ -54,7 +67,8 @@ def matches(state_dict):
 
 
 def default_num_heads(hidden_size):
-    """The head count of the paper's variants for a hidden size (timm files do not store it)."""
+    """The head count of the paper's variants for a hidden size (timm files do not store it), the
+    last resort of a file whose name and config do not say."""
     heads = {c.num_heads for c in configs.VARIANTS.values() if c.hidden_size == hidden_size}
     if len(heads) != 1:
         raise errors.CheckpointError(
@@ -151,20 +165,24 @@ _FAMILY_BY_NAME = (
 def architecture_hints(timm_architecture):
     """What a timm architecture name (`"vit_base_patch16_clip_quickgelu_224.openai"`; the
     pretrained tag after the dot matters only for the normalisation, the evaluation crop and MAE's
-    family) says what the keys do not: `layer_norm_epsilon`, `gelu`, `num_heads` where its size
-    names one, the rotary settings, the `family` (`_FAMILY_BY_NAME`), and `normalization` and
-    `eval_crop` where the tables above name one."""
+    family) says what the keys do not: `layer_norm_epsilon`, `gelu`, `heads_by_width` (`{width:
+    heads}`) where its size names them, the rotary settings, the `image_size` it ends in (or its
+    family's), the `family` (`_FAMILY_BY_NAME`), and `normalization` and `eval_crop` where the
+    tables above name one."""
     name = timm_architecture.split(".")[0]
     clip = "_clip_" in name and not name.startswith("eva02_")  # EVA-02's CLIP towers: 1e-6
     hints = {"layer_norm_epsilon": 1e-5 if clip or name.startswith("aimv2_") else 1e-6,
              "gelu": "quick" if "quickgelu" in name else "exact"}
-    size = re.match(r"^(?:vit|deit3?|eva02|vit_pe_[a-z]+)_([a-z0-9]+(?:_plus)?)_", name)
-    if size and size.group(1) in _HEADS_BY_SIZE:
-        hints["num_heads"] = _HEADS_BY_SIZE[size.group(1)]
-    family_heads = next((heads for pattern, heads in _HEADS_BY_FAMILY if re.search(pattern, name)),
-                        None)
-    if family_heads:
-        hints["num_heads"] = family_heads
+    size = re.match(r"^(?:vit_pe_[a-z]+|vit|deit3?|eva02)_([a-z0-9]+(?:_plus)?)_", name)
+    heads = next((heads for pattern, heads in _HEADS_BY_NAME if re.search(pattern, name)),
+                 _HEADS_BY_SIZE.get(size.group(1)) if size else None)
+    if heads:
+        hints["heads_by_width"] = heads
+    image_size = re.search(r"_(\d+)$", name)
+    image_size = int(image_size.group(1)) if image_size else next(
+        (found for pattern, found in _IMAGE_SIZE_BY_NAME if re.search(pattern, name)), None)
+    if image_size:
+        hints["image_size"] = (image_size, image_size)
     rope = next((dict(found) for pattern, found in _ROPE_BY_NAME if re.search(pattern, name)), {})
     if name.startswith("vit_pe_"):
         grid = re.search(r"_patch(\d+)_(\d+)", name)
@@ -205,7 +223,9 @@ def config_beside(path):
     `save_for_hf`) says, as a dict with any of: `architecture` (with its pretrained tag,
     `"vit_small_patch14_dinov2.lvd142m"`), `normalization` (the `mean` and `std` of its
     `pretrained_cfg`), `eval_crop` (its `crop_pct` and `interpolation`, for a centre crop of
-    bilinear or bicubic resizing: `ViT`'s `eval_crop`) and `num_heads` (of its `model_args`).
+    bilinear or bicubic resizing: `ViT`'s `eval_crop`), `num_heads` (of its `model_args`) and
+    `image_size` (`(height, width)`: its `model_args`' `img_size`, else its `pretrained_cfg`'s
+    `input_size`).
     Empty when there is no such file or it is not timm's: the weights alone decide."""
     config = os.path.join(os.path.dirname(os.path.abspath(path)), CONFIG)
     if not os.path.isfile(config):
@@ -227,12 +247,21 @@ def config_beside(path):
                     (data.get("crop_pct"), data.get("interpolation"))))
             except ValueError:
                 pass  # none that vit_keras runs: resized
-        heads = (config.get("model_args") or {}).get("num_heads")
-        if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0:
+        model_args = config.get("model_args") or {}
+        heads = model_args.get("num_heads")
+        if _positive_int(heads):
             found["num_heads"] = heads
+        size = model_args.get("img_size", (data.get("input_size") or [None])[1:] or None)
+        size = [size, size] if _positive_int(size) else size
+        if isinstance(size, (list, tuple)) and len(size) == 2 and all(map(_positive_int, size)):
+            found["image_size"] = tuple(size)
         return found
     except (OSError, ValueError, AttributeError, TypeError, RecursionError):
         return {}  # not timm's: the weights alone decide
+
+
+def _positive_int(value):
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def unsupported_features(state_dict):
@@ -265,13 +294,14 @@ def _hints_from_keys(state_dict, warn=True):
 
 def convert(state_dict, num_heads=None, timm_architecture=None, beside=None):
     """`(canonical params, info)`. timm resamples state-dict position embeddings bicubic with
-    antialias (`checkpoint_filter_fn`), so that is this format's default. `num_heads` wins over
-    timm's `config.json` (`beside`, see `config_beside`), which wins over the architecture name
-    (`timm_architecture`, else the config's), which wins over the paper's variant of that width;
-    the config's normalisation wins over the name's."""
+    antialias (`checkpoint_filter_fn`), so that is this format's default. Each setting comes from
+    the first that says it: the caller (`num_heads`), timm's `config.json` (`beside`, see
+    `config_beside`), the weights (RoPE-Mixed's frequencies hold the heads), and the architecture
+    name (`timm_architecture`, else the config's) where the weights agree with it: its heads
+    only for the width it names them at. Where two of these disagree, or none says the heads of
+    a width that the paper's variants do not give, a `CheckpointError` says which to pass."""
     beside = beside or {}
     timm_architecture = timm_architecture or beside.get("architecture")
-    num_heads = num_heads or beside.get("num_heads")
     normalization = beside.get("normalization")
     eval_crop = beside.get("eval_crop")
     if not timm_architecture and "rope.freqs" not in state_dict and any(
@@ -292,12 +322,60 @@ def convert(state_dict, num_heads=None, timm_architecture=None, beside=None):
         hints["eval_crop"] = eval_crop
     if (timm_architecture or "").startswith("vit_pe_") and "cls_token" in state_dict:
         hints["rope_grid_offset"] = 1.0  # PE counts patches from 1 beside its class token
-    num_heads = num_heads or hints.pop("num_heads", None) or default_num_heads(
-        state_dict[_ANCHOR].shape[0])
-    hints.pop("num_heads", None)
+    num_heads = _num_heads(state_dict, num_heads, beside.get("num_heads"),
+                           hints.pop("heads_by_width", None), timm_architecture)
+    grid = _grid(state_dict, beside.get("image_size"), hints.pop("image_size", None))
+    if grid:
+        hints["grid"] = grid
     params = names.from_timm(state_dict, num_heads, hints.get("map_num_heads"))
     info = {"format": "timm", "interpolation": "bicubic", "antialias": True,
             "num_heads": num_heads, **hints}
     if "gelu" in hints:
         info["approximate_gelu"] = hints["gelu"] == "tanh"
     return params, info
+
+
+def _num_heads(state_dict, asked, configured, heads_by_width, timm_architecture):
+    """The attention heads of a timm file (see `convert`)."""
+    width = int(state_dict[_ANCHOR].shape[0])
+    frequencies = state_dict.get("rope.freqs")  # (2, depth, heads, head_dim / 2)
+    stored = int(frequencies.shape[2]) if frequencies is not None and frequencies.ndim == 4 else None
+    said = [(heads, where) for heads, where in (
+        (asked, "num_heads"), (configured, "timm's config.json (model_args)"),
+        (stored, "the weights (rope.freqs)")) if heads]
+    if len({heads for heads, _ in said}) > 1:
+        raise errors.CheckpointError(
+            "The attention heads of this timm checkpoint disagree: " + ", ".join(
+                f"{where} says {heads}" for heads, where in said) + "; pass the right num_heads.")
+    if said:
+        return said[0][0]
+    if heads_by_width and width in heads_by_width:
+        return heads_by_width[width]
+    if heads_by_width:
+        raise errors.CheckpointError(
+            f"This timm checkpoint is {width} wide, which is not the width its name "
+            f"{timm_architecture!r} has ({' or '.join(map(str, heads_by_width))}): a narrowed "
+            f"model, whose heads only its maker knows; pass num_heads=... (apps/convert.py: "
+            f"--num_heads).")
+    return default_num_heads(width)
+
+
+def _grid(state_dict, configured, named):
+    """The token grid `(rows, cols)` the model was built for: timm's config.json's image size,
+    checked against the position embeddings; without absolute ones (rotary families), the
+    size the name ends in (or its family's); else None (the position embeddings tell)."""
+    patch = state_dict[_ANCHOR].shape[-2:]
+    position = state_dict.get("pos_embed")
+    size = configured or (named if position is None else None)
+    if size is None:
+        return None
+    grid = (size[0] // patch[0], size[1] // patch[1])
+    if position is not None and position.ndim == 3:
+        tokens = position.shape[1] - grid[0] * grid[1]
+        covered = int("cls_token" in state_dict) + int("dist_token" in state_dict)
+        if tokens not in (0, covered):
+            raise errors.CheckpointError(
+                f"timm's config.json says the model takes {size[0]}x{size[1]} images "
+                f"({grid[0]}x{grid[1]} patches), but its position embeddings hold "
+                f"{position.shape[1]} tokens: the config is not this file's.")
+    return grid
