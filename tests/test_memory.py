@@ -1,5 +1,7 @@
 """vit_keras.tools.memory: the activation estimate and the check before the first step."""
 
+import keras
+import numpy as np
 import pytest
 
 from vit_keras import build_model
@@ -56,3 +58,33 @@ def test_an_fsdp_model_too_big_to_gather_names_its_sharded_checkpoint_and_the_wa
     assert "11.3 GiB, more than its 8.0 GiB of memory" in message and "\n" not in message
     assert "sharded checkpoint run/backup/epoch-3.orbax" in message
     assert "weights alone (3.8 GiB)" in message and "with_optimizer=False" in message
+
+
+@pytest.mark.backend_independent("jax")
+@pytest.mark.skipif(keras.backend.backend() != "jax",
+                    reason="reads XLA's memory analysis of a compiled JAX step; its pass is JAX's")
+def test_the_estimate_bounds_what_xla_keeps_and_counts_a_gate_as_xla_does():
+    import jax  # pylint: disable=import-outside-toplevel
+
+    def xla_temporary_bytes(model, batch):
+        trainable = [v.value for v in model.trainable_variables]
+        fixed = [v.value for v in model.non_trainable_variables]
+        images = np.zeros((batch, *model.image_size, 3), "float32")
+
+        def loss(weights):
+            logits, _ = model.stateless_call(weights, fixed, images, training=True)
+            return (logits ** 2).sum()
+
+        step = jax.jit(jax.grad(loss)).lower(trainable).compile()
+        return step.memory_analysis().temp_size_in_bytes
+
+    found = {}
+    for mlp in ("gelu", "swiglu"):
+        model = build_model({"name": mlp, "patch_size": 4, "hidden_size": 64, "mlp_dim": 256,
+                             "num_heads": 4, "num_layers": 2, "mlp": mlp}, image_size=32,
+                            num_classes=10, include_preprocessing=False)
+        found[mlp] = memory.training_activation_bytes(model, 8), xla_temporary_bytes(model, 8)
+        assert found[mlp][0] <= found[mlp][1], (mlp, found)  # a lower bound
+    # The gate's two extra (tokens, mlp_dim) activations per block, as XLA keeps them.
+    estimated, kept = (found["swiglu"][i] - found["gelu"][i] for i in (0, 1))
+    assert estimated > 0 and abs(estimated - kept) <= 0.05 * kept, found

@@ -331,6 +331,20 @@ class TransformerBlock(keras.layers.Layer):
         """The block's two LayerNorms (before the attention, before the MLP)."""
         return [self.norm_0, self.norm_2]
 
+    def activation_bytes(self, tokens):
+        """A lower bound of the bytes per image of `tokens` tokens that a training step keeps for
+        this block's backward pass: in the compute dtype, the inputs of the two norms, of the
+        q/k/v and output projections and the MLP's (`activation_values`); in float32 the
+        attention logits and probabilities, unless the attention runs through a fused kernel,
+        which keeps none."""
+        hidden = self.attention.query.kernel.shape[0]
+        value_bytes = 2 if self.compute_dtype in ("float16", "bfloat16") else 4
+        linear = (8 * tokens * hidden + self.mlp.activation_values(tokens)) * value_bytes
+        # `fused`: the layer's own answer to whether keras.ops.dot_product_attention reaches a
+        # fused kernel here (attention dropout takes the explicit path).
+        fused = getattr(self.attention, "fused", False) and not self.attention_dropout
+        return linear + (0 if fused else 2 * self.num_heads * tokens * tokens * 4)
+
     @property
     def lora_targets(self):
         """The linear layers LoRA adapts: `query`, `key`, `value`, `out` and the MLP's

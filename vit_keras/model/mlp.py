@@ -104,6 +104,11 @@ class MlpBlock(keras.layers.Layer):
             x = self.norm(x)
         return kernels.dropped(self._dropout, self._project(self.dense_1, x), training)
 
+    def activation_values(self, tokens):
+        """Values per image that a training step keeps for the backward pass: the two layers'
+        outputs (the activation's input and output), and with `inner_norm` its input."""
+        return (2 + int(self.norm is not None)) * tokens * self.mlp_dim
+
     @property
     def lora_targets(self):
         """The linear layers LoRA adapts: `Dense_0`, `Dense_1`."""
@@ -138,6 +143,10 @@ class SwiGLUBlock(MlpBlock):
 
     def _hidden(self, x):
         return self._activation(self._project(self.gate, x)) * self._project(self.dense_0, x)
+
+    def activation_values(self, tokens):
+        """`MlpBlock`'s, and the gate's output and its activation."""
+        return super().activation_values(tokens) + 2 * tokens * self.mlp_dim
 
     @property
     def lora_targets(self):

@@ -25,12 +25,10 @@ def training_activation_bytes(model, batch_size, image_size=None):
     backward pass, at `batch_size` images per device of `image_size` pixels a side (default: the
     model's; a model of dynamic image size may be fed another).
 
-    Per image and Transformer block: the attention logits and probabilities,
-    `2 * heads * tokens**2` float32 values (unless the block's attention runs through a fused
-    kernel, which keeps none), and `8 * tokens * hidden + 2 * tokens * mlp_dim` values in the
-    compute dtype (the inputs of the two LayerNorms, of the q/k/v and output projections, and of
-    the MLP's two layers and its GELU). Embeddings, a hybrid's ResNet, the head, gradients and
-    the optimizer come on top.
+    Per image, each Transformer block's own count (`TransformerBlock.activation_bytes`: its
+    norms' and projections' inputs, its MLP's, a gate's included, and the attention
+    probabilities unless fused). Embeddings, a hybrid's ResNet, the head, gradients and the
+    optimizer come on top.
     """
     if not isinstance(model, ViT):  # e.g. the MPP model: counted by the ViT it was built from
         return 0
@@ -39,17 +37,7 @@ def training_activation_bytes(model, batch_size, image_size=None):
     else:
         rows = cols = int(image_size) // model.token_pixels
     tokens = rows * cols + model.num_prefix_tokens
-    total = 0
-    for block in model.blocks:
-        hidden = block.attention.query.kernel.shape[0]
-        value_bytes = 2 if block.compute_dtype in ("float16", "bfloat16") else 4
-        linear = (8 * tokens * hidden + 2 * tokens * block.mlp_dim) * value_bytes
-        # `fused`: the layer's own answer to whether keras.ops.dot_product_attention reaches a
-        # fused kernel here (attention dropout takes the explicit path).
-        fused = getattr(block.attention, "fused", False) and not block.attention_dropout
-        attention = 0 if fused else 2 * block.num_heads * tokens * tokens * 4
-        total += linear + attention
-    return total * int(batch_size)
+    return sum(block.activation_bytes(tokens) for block in model.blocks) * int(batch_size)
 
 
 def device_memory():
