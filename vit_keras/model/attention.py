@@ -48,12 +48,11 @@ from vit_keras.model.kernels import adapted, torch_linear
 
 _PACKAGE = "vit_keras"
 
-# cuDNN's fused attention trains at 208 and 256 tokens where it refuses 197 (H100, cuDNN 9,
-# jax 0.11; docs/performance.md); a multiple of 16 pads ViT-B/16's 197 tokens by 11.
+# cuDNN's fused attention trains at a multiple of 16 tokens where it refuses ViT-B/16's 197; the
+# padding is 11 tokens (measured in docs/performance.md, "cuDNN's fused attention in training").
 PAD_MULTIPLE = 16
-# Below it XLA's attention is faster than cuDNN's padded one (H100, forward and backward, batch
-# 64, 12 heads: 50 tokens 0.13 against 0.25 ms, 65 tokens 0.19 against 0.24; 197: 0.87 against
-# 0.38), and the attention matrix XLA keeps is small.
+# Below it XLA's attention is faster than cuDNN's padded one, and the attention matrix it keeps is
+# small (the same section of docs/performance.md).
 CUDNN_MIN_TOKENS = 128
 
 
@@ -159,9 +158,8 @@ class PaddedAttention(FusedAttention):
     through the sequence-length arguments. Layouts as `FusedAttention`'s (token-major).
 
     The layer's input is padded, not q, k and v (one pad and one cut a block where there would be
-    four copies; the projections compute the padded rows, 2% more products). On an H100 both
-    ways measured the same within noise (ViT-B/16 training 2,676 against 2,623 images/s,
-    inference 8,655 against 8,862; docs/performance.md).
+    four copies; the projections compute the padded rows, 2% more products); on a GPU both ways
+    measure the same within noise (docs/performance.md).
 
     `implementation="xla"` computes the same padded and masked function with XLA's attention on
     any JAX device: the tests' stand-in for cuDNN.
@@ -307,8 +305,9 @@ KERNELS = {
     "cudnn": lambda: PaddedAttention("cudnn"),
     "torch": TorchAttention,
 }
-"""The attention implementations by name: each makes a kernel (`kernel(layer, x, dropout)`). A new
-one (rotary embeddings applied to q and k first) is one class and one entry here."""
+"""The attention implementations by name: each makes a kernel, called as `kernel(layer, x, dropout,
+positions)` (`positions`: the tokens' coordinates for rotary embeddings, else None; see the module's
+docstring). A new one is one class and one entry here."""
 
 
 # The attention layer and its projections ---------------------------------------------------------------

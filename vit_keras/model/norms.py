@@ -1,7 +1,9 @@
 """The norm slot: the normalisation before each residual branch and after the encoder.
 
 `NORMS` names each implementation (`ViTConfig.norm`); `make_norm` builds the one a config names,
-a layer over the last axis of `(batch, tokens, hidden)`. A new norm is one entry here.
+a layer over the last axis of `(batch, tokens, hidden)`. A new norm is one entry here, and the
+checkpoint readers that hold it name it (`vit_keras.weights.checkpoints.loader` tells RMSNorm by its
+missing biases).
 
 - `"layer_norm"`: Keras' `LayerNormalization` (the paper's, with `ViTConfig.layer_norm_epsilon`).
 - `"rms_norm"`: Keras' `RMSNormalization`, `x / sqrt(mean(x^2) + epsilon) * scale`, no bias

@@ -9,6 +9,6 @@ EMA), `objectives` (what a run optimises: classification or masked patch predict
 `config_flags` (the apps' flags from dataclasses), `run_folder` (a run's files), `export`
 (SavedModel, LiteRT, ONNX) and `plots` (the inspection figures, a run's training curves). These
 import TensorFlow or matplotlib where they need them; the library core (`vit_keras.*`,
-`vit_keras.checkpoints`) never imports this package. Import the modules themselves, e.g.
+`vit_keras.weights`) never imports this package. Import the modules themselves, e.g.
 `from vit_keras.tools import data`.
 """
