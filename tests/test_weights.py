@@ -570,3 +570,16 @@ def test_the_documented_weights_tables_are_the_release_table(document, table):
     with open(os.path.join(REPO_ROOT, document), encoding="utf-8") as f:
         text = f.read()
     assert table() in text, f"regenerate the table in {document}:\n{table()}"
+
+
+@backend_independent
+def test_a_timm_release_config_naming_an_architecture_of_other_heads_is_refused(tmp_path):
+    from vit_keras.weights import release_files  # pylint: disable=import-outside-toplevel
+
+    release = releases.find_release("ViT-S/16", "dinov3")
+    path = tmp_path / "config.json"
+    path.write_text('{"architecture": "vit_small_patch16_dinov3", "num_features": 384}')
+    release_files.check_config(str(path), release)  # its own: accepted
+    path.write_text('{"architecture": "vit_base_patch16_dinov3", "num_features": 384}')
+    with pytest.raises(errors.CheckpointError, match="is not 384 wide with 6 heads"):
+        release_files.check_config(str(path), release)

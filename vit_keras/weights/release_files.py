@@ -84,9 +84,10 @@ def _timm_config_problems(config, variant, numerics):
                 f"what the weights alone do not)"]
     hints = timm.architecture_hints(architecture)
     problems = []
-    if hints.get("num_heads", variant.num_heads) != variant.num_heads:
-        problems.append(f"architecture {architecture!r} has {hints['num_heads']} heads "
-                        f"(expected {variant.num_heads})")
+    widths = hints.get("heads_by_width")  # {width: heads} the name's size has
+    if widths is not None and widths.get(variant.hidden_size) != variant.num_heads:
+        problems.append(f"architecture {architecture!r} is not {variant.hidden_size} wide with "
+                        f"{variant.num_heads} heads")
     for field in numerics or ():
         if hints.get(field) != numerics[field]:
             problems.append(f"architecture {architecture!r} computes with {field} "
