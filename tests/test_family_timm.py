@@ -226,6 +226,23 @@ def test_timm_config_json_beside_the_file_names_the_architecture(tmp_path):
     assert checkpoint.hints["layer_norm_epsilon"] == 1e-5
 
 
+def test_timm_config_jsons_model_size_must_fit_the_weights_its_data_size_need_not(tmp_path):
+    model = randomised_timm_model("vit_base_patch16_224", {"img_size": 32, "patch_size": 8})
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    # pretrained_cfg's input_size is the data's (timm keeps the name's 224 for a model built
+    # smaller): the position embeddings say the model's.
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architecture": "vit_base_patch16_224", "pretrained_cfg": {"input_size": [3, 224, 224]},
+         "model_args": {"num_heads": 2}}))
+    assert vit_keras.build_model_from_checkpoint(tmp_path / "pytorch_model.bin").image_size == (
+        32, 32)
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architecture": "vit_base_patch16_224", "model_args": {"num_heads": 2, "img_size": 64}}))
+    with pytest.raises(vit_keras.errors.CheckpointError,
+                       match=r"model_args.img_size\) says the model takes 64x64 images"):
+        vit_keras.build_model_from_checkpoint(tmp_path / "pytorch_model.bin")
+
+
 def test_build_arguments_override_the_configs_epsilon_and_gelu():
     config = {"name": "clip-like", "patch_size": 8, "hidden_size": 32, "mlp_dim": 64,
               "num_heads": 2, "num_layers": 1, "gelu": "quick", "layer_norm_epsilon": 1e-5}

@@ -224,8 +224,8 @@ def config_beside(path):
     `"vit_small_patch14_dinov2.lvd142m"`), `normalization` (the `mean` and `std` of its
     `pretrained_cfg`), `eval_crop` (its `crop_pct` and `interpolation`, for a centre crop of
     bilinear or bicubic resizing: `ViT`'s `eval_crop`), `num_heads` (of its `model_args`) and
-    `image_size` (`(height, width)`: its `model_args`' `img_size`, else its `pretrained_cfg`'s
-    `input_size`).
+    `image_size` (`(height, width)` of its `model_args`' `img_size`: the model's) and
+    `input_size` (of its `pretrained_cfg`: the data's, which may differ from the model's).
     Empty when there is no such file or it is not timm's: the weights alone decide."""
     config = os.path.join(os.path.dirname(os.path.abspath(path)), CONFIG)
     if not os.path.isfile(config):
@@ -251,10 +251,11 @@ def config_beside(path):
         heads = model_args.get("num_heads")
         if _positive_int(heads):
             found["num_heads"] = heads
-        size = model_args.get("img_size", (data.get("input_size") or [None])[1:] or None)
-        size = [size, size] if _positive_int(size) else size
-        if isinstance(size, (list, tuple)) and len(size) == 2 and all(map(_positive_int, size)):
-            found["image_size"] = tuple(size)
+        for key, size in (("image_size", model_args.get("img_size")),
+                          ("input_size", (data.get("input_size") or [None])[1:])):
+            size = [size, size] if _positive_int(size) else size
+            if isinstance(size, (list, tuple)) and len(size) == 2 and all(map(_positive_int, size)):
+                found[key] = tuple(size)
         return found
     except (OSError, ValueError, AttributeError, TypeError, RecursionError):
         return {}  # not timm's: the weights alone decide
@@ -324,7 +325,9 @@ def convert(state_dict, num_heads=None, timm_architecture=None, beside=None):
         hints["rope_grid_offset"] = 1.0  # PE counts patches from 1 beside its class token
     num_heads = _num_heads(state_dict, num_heads, beside.get("num_heads"),
                            hints.pop("heads_by_width", None), timm_architecture)
-    grid = _grid(state_dict, beside.get("image_size"), hints.pop("image_size", None))
+    grid = _grid(state_dict, beside.get("image_size"),
+                 beside.get("input_size") or hints.pop("image_size", None))
+    hints.pop("image_size", None)
     if grid:
         hints["grid"] = grid
     params = names.from_timm(state_dict, num_heads, hints.get("map_num_heads"))
@@ -360,13 +363,14 @@ def _num_heads(state_dict, asked, configured, heads_by_width, timm_architecture)
     return default_num_heads(width)
 
 
-def _grid(state_dict, configured, named):
-    """The token grid `(rows, cols)` the model was built for: timm's config.json's image size,
-    checked against the position embeddings; without absolute ones (rotary families), the
-    size the name ends in (or its family's); else None (the position embeddings tell)."""
+def _grid(state_dict, configured, default):
+    """The token grid `(rows, cols)` the model was built for: the image size of timm's
+    config.json's `model_args`, checked against the position embeddings; without absolute ones
+    (rotary families), the `default`: its `pretrained_cfg`'s input size, else the size the name
+    ends in (or its family's); else None (the position embeddings tell)."""
     patch = state_dict[_ANCHOR].shape[-2:]
     position = state_dict.get("pos_embed")
-    size = configured or (named if position is None else None)
+    size = configured or (default if position is None else None)
     if size is None:
         return None
     grid = (size[0] // patch[0], size[1] // patch[1])
@@ -375,7 +379,8 @@ def _grid(state_dict, configured, named):
         covered = int("cls_token" in state_dict) + int("dist_token" in state_dict)
         if tokens not in (0, covered):
             raise errors.CheckpointError(
-                f"timm's config.json says the model takes {size[0]}x{size[1]} images "
-                f"({grid[0]}x{grid[1]} patches), but its position embeddings hold "
+                f"timm's config.json (model_args.img_size) says the model takes "
+                f"{size[0]}x{size[1]} images ({grid[0]}x{grid[1]} patches), but its position "
+                f"embeddings hold "
                 f"{position.shape[1]} tokens: the config is not this file's.")
     return grid
