@@ -154,11 +154,12 @@ def read_release(path, release):
              "grid": tuple(arch["grid"]) if arch["grid"] else None,
              **{name: arch["switches"][name] for name in numerics}}
     side = release.image_size // geometry.pixels_per_token(config)
-    rotary_only = arch["switches"]["position_embedding"] == "none"  # no grid is stored
     wanted = {**{name: getattr(config, name) for name in fields},
               "classifier": release.classifier, "num_classes": release.num_classes,
-              "representation_size": release.representation_size,
-              "grid": None if rotary_only else (side, side), **numerics}
+              "representation_size": release.representation_size, "grid": (side, side),
+              **numerics}
+    if arch["switches"]["position_embedding"] == "none":
+        del wanted["grid"]  # rotary embeddings alone: the weights store no grid to check
     differ = [f"{name} {found[name]} (expected {wanted[name]})" for name in wanted
               if found[name] != wanted[name]]
     if differ:
