@@ -414,10 +414,11 @@ def _kernels_here():
 def test_every_attention_kernel_turns_queries_and_keys_alike(rope, rotate_half):
     """Each kernel lays q and k out its own way (head-major, token-major, padded): all give the
     explicit kernel's output, with attention probabilities, at an odd token count."""
-    from vit_keras.model import layers, position_embeddings  # pylint: disable=import-outside-toplevel
+    from vit_keras.model import attention, layers, mlp, position_embeddings  # pylint: disable=import-outside-toplevel
 
-    block = layers.TransformerBlock(2, 32, rope=rope, rope_rotate_half=rotate_half,
-                                    mlp="swiglu", qkv_bias="qv")
+    block = layers.TransformerBlock(
+        2, 32, attention_spec=attention.AttentionSpec("qv", rope=position_embeddings.RopeSpec(
+            rope, rotate_half=rotate_half)), mlp_spec=mlp.MlpSpec("swiglu"))
     x = np.random.default_rng(0).normal(size=(2, 13, 16)).astype("float32")
     patches = np.zeros((2, 3, 4, 16), "float32")
     positions = position_embeddings.RotaryPositions(rope, num_prefix_tokens=1, xy=True)(patches)
@@ -433,17 +434,54 @@ def test_every_attention_kernel_turns_queries_and_keys_alike(rope, rotate_half):
                                    rtol=1e-4, atol=1e-4, err_msg=name)
 
 
+def _rotary_block():
+    from vit_keras.model import attention, layers, mlp, norms, position_embeddings  # pylint: disable=import-outside-toplevel
+
+    rms = norms.NormSpec("rms_norm", 1e-5)
+    return layers.TransformerBlock(
+        2, 32, attention_spec=attention.AttentionSpec(
+            "none", False, position_embeddings.RopeSpec("axial", temperature=100.0)),
+        mlp_spec=mlp.MlpSpec("swiglu", bias=False, inner_norm=rms), norm_spec=rms)
+
+
 def test_rotary_layers_round_trip_their_config():
-    from vit_keras.model import layers, position_embeddings  # pylint: disable=import-outside-toplevel
+    from vit_keras.model import position_embeddings  # pylint: disable=import-outside-toplevel
 
     for layer in (position_embeddings.RotaryPositions("dinov3", (3, 4), 5, 0.5, True, (6, 8)),
                   position_embeddings.RotaryEmbedding(4, "mixed", 10.0, False),
-                  layers.TransformerBlock(2, 32, rope="axial", rope_temperature=100.0,
-                                          norm="rms_norm", mlp="swiglu", mlp_norm=True,
-                                          qkv_bias="none", proj_bias=False, mlp_bias=False),
+                  _rotary_block(),
                   vit_keras.SwiGLUBlock(24, inner_norm="layer_norm", use_bias=False)):
         clone = type(layer).from_config(layer.get_config())
         assert clone.get_config() == layer.get_config(), type(layer).__name__
+
+
+def test_a_block_and_an_attention_layer_saved_before_specs_load_as_the_same_layers():
+    # Their configs as vit_keras wrote them before the slots took specs (main 4188c77).
+    from vit_keras.model import attention, layers  # pylint: disable=import-outside-toplevel
+
+    block = _rotary_block()
+    old_block = {"name": block.name, "trainable": True, "dtype": "float32", "num_heads": 2,
+                 "mlp_dim": 32, "dropout": 0.0, "attention_dropout": 0.0, "drop_path_rate": 0.0,
+                 "layer_norm_epsilon": 1e-5, "gelu": "exact", "layer_scale_init": None,
+                 "seed": None, "attention": None, "mlp": "swiglu", "norm": "rms_norm",
+                 "mlp_bias": False, "mlp_norm": True, "qkv_bias": "none", "rope": "axial",
+                 "rope_temperature": 100.0, "rope_rotate_half": False, "proj_bias": False}
+    loaded = layers.TransformerBlock.from_config(old_block)
+    assert loaded.get_config() == {**block.get_config(), "dtype": loaded.get_config()["dtype"]}
+    x = np.random.default_rng(0).normal(size=(2, 5, 16)).astype("float32")
+    positions = np.random.default_rng(1).normal(size=(5, 2)).astype("float32")
+    block(x, positions)
+    loaded(x, positions)
+    loaded.set_weights(block.get_weights())
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(loaded(x, positions)),
+                                  keras.ops.convert_to_numpy(block(x, positions)))
+    old_attention = {"name": "MultiHeadDotProductAttention_1", "num_heads": 2,
+                     "attention_dropout": 0.0, "attention": None, "qkv_bias": "qv",
+                     "out_bias": True, "rope": "dinov3", "rope_temperature": 100.0,
+                     "rope_rotate_half": True}
+    spec = attention.MultiHeadDotProductAttention.from_config(old_attention).spec
+    assert (spec.qkv_bias, spec.rope.kind, spec.rope.temperature, spec.rope.rotate_half) == (
+        "qv", "dinov3", 100.0, True)
 
 
 def test_a_rematerialized_rotary_model_takes_the_same_training_step(tmp_path):

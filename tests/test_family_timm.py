@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import vit_keras
-from vit_keras.model import configs, heads, layers
+from vit_keras.model import configs, heads, layers, mlp
 from vit_keras.weights.checkpoints import timm as timm_format
 
 from conftest import NEXT_BACKEND, run_app, run_on_backend
@@ -268,7 +268,8 @@ def test_a_block_config_of_before_gelu_existed_still_loads():
     (layers.DistillationToken(), (2, 5, 8)),
     (heads.TokenPooling("gap", num_prefix_tokens=2), (2, 5, 8)),
     (heads.MAPHead(2, 16, layer_norm_epsilon=1e-5, gelu="quick", num_prefix_tokens=1), (2, 5, 8)),
-    (layers.TransformerBlock(2, 16, layer_scale_init=0.1, gelu="quick"), (2, 5, 8)),
+    (layers.TransformerBlock(2, 16, layer_scale_init=0.1, mlp_spec=mlp.MlpSpec(gelu="quick")),
+     (2, 5, 8)),
 ])
 def test_new_layers_round_trip_their_config(layer, shape):
     x = np.random.default_rng(0).normal(size=shape).astype("float32")

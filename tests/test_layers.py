@@ -10,7 +10,8 @@ import scipy.special
 
 import vit_keras
 from vit_keras.model import attention as attention_kernels
-from vit_keras.model import heads, layers, transformer_blocks, xla_cpu
+from vit_keras.model import heads, layers, norms, transformer_blocks, xla_cpu
+from vit_keras.model import mlp as mlp_lib
 
 from conftest import random_images, randomize_weights, tiny_data, tiny_model
 
@@ -24,7 +25,8 @@ def _layer_cases():
         (layers.MultiHeadDotProductAttention(4, attention_dropout=0.1), (2, 7, 16)),
         (layers.MlpBlock(32, dropout=0.2, approximate_gelu=True), (2, 7, 16)),
         (layers.TransformerBlock(4, 32, dropout=0.1, attention_dropout=0.1, drop_path_rate=0.2,
-                                 layer_norm_epsilon=1e-5, approximate_gelu=True, seed=3), (2, 7, 16)),
+                                 norm_spec=norms.NormSpec(epsilon=1e-5),
+                                 mlp_spec=mlp_lib.MlpSpec(gelu="tanh"), seed=3), (2, 7, 16)),
         (heads.TokenPooling("gap"), (2, 7, 16)),
     ]
 
@@ -269,7 +271,8 @@ def _numpy_layer_norm(x, gamma, beta, eps):
 
 @pytest.mark.parametrize("approximate", [False, True])
 def test_transformer_block_is_pre_layer_norm_attention_and_gelu_mlp_with_residuals(approximate):
-    block = layers.TransformerBlock(4, 48, layer_norm_epsilon=1e-6, approximate_gelu=approximate)
+    block = layers.TransformerBlock(
+        4, 48, mlp_spec=mlp_lib.MlpSpec(gelu="tanh" if approximate else "exact"))
     block.build((None, 7, 32))
     randomize_weights(block, scale=0.2)
     w = {v.path.split("/", 1)[1]: keras.ops.convert_to_numpy(v) for v in block.weights}

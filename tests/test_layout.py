@@ -156,12 +156,26 @@ _LAYER_NAMES = {"embedding", "posembed_input", "encoder_norm", "fc_norm", "pre_n
 _MAY_NAME_LAYERS = ("vit_keras.model.", "vit_keras.weights.checkpoints.")
 
 
+# A path through an encoder block's layers (`.*MlpBlock_3/Dense_0/kernel`): the model answers its
+# own layouts (`ViT.model_parallel_layout`), LoRA targets and layer groups instead.
+_BLOCK_PATH = re.compile(r"(?:MultiHeadDotProductAttention|MlpBlock|LayerNorm|LayerScale)_\d/")
+
+
+def _docstrings(tree):
+    return {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)}
+
+
 def _layer_lookups(path):
     """`(line, what)` of every `get_layer` call, comparison with a layer name (`layer.name ==
-    "head"`, `"rescale" in names`) and `encoderblock_` regular expression in a source file."""
+    "head"`, `"rescale" in names`), `encoderblock_` regular expression and path through a block's
+    layers (outside docstrings) in a source file."""
     with open(path) as f:
         tree = ast.parse(f.read())
     found = []
+    docstrings = _docstrings(tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr == "get_layer":
             found.append((node.lineno, "get_layer"))
@@ -171,6 +185,9 @@ def _layer_lookups(path):
                     found.append((node.lineno, repr(side.value)))
         elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
               and "encoderblock_" in node.value and "\\d" in node.value):
+            found.append((node.lineno, repr(node.value)))
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
+              and id(node) not in docstrings and _BLOCK_PATH.search(node.value)):
             found.append((node.lineno, repr(node.value)))
     return found
 
@@ -189,9 +206,11 @@ def test_the_layout_check_sees_a_lookup_by_name(tmp_path):
     offender = tmp_path / "offender.py"
     offender.write_text('head = model.get_layer("head")\npattern = r"^encoderblock_(\\d+)$"\n'
                         'norms = [layer for layer in model.layers if layer.name == "fc_norm"]\n'
-                        'dense = keras.layers.Dense(4, name="head")  # naming a new layer is fine\n')
+                        'dense = keras.layers.Dense(4, name="head")  # naming a new layer is fine\n'
+                        'rules = {f".*MlpBlock_3/{name}/kernel": 1 for name in names}\n')
     assert sorted(_layer_lookups(str(offender))) == [
-        (1, "get_layer"), (2, repr(r"^encoderblock_(\d+)$")), (3, "'fc_norm'")]
+        (1, "get_layer"), (2, repr(r"^encoderblock_(\d+)$")), (3, "'fc_norm'"),
+        (5, repr(".*MlpBlock_3/"))]
 
 
 def _fit_calls(path):

@@ -37,13 +37,14 @@ turned by `layer.rope` to the tokens' `positions` where there are some;
 called as layers by every kernel, so their own arithmetic applies.
 """
 
+import dataclasses
 import functools
 import math
 
 import keras
 from keras import ops
 
-from vit_keras.model import initializers, position_embeddings, xla_cpu
+from vit_keras.model import initializers, legacy, position_embeddings, specs, xla_cpu
 from vit_keras.model.kernels import adapted, torch_linear
 
 _PACKAGE = "vit_keras"
@@ -382,31 +383,40 @@ class MultiHeadDotProductAttention(keras.layers.Layer):
     (`model.quantize`) or LoRA-enabled (`enable_lora`) projections are called as layers by every
     kernel, so their own arithmetic applies.
 
-    `qkv_bias`: which projections have a bias, `"qkv"`, `"qv"` (EVA's: none on the key) or
-    `"none"`; `out_bias`: whether `out` has one. With `rope` (`"axial"`, `"dinov3"`, `"mixed"`)
-    the layer has a `RotaryEmbedding` `rope` (see `vit_keras.model.position_embeddings`) and a call
-    takes the tokens' coordinates, `layer(x, positions)`.
+    `spec`: its `AttentionSpec` (which projections have biases; with rotary embeddings the layer
+    has a `RotaryEmbedding` `rope`, see `vit_keras.model.position_embeddings`, and a call takes the
+    tokens' coordinates, `layer(x, positions)`). `attention` names the kernel (None: chosen when
+    built).
     """
 
-    def __init__(self, num_heads, attention_dropout=0.0, attention=None, qkv_bias="qkv",
-                 out_bias=True, rope=None, rope_temperature=10000.0, rope_rotate_half=False,
-                 **kwargs):
+    MODEL_PARALLEL = {**{f"{name}/kernel": (None, "model", None) for name in ("query", "key", "value")},
+                      **{f"{name}/bias": ("model", None) for name in ("query", "key", "value")},
+                      "out/kernel": ("model", None, None)}
+    """Its weights' layouts over a mesh's `model` axis (by path inside the layer): split over
+    heads; the rest replicated."""
+
+    def __init__(self, num_heads, attention_dropout=0.0, attention=None, spec=None, **kwargs):
         super().__init__(**kwargs)
         self.num_heads = int(num_heads)
         self.attention_dropout = float(attention_dropout)
         if attention is not None and attention not in KERNELS:
             raise ValueError(f"Unknown attention kernel {attention!r}; expected one of "
                              f"{list(KERNELS)} or None (chosen when built).")
-        if qkv_bias not in _BIASES:
-            raise ValueError(f"Unknown qkv_bias {qkv_bias!r}; expected one of {list(_BIASES)}.")
         self.attention = attention
-        self.qkv_bias, self.out_bias = qkv_bias, bool(out_bias)
+        self.spec = AttentionSpec.of(spec) or AttentionSpec()
         self._dropout = keras.layers.Dropout(
             self.attention_dropout, dtype=self.dtype_policy, name="attention_dropout")
-        self.rope = None if rope is None else position_embeddings.RotaryEmbedding(
-            self.num_heads, rope, rope_temperature, rope_rotate_half, dtype=self.dtype_policy,
-            name="rope")
+        self.rope = None if self.spec.rope is None else self.spec.rope.embedding(
+            self.num_heads, dtype=self.dtype_policy)
         self._attention_kernel = self._probabilities_kernel = None  # chosen in build
+
+    @property
+    def qkv_bias(self):
+        return self.spec.qkv_bias
+
+    @property
+    def out_bias(self):
+        return self.spec.out_bias
 
     def build(self, input_shape):
         hidden = input_shape[-1]
@@ -475,14 +485,38 @@ class MultiHeadDotProductAttention(keras.layers.Layer):
         return y, keras.KerasTensor((batch, self.num_heads, tokens, tokens), dtype="float32")
 
     def get_config(self):
-        config = {**super().get_config(), "num_heads": self.num_heads,
-                  "attention_dropout": self.attention_dropout, "attention": self.attention,
-                  "qkv_bias": self.qkv_bias, "out_bias": self.out_bias}
-        if self.rope is not None:
-            config.update(rope=self.rope.kind, rope_temperature=self.rope.temperature,
-                          rope_rotate_half=self.rope.rotate_half)
-        return config
+        return {**super().get_config(), "num_heads": self.num_heads,
+                "attention_dropout": self.attention_dropout, "attention": self.attention,
+                "spec": self.spec.get_config()}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**legacy.attention_config(config))
 
 
 _BIASES = {"qkv": "qkv", "qv": "qv", "none": ""}
 """`qkv_bias` → the initials of the projections that have a bias."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec(specs.Spec):
+    """The attention slot's options: which of the query, key and value projections have a bias
+    (`"qkv"`, `"qv"`: EVA's, none on the key; `"none"`), whether the output projection has one,
+    and the rotary embeddings (`position_embeddings.RopeSpec`) or None."""
+
+    NESTED = {"rope": position_embeddings.RopeSpec}
+
+    qkv_bias: str = "qkv"
+    out_bias: bool = True
+    rope: position_embeddings.RopeSpec | None = None
+
+    def __post_init__(self):
+        if self.qkv_bias not in _BIASES:
+            raise ValueError(f"Unknown qkv_bias {self.qkv_bias!r}; expected one of "
+                             f"{list(_BIASES)}.")
+
+
+def attention_spec(config):
+    """The `AttentionSpec` of a `ViTConfig` (`qkv_bias`, `proj_bias` and its rotary fields)."""
+    return AttentionSpec(config.qkv_bias, config.proj_bias,
+                         position_embeddings.rope_spec(config))

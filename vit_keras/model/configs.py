@@ -104,12 +104,11 @@ GELUS = ("exact", "tanh", "quick")
 ROPES = (None, "axial", "dinov3", "mixed")
 _CHOICES = {"qkv_bias": ("qkv", "qv", "none"), "rope": ROPES,
             "position_embedding": ("learned", "none")}
-SWITCHES = ("layer_scale_init", "num_registers", "distillation", "posemb_prefix", "pre_norm",
-            "fc_norm", "patch_bias", "layer_norm_epsilon", "gelu", "class_token", "mlp", "norm",
-            "position_embedding", "qkv_bias", "proj_bias", "mlp_bias", "mlp_norm", "patch_norm",
-            "map_num_heads", "map_prefix", "rope", "rope_temperature", "rope_grid_offset",
-            "rope_xy", "rope_ref_grid", "rope_rotate_half")
-"""The `ViTConfig` fields that switch a family member's behaviour on (not its sizes)."""
+_SIZES = ("name", "patch_size", "hidden_size", "mlp_dim", "num_heads", "num_layers",
+          "resnet_layers", "resnet_width")
+SWITCHES = tuple(field.name for field in dataclasses.fields(ViTConfig) if field.name not in _SIZES)
+"""The `ViTConfig` fields that switch a family member's behaviour on (not its sizes), derived
+from the fields: a new field is a switch unless it is a size."""
 
 
 def _vit(size, patch, hidden, mlp, heads, layers):

@@ -13,7 +13,8 @@ import functools
 import keras
 from keras import ops
 
-from vit_keras.model import kernels, norms, xla_cpu
+from vit_keras.model import attention as attention_lib
+from vit_keras.model import kernels, legacy, norms, xla_cpu
 from vit_keras.model import mlp as mlp_lib
 
 # Where they were defined before their slot modules; `vit_keras.model.layers.X` keeps importing them.
@@ -221,52 +222,63 @@ class TransformerBlock(keras.layers.Layer):
     returns the attention probabilities `(batch, heads, tokens, tokens)`.
     `drop_path_rate` drops each residual branch per example (stochastic depth) during training.
     With `layer_scale_init` both branches are scaled per channel (`LayerScale_1` after the
-    attention, `LayerScale_3` after the MLP) before they are added. `gelu` as `MlpBlock`'s.
-    Slots: `attention` names the attention kernel (`vit_keras.model.attention.KERNELS`; None: chosen
-    when built), `mlp` the MLP (`vit_keras.model.mlp.MLPS`), `norm` the two norms
-    (`vit_keras.model.norms.NORMS`). `qkv_bias`, `proj_bias`, `rope`, `rope_temperature` and
-    `rope_rotate_half` are the attention's (`MultiHeadDotProductAttention`: with `rope` a call
-    takes the tokens' coordinates, `block(x, positions)`); `mlp_bias` and `mlp_norm` (a norm of
-    kind `norm` inside the MLP) the MLP's.
+    attention, `LayerScale_3` after the MLP) before they are added. The slots take their specs
+    whole: `attention_spec` (`vit_keras.model.attention.AttentionSpec`: its biases and rotary
+    embeddings; with these a call takes the tokens' coordinates, `block(x, positions)`),
+    `mlp_spec` (`vit_keras.model.mlp.MlpSpec`) and `norm_spec` (`vit_keras.model.norms.NormSpec`,
+    the two norms'); `attention` names the attention kernel (`vit_keras.model.attention.KERNELS`;
+    None: chosen when built).
     """
 
+    ATTENTION, MLP = "MultiHeadDotProductAttention_1", "MlpBlock_3"  # vit_jax's names
+
+    @classmethod
+    def model_parallel_layout(cls):
+        """Its weights' layouts over a mesh's `model` axis, by path inside the block (its
+        attention's and MLP's `MODEL_PARALLEL`, every MLP class's alike)."""
+        return {**{f"{cls.ATTENTION}/{path}": axes
+                   for path, axes in MultiHeadDotProductAttention.MODEL_PARALLEL.items()},
+                **{f"{cls.MLP}/{path}": axes for path, axes in mlp_lib.MlpBlock.MODEL_PARALLEL.items()}}
+
     def __init__(self, num_heads, mlp_dim, dropout=0.0, attention_dropout=0.0, drop_path_rate=0.0,
-                 layer_norm_epsilon=1e-6, approximate_gelu=False, seed=None, gelu=None,
-                 layer_scale_init=None, attention=None, mlp="gelu", norm="layer_norm",
-                 qkv_bias="qkv", proj_bias=True, mlp_bias=True, mlp_norm=False, rope=None,
-                 rope_temperature=10000.0, rope_rotate_half=False, **kwargs):
+                 seed=None, layer_scale_init=None, attention=None, attention_spec=None,
+                 mlp_spec=None, norm_spec=None, **kwargs):
         super().__init__(**kwargs)
         self.num_heads = int(num_heads)
         self.mlp_dim = int(mlp_dim)
         self.dropout = float(dropout)
         self.attention_dropout = float(attention_dropout)
         self.drop_path_rate = float(drop_path_rate)
-        self.layer_norm_epsilon = float(layer_norm_epsilon)
-        self.gelu = gelu_variant(gelu, approximate_gelu)
         self.layer_scale_init = None if layer_scale_init is None else float(layer_scale_init)
         self.seed = seed
-        self.attention_kernel_name, self.mlp_kind, self.norm_kind = attention, mlp, norm
-        self.mlp_bias, self.mlp_norm = bool(mlp_bias), bool(mlp_norm)
+        self.attention_kernel_name = attention
+        self.attention_spec = attention_lib.AttentionSpec.of(attention_spec) or (
+            attention_lib.AttentionSpec())
+        self.mlp_spec = mlp_lib.MlpSpec.of(mlp_spec) or mlp_lib.MlpSpec()
+        self.norm_spec = norms.NormSpec.of(norm_spec) or norms.NormSpec()
         policy = self.dtype_policy
-        self.norm_0 = norms.make_norm(norm, self.layer_norm_epsilon, dtype=policy,
-                                      name="LayerNorm_0")
+        self.norm_0 = self.norm_spec.make(dtype=policy, name="LayerNorm_0")
         self.attention = MultiHeadDotProductAttention(
-            self.num_heads, self.attention_dropout, attention=attention, qkv_bias=qkv_bias,
-            out_bias=proj_bias, rope=rope, rope_temperature=rope_temperature,
-            rope_rotate_half=rope_rotate_half, dtype=policy, name="MultiHeadDotProductAttention_1")
+            self.num_heads, self.attention_dropout, attention=attention,
+            spec=self.attention_spec, dtype=policy, name=self.ATTENTION)
         self._dropout = keras.layers.Dropout(self.dropout, dtype=policy, name="dropout")
-        self.norm_2 = norms.make_norm(norm, self.layer_norm_epsilon, dtype=policy,
-                                      name="LayerNorm_2")
-        self.mlp = mlp_lib.make_mlp(mlp, self.mlp_dim, self.dropout, gelu=self.gelu,
-                                    dtype=policy, name="MlpBlock_3", use_bias=self.mlp_bias,
-                                    inner_norm=norm if self.mlp_norm else None,
-                                    norm_epsilon=self.layer_norm_epsilon)
+        self.norm_2 = self.norm_spec.make(dtype=policy, name="LayerNorm_2")
+        self.mlp = self.mlp_spec.make(self.mlp_dim, self.dropout, dtype=policy, name=self.MLP)
         self.scale_1 = self.scale_3 = None
         if self.layer_scale_init is not None:
             self.scale_1 = LayerScale(self.layer_scale_init, dtype=policy, name="LayerScale_1")
             self.scale_3 = LayerScale(self.layer_scale_init, dtype=policy, name="LayerScale_3")
         if self.drop_path_rate > 0:
             self._seed_generator = keras.random.SeedGenerator(seed)
+
+    @property
+    def gelu(self):
+        """The MLP's GELU (`vit_keras.model.mlp.gelu_variant`)."""
+        return self.mlp_spec.gelu
+
+    @property
+    def layer_norm_epsilon(self):
+        return self.norm_spec.epsilon
 
     def build(self, input_shape):
         for sublayer in (self.norm_0, self.attention, self.norm_2, self.mlp, self.scale_1,
@@ -305,26 +317,16 @@ class TransformerBlock(keras.layers.Layer):
         return self.attention.compute_output_spec(x, return_attention_scores=return_attention_scores)
 
     def get_config(self):
-        return {
-            **super().get_config(),
-            "num_heads": self.num_heads,
-            "mlp_dim": self.mlp_dim,
-            "dropout": self.dropout,
-            "attention_dropout": self.attention_dropout,
-            "drop_path_rate": self.drop_path_rate,
-            "layer_norm_epsilon": self.layer_norm_epsilon,
-            "gelu": self.gelu,
-            "layer_scale_init": self.layer_scale_init,
-            "seed": self.seed,
-            "attention": self.attention_kernel_name,
-            "mlp": self.mlp_kind,
-            "norm": self.norm_kind,
-            "mlp_bias": self.mlp_bias,
-            "mlp_norm": self.mlp_norm,
-            **{name: value for name, value in self.attention.get_config().items()
-               if name in ("qkv_bias", "rope", "rope_temperature", "rope_rotate_half")},
-            "proj_bias": self.attention.out_bias,
-        }
+        return {**super().get_config(), "num_heads": self.num_heads, "mlp_dim": self.mlp_dim,
+                "dropout": self.dropout, "attention_dropout": self.attention_dropout,
+                "drop_path_rate": self.drop_path_rate, "seed": self.seed,
+                "layer_scale_init": self.layer_scale_init, "attention": self.attention_kernel_name,
+                "attention_spec": self.attention_spec.get_config(),
+                "mlp_spec": self.mlp_spec.get_config(), "norm_spec": self.norm_spec.get_config()}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**legacy.block_config(config))
 
     @property
     def norms(self):

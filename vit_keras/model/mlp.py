@@ -1,6 +1,7 @@
 """The MLP slot of the encoder block: which MLP a `TransformerBlock` runs after its attention.
 
-`MLPS` names each implementation (`ViTConfig.mlp`); `make_mlp` builds the one a config names.
+`MLPS` names each implementation (`ViTConfig.mlp`); an `MlpSpec` (`mlp_spec(config)`) makes the
+one a config names.
 Each takes `(batch, tokens, hidden)` to `(batch, tokens, hidden)` and is built with the block.
 A new MLP is one class here and one entry in `MLPS`, and the readers of the checkpoints that
 hold it name it (`vit_keras.weights.checkpoints`).
@@ -14,14 +15,16 @@ hold it name it (`vit_keras.weights.checkpoints`).
 - `"geglu"`: `GeGLUBlock`, the same gated MLP with `ViTConfig.gelu`'s GELU as the gate
   (transformers' DINOv3 with `use_gated_mlp=True, hidden_act="gelu"`).
 
-Both take `use_bias` (AIMv2's have none) and an optional norm before the output projection
+All take `use_bias` (AIMv2's have none) and an optional norm before the output projection
 (`inner_norm`, a `vit_keras.model.norms.NORMS` name: EVA-02's `scale_mlp`).
 """
+
+import dataclasses
 
 import keras
 from keras import ops
 
-from vit_keras.model import initializers, kernels, norms
+from vit_keras.model import initializers, kernels, norms, specs
 from vit_keras.model.configs import GELUS
 
 _PACKAGE = "vit_keras"
@@ -59,6 +62,12 @@ class MlpBlock(keras.layers.Layer):
     older spelling of `gelu="tanh"` (configs saved before `gelu` existed carry it).
     """
 
+    MODEL_PARALLEL = {"Dense_0/kernel": (None, "model"), "Dense_0/bias": ("model",),
+                      "gate/kernel": (None, "model"), "gate/bias": ("model",),
+                      "Dense_1/kernel": ("model", None)}
+    """Its weights' layouts over a mesh's `model` axis (by path inside the layer): split over the
+    hidden units (a gated MLP's gate as its `Dense_0`); the rest replicated."""
+
     def __init__(self, mlp_dim, dropout=0.0, approximate_gelu=False, gelu=None, use_bias=True,
                  inner_norm=None, norm_epsilon=1e-6, **kwargs):
         super().__init__(**kwargs)
@@ -68,8 +77,8 @@ class MlpBlock(keras.layers.Layer):
         self.use_bias = bool(use_bias)
         self.inner_norm, self.norm_epsilon = inner_norm, float(norm_epsilon)
         self._dropout = keras.layers.Dropout(self.dropout, dtype=self.dtype_policy, name="dropout")
-        self.norm = None if inner_norm is None else norms.make_norm(
-            inner_norm, self.norm_epsilon, dtype=self.dtype_policy, name="norm")
+        self.norm = None if inner_norm is None else norms.NormSpec(
+            inner_norm, self.norm_epsilon).make(dtype=self.dtype_policy, name="norm")
 
     def _dense(self, units, fan_in, name):
         return keras.layers.Dense(
@@ -173,9 +182,34 @@ MLPS = {"gelu": MlpBlock, "silu": SiLUMlpBlock, "swiglu": SwiGLUBlock, "geglu": 
 """The MLP implementations by the name a `ViTConfig.mlp` gives."""
 
 
-def make_mlp(kind, mlp_dim, dropout=0.0, gelu="exact", dtype=None, name="MlpBlock_3", **options):
-    """The block's MLP of `kind` (one of `MLPS`); `options`: `use_bias`, `inner_norm`,
-    `norm_epsilon` (see `MlpBlock`)."""
-    if kind not in MLPS:
-        raise ValueError(f"Unknown MLP {kind!r}; expected one of {sorted(MLPS)}.")
-    return MLPS[kind](mlp_dim, dropout, gelu=gelu, dtype=dtype, name=name, **options)
+@dataclasses.dataclass(frozen=True)
+class MlpSpec(specs.Spec):
+    """The MLP slot's options: which MLP (`MLPS`), its GELU (`gelu_variant`), whether its
+    projections have biases, and the norm inside it before the output projection (EVA-02's), if
+    any."""
+
+    NESTED = {"inner_norm": norms.NormSpec}
+
+    kind: str = "gelu"
+    gelu: str = "exact"
+    bias: bool = True
+    inner_norm: norms.NormSpec | None = None
+
+    def __post_init__(self):
+        if self.kind not in MLPS:
+            raise ValueError(f"Unknown MLP {self.kind!r}; expected one of {sorted(MLPS)}.")
+        gelu_variant(self.gelu)
+
+    def make(self, mlp_dim, dropout=0.0, dtype=None, name="MlpBlock_3"):
+        """The MLP layer, `(batch, tokens, hidden)` → the same."""
+        norm = self.inner_norm
+        return MLPS[self.kind](mlp_dim, dropout, gelu=self.gelu, use_bias=self.bias,
+                               inner_norm=None if norm is None else norm.kind,
+                               norm_epsilon=1e-6 if norm is None else norm.epsilon,
+                               dtype=dtype, name=name)
+
+
+def mlp_spec(config):
+    """The `MlpSpec` of a `ViTConfig` (`mlp`, `gelu`, `mlp_bias`, `mlp_norm` with its `norm`)."""
+    return MlpSpec(config.mlp, config.gelu, config.mlp_bias,
+                   norms.norm_spec(config) if config.mlp_norm else None)

@@ -15,13 +15,14 @@ layer's queries and keys by angles of those coordinates. Prefix tokens get the c
 (0, 0), an angle of 0: they are left as they are, as timm leaves them.
 """
 
+import dataclasses
 import math
 
 import keras
 from keras import ops
 import numpy as np
 
-from vit_keras.model import interpolation_ops
+from vit_keras.model import interpolation_ops, specs
 
 _PACKAGE = "vit_keras"
 
@@ -98,6 +99,50 @@ class AddPositionEmbs(keras.layers.Layer):
         if self.grid_size is not None:
             config.update(grid_size=list(self.grid_size), num_prefix_tokens=self.num_prefix_tokens)
         return config
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeSpec(specs.Spec):
+    """The rotary embeddings' options (see `RotaryPositions`, which uses `kind`, `grid_offset`,
+    `xy` and `ref_grid`, and `RotaryEmbedding`, which uses `kind`, `temperature` and
+    `rotate_half`): the kind (`"axial"`, `"dinov3"`, `"mixed"`), the frequencies' base, an offset
+    added to each patch index (PE: 1), the (column, row) coordinate order (PE, RoPE-ViT), EVA's
+    reference grid the positions are rescaled to, and rotating the pairs (i, i + d/2) rather than
+    (2i, 2i + 1) (DINOv3)."""
+
+    kind: str = "axial"
+    temperature: float = 10000.0
+    grid_offset: float = 0.0
+    xy: bool = False
+    ref_grid: tuple | None = None
+    rotate_half: bool = False
+
+    def __post_init__(self):
+        if self.kind not in RotaryPositions.KINDS:
+            raise ValueError(f"Unknown rotary embedding {self.kind!r}; expected one of "
+                             f"{RotaryPositions.KINDS}.")
+        if self.ref_grid is not None:
+            object.__setattr__(self, "ref_grid", tuple(int(side) for side in self.ref_grid))
+
+    def positions(self, grid_size=None, num_prefix_tokens=0, dtype="float32",
+                  name="rope_positions"):
+        """The model's `RotaryPositions` layer."""
+        return RotaryPositions(self.kind, grid_size, num_prefix_tokens, self.grid_offset, self.xy,
+                               self.ref_grid, dtype=dtype, name=name)
+
+    def embedding(self, num_heads, dtype=None, name="rope"):
+        """An attention layer's `RotaryEmbedding`."""
+        return RotaryEmbedding(num_heads, self.kind, self.temperature, self.rotate_half,
+                               dtype=dtype, name=name)
+
+
+def rope_spec(config):
+    """The `RopeSpec` of a `ViTConfig` (its `rope` and `rope_*` fields), or None without rotary
+    embeddings."""
+    if not config.rope:
+        return None
+    return RopeSpec(config.rope, config.rope_temperature, config.rope_grid_offset, config.rope_xy,
+                    config.rope_ref_grid, config.rope_rotate_half)
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)

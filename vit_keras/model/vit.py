@@ -14,7 +14,9 @@ import re
 import keras
 import numpy as np
 
+from vit_keras.model import attention as attention_lib
 from vit_keras.model import configs, geometry, heads, layers, norms, position_embeddings, resnet
+from vit_keras.model import mlp as mlp_lib
 from vit_keras.model import normalization as normalization_lib
 
 CLASSIFIERS = heads.CLASSIFIERS
@@ -114,7 +116,8 @@ class ViT(keras.Model):
         policy = keras.dtype_policies.get(dtype or keras.config.dtype_policy()).name
         # Under mixed precision the last norm and everything after it run in float32.
         head_policy = "float32" if policy.startswith("mixed") else policy
-        epsilon = config.layer_norm_epsilon
+        # The slots' specs, each read from the config by its own module.
+        norm_spec, mlp_spec = norms.norm_spec(config), mlp_lib.mlp_spec(config)
 
         images = keras.Input((*((None, None) if dynamic_image_size else (height, width)),
                               channels), name="images")
@@ -140,7 +143,7 @@ class ViT(keras.Model):
         patches = x = embedding(x)
         patch_norm = None
         if config.patch_norm:  # AIMv2's, on the patch embeddings before anything is added
-            patch_norm = norms.make_norm(config.norm, epsilon, dtype=policy, name="patch_norm")
+            patch_norm = norm_spec.make(dtype=policy, name="patch_norm")
             patches = x = patch_norm(x)
         if dynamic_image_size:  # the grid stays for the position embeddings to resample to
             x = keras.layers.Reshape((-1, config.hidden_size), dtype=policy,
@@ -167,39 +170,32 @@ class ViT(keras.Model):
             prefix.append(registers)
             x = registers(x)
         rotary = positions = None
-        if config.rope:
-            rotary = position_embeddings.RotaryPositions(
-                config.rope, grid_size=grid, num_prefix_tokens=covered + config.num_registers,
-                grid_offset=config.rope_grid_offset, xy=config.rope_xy,
-                ref_grid=config.rope_ref_grid, dtype="float32", name="rope_positions")
+        attention_spec = attention_lib.attention_spec(config)
+        if attention_spec.rope is not None:
+            rotary = attention_spec.rope.positions(grid, covered + config.num_registers)
             positions = rotary(patches)
         x = keras.layers.Dropout(dropout, dtype=policy, name="dropout")(x)
         pre_norm = None
         if config.pre_norm:
-            pre_norm = norms.make_norm(config.norm, epsilon, dtype=policy, name="pre_norm")
+            pre_norm = norm_spec.make(dtype=policy, name="pre_norm")
             x = pre_norm(x)
         blocks = []
         for index, rate in enumerate(np.linspace(0.0, drop_path_rate, config.num_layers)):
             blocks.append(layers.TransformerBlock(
                 config.num_heads, config.mlp_dim, dropout=dropout,
                 attention_dropout=attention_dropout, drop_path_rate=float(rate),
-                layer_norm_epsilon=epsilon, gelu=config.gelu,
-                layer_scale_init=config.layer_scale_init, attention=attention, mlp=config.mlp,
-                norm=config.norm, qkv_bias=config.qkv_bias, proj_bias=config.proj_bias,
-                mlp_bias=config.mlp_bias, mlp_norm=config.mlp_norm, rope=config.rope,
-                rope_temperature=config.rope_temperature,
-                rope_rotate_half=config.rope_rotate_half, dtype=policy,
-                name=f"encoderblock_{index}"))
+                layer_scale_init=config.layer_scale_init, attention=attention,
+                attention_spec=attention_spec, mlp_spec=mlp_spec, norm_spec=norm_spec,
+                dtype=policy, name=f"encoderblock_{index}"))
             x = blocks[-1](x) if positions is None else blocks[-1](x, positions)
         encoder_norm = fc_norm = pre_logits = None
         if not config.fc_norm:
-            encoder_norm = norms.make_norm(config.norm, epsilon, dtype=head_policy,
-                                           name="encoder_norm")
+            encoder_norm = norm_spec.make(dtype=head_policy, name="encoder_norm")
             x = encoder_norm(x)
         pooling = heads.pooling_for(config, classifier, dtype=head_policy)
         x = pooling(x)
         if config.fc_norm:
-            fc_norm = norms.make_norm(config.norm, epsilon, dtype=head_policy, name="fc_norm")
+            fc_norm = norm_spec.make(dtype=head_policy, name="fc_norm")
             x = fc_norm(x)
         if representation_size:
             pre_logits = keras.layers.Dense(representation_size, activation="tanh",
@@ -266,6 +262,16 @@ class ViT(keras.Model):
         return copy
 
     # -- structure --------------------------------------------------------------------------------
+
+    @staticmethod
+    def model_parallel_layout():
+        """The layouts of its weights over a device mesh's `model` axis, as
+        `keras.distribution.LayoutMap` takes them: `{path regex: axes}`, the blocks' attention
+        split over heads and their MLPs over hidden units; every other weight replicated. The
+        same for every ViT (a rule matches the weights a model has), so a distribution can be set
+        before the model is built."""
+        return {f".*{path}": axes
+                for path, axes in layers.TransformerBlock.model_parallel_layout().items()}
 
     @property
     def dynamic_image_size(self):

@@ -13,6 +13,7 @@ import keras
 import numpy as np
 
 from vit_keras import errors
+from vit_keras.model import ViT
 
 DISTRIBUTIONS = ("none", "data_parallel", "model_parallel", "fsdp")
 # The environment variables of `keras.distribution.initialize`; the apps' flags default to them.
@@ -210,14 +211,8 @@ def model_parallel_layout_map(device_mesh):
     from keras import distribution
 
     layout_map = distribution.LayoutMap(device_mesh)
-    for projection in ("query", "key", "value"):
-        layout_map[f".*MultiHeadDotProductAttention_1/{projection}/kernel"] = (None, "model", None)
-        layout_map[f".*MultiHeadDotProductAttention_1/{projection}/bias"] = ("model", None)
-    layout_map[".*MultiHeadDotProductAttention_1/out/kernel"] = ("model", None, None)
-    for hidden in ("Dense_0", "gate"):  # a SwiGLU MLP's gate is split as its Dense_0 is
-        layout_map[f".*MlpBlock_3/{hidden}/kernel"] = (None, "model")
-        layout_map[f".*MlpBlock_3/{hidden}/bias"] = ("model",)
-    layout_map[".*MlpBlock_3/Dense_1/kernel"] = ("model", None)
+    for path, axes in ViT.model_parallel_layout().items():  # the model's own answer
+        layout_map[path] = axes
     return layout_map
 
 
