@@ -20,28 +20,108 @@ def test_model_parallel_layout_shards_attention_heads_and_mlp_units():
     assert rules[".*MlpBlock_3/gate/kernel"] == (None, "model")  # SwiGLU's
 
 
-def test_distribution_engines_per_backend():
+@pytest.mark.backend_independent
+@pytest.mark.parametrize("kind, shards_weights, sharded_backup", [
+    ("none", False, False), ("data_parallel", False, False), ("model_parallel", True, False),
+    ("fsdp", True, True)])
+def test_each_kind_says_whether_it_splits_weights_and_backs_up_in_shards(kind, shards_weights,
+                                                                         sharded_backup):
+    chosen = distribution.get(kind)
+    assert (chosen.kind, chosen.shards_weights, chosen.sharded_backup) == (
+        kind, shards_weights, sharded_backup)
+
+
+@pytest.mark.backend_independent
+def test_the_kinds_are_the_flag_values_run_folders_record():
+    assert distribution.DISTRIBUTIONS == ("none", "data_parallel", "model_parallel", "fsdp")
+    assert distribution.get(None).kind == distribution.get("").kind == "none"
+
+
+@pytest.mark.backend_independent
+def test_an_unknown_distribution_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match="Unknown distribution 'pipeline'; choose one of none, "
+                                         "data_parallel, model_parallel, fsdp"):
+        distribution.get("pipeline")
+
+
+def test_a_batch_is_split_over_every_device_a_distribution_uses(monkeypatch):
     backend = keras.backend.backend()
-    if backend == "torch":
-        for kind in ("data_parallel", "model_parallel", "fsdp"):
-            with pytest.raises(ValueError, match="no distribution engine for torch"):
-                distribution.distribution_scope(kind)
+    if backend == "jax":  # every device of every process; four named here, none allocated
+        monkeypatch.setattr(keras.distribution, "list_devices",
+                            lambda: [f"cpu:{i}" for i in range(4)])
+        assert [distribution.get(kind).replicas for kind in distribution.DISTRIBUTIONS] == [
+            1, 4, 4, 4]
+    elif backend == "tensorflow":  # the MirroredStrategy's replicas, the one its scope enters
+        import tensorflow as tf
+
+        chosen = distribution.get("data_parallel")
+        with chosen.scope():
+            assert chosen.replicas == tf.distribute.get_strategy().num_replicas_in_sync
+        assert distribution.get("none").replicas == 1
+    else:
+        assert [distribution.get(kind).replicas for kind in distribution.DISTRIBUTIONS] == [
+            1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("kind", ["none", "data_parallel", "model_parallel", "fsdp"])
+def test_each_kind_sets_up_its_engine_in_scope_and_reset_leaves_none(kind):
+    backend = keras.backend.backend()
+    chosen = distribution.get(kind)
+    if backend == "torch" and kind != "none":
+        with pytest.raises(ValueError, match="no distribution engine for torch"):
+            chosen.scope()
+    elif backend == "tensorflow" and kind in ("model_parallel", "fsdp"):
+        with pytest.raises(ValueError, match=f"--distribution {kind} needs the JAX backend"):
+            chosen.scope()
     elif backend == "tensorflow":
         import tensorflow as tf
 
-        with distribution.distribution_scope("data_parallel"):
-            assert isinstance(tf.distribute.get_strategy(), tf.distribute.MirroredStrategy)
-        for kind in ("model_parallel", "fsdp"):
-            with pytest.raises(ValueError, match=f"--distribution {kind} needs the JAX backend"):
-                distribution.distribution_scope(kind)
+        with chosen.scope():
+            mirrored = isinstance(tf.distribute.get_strategy(), tf.distribute.MirroredStrategy)
+        assert mirrored == (kind == "data_parallel")
+        # XLA cannot place mirrored variables: off under MirroredStrategy unless asked for.
+        assert bool(chosen.xla_off) == (kind == "data_parallel")
+        chosen.reset()
+        assert not tf.distribute.has_strategy()
     else:
+        from vit_keras.tools import sharding
+
+        engines = {"none": type(None), "data_parallel": keras.distribution.DataParallel,
+                   "model_parallel": keras.distribution.ModelParallel,
+                   "fsdp": sharding.FullyShardedDataParallel}
         try:
-            distribution.distribution_scope("data_parallel")
-            assert isinstance(keras.distribution.distribution(), keras.distribution.DataParallel)
+            with chosen.scope():
+                assert type(keras.distribution.distribution()) is engines[kind]
+            assert chosen.xla_off is None
+            chosen.reset()
+            assert keras.distribution.distribution() is None
         finally:
             keras.distribution.set_distribution(None)
-    with pytest.raises(ValueError, match="Unknown distribution"):
-        distribution.distribution_scope("pipeline")
+
+
+def test_the_model_and_optimizer_placement_is_reported_where_weights_are_split(tiny_config):
+    """What each device holds, asked of the distribution after compiling in its scope: the
+    optimizer's slots are laid out first, so they are counted."""
+    if keras.backend.backend() != "jax":
+        pytest.skip("model_parallel and fsdp run on JAX only")
+    from conftest import tiny_model
+
+    for kind in distribution.DISTRIBUTIONS:
+        chosen = distribution.get(kind)
+        try:
+            with chosen.scope():
+                model = tiny_model(tiny_config)
+                model.compile(keras.optimizers.AdamW(1e-3), "categorical_crossentropy")
+            placed = chosen.placement(model)
+        finally:
+            chosen.reset()
+        if not chosen.shards_weights:
+            assert placed is None and not model.optimizer.built
+            continue
+        assert model.optimizer.built
+        assert placed.total_parameter_bytes == sum(
+            int(np.prod(w.shape)) * 4 for w in model.weights)
+        assert placed.optimizer_bytes > 0
 
 
 def test_process_settings_come_from_the_flags_then_keras_environment_variables():
@@ -82,7 +162,7 @@ def test_several_processes_are_refused_off_jax_with_the_reason(monkeypatch):
         with pytest.raises(distribution.MultiProcessError, match="MultiWorkerMirroredStrategy"):
             distribution.initialize_processes()
     with pytest.raises(distribution.MultiProcessError, match="need --distribution"):
-        distribution.distribution_scope("none", processes=distribution.Processes(2, 0))
+        distribution.get("none", processes=distribution.Processes(2, 0))
 
 
 def test_padded_evaluation_gives_the_means_over_the_real_examples(tiny_config):

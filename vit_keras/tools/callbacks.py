@@ -66,11 +66,12 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
     `save_dir`, which takes their writes and is deleted at the end; every process resumes from
     `backup_dir`.
 
-    With `sharded=True` (an fsdp run, JAX) the weights are never gathered: each backup is an
-    Orbax checkpoint `epoch-N.orbax` (`sharded_checkpoint`) in `backup_dir`, to which every
-    process writes its own devices' shards, and which is read back onto whatever mesh the
-    resumed run has. The metadata is written once the checkpoint is committed on every process,
-    by the process whose `save_dir` is `backup_dir`.
+    With `sharded=True` (what `Distribution.sharded_backup` says of an fsdp run, JAX) the
+    weights are never gathered: each backup is an Orbax checkpoint `epoch-N.orbax`
+    (`sharded_checkpoint`) in `backup_dir`, to which every process writes its own devices'
+    shards, and which is read back onto whatever mesh the resumed run has. The metadata is
+    written once the checkpoint is committed on every process, by the process whose `save_dir`
+    is `backup_dir`.
     """
 
     def __init__(self, backup_dir, seed=0, save_dir=None, sharded=False, **kwargs):

@@ -1,6 +1,6 @@
 """`--distribution`: data, model and fully sharded data parallelism (Keras' JAX distribution
-API, TensorFlow's MirroredStrategy), in one process or, on JAX, in several cooperating ones
-(`initialize_processes`).
+API, TensorFlow's MirroredStrategy), one `Distribution` per kind (`get`), in one process or, on
+JAX, in several cooperating ones (`initialize_processes`).
 Imports only Keras at module level; TensorFlow and JAX inside the functions."""
 
 import contextlib
@@ -15,7 +15,6 @@ import numpy as np
 from vit_keras import errors
 from vit_keras.model import ViT
 
-DISTRIBUTIONS = ("none", "data_parallel", "model_parallel", "fsdp")
 # The environment variables of `keras.distribution.initialize`; the apps' flags default to them.
 ADDRESSES_ENV = "KERAS_DISTRIBUTION_JOB_ADDRESSES"
 NUM_PROCESSES_ENV = "KERAS_DISTRIBUTION_NUM_PROCESSES"
@@ -23,7 +22,6 @@ PROCESS_ID_ENV = "KERAS_DISTRIBUTION_PROCESS_ID"
 # How long a process waits for a dead peer's heartbeat before it stops with an error (JAX's
 # own default is 100 s).
 DEFAULT_PEER_TIMEOUT = 60
-_mirrored_strategy = None  # the last MirroredStrategy distribution_scope made (TensorFlow)
 
 
 class MultiProcessError(errors.UserError, RuntimeError):
@@ -208,83 +206,209 @@ def process_values(value, processes):
 def model_parallel_layout_map(device_mesh):
     """Shards attention (over heads) and MLP kernels (over the hidden MLP units, a SwiGLU's gate
     too) on the mesh's `model` axis; everything else is replicated."""
-    from keras import distribution
-
-    layout_map = distribution.LayoutMap(device_mesh)
+    layout_map = keras.distribution.LayoutMap(device_mesh)
     for path, axes in ViT.model_parallel_layout().items():  # the model's own answer
         layout_map[path] = axes
     return layout_map
 
 
-def distribution_scope(kind="none", model_parallel_size=None, processes=Processes(),
-                       fsdp_min_bytes=0):
-    """Sets up `--distribution` and returns the context to build and compile the model in.
+class Distribution:
+    """`--distribution none`, and what every kind answers the training loop (`get` makes the one
+    a flag names): one device holds the whole model and takes the whole batch."""
+
+    kind = "none"
+    sharded_backup = False  # an epoch's backup: the whole model (epoch-N.keras)
+    shards_weights = False  # every device holds every weight whole
+
+    def __init__(self, model_parallel_size=None, processes=Processes(), fsdp_min_bytes=0):
+        self.model_parallel_size = model_parallel_size
+        self.processes = processes
+        self.fsdp_min_bytes = fsdp_min_bytes
+
+    def __repr__(self):
+        return f"<{type(self).__name__} {self.kind!r}>"
+
+    def scope(self):
+        """Sets the distribution up; returns the context to build and compile the model in."""
+        return contextlib.nullcontext()
+
+    @property
+    def replicas(self):
+        """How many devices a batch is split over."""
+        return 1
+
+    @property
+    def xla_off(self):
+        """Why XLA compilation is off unless asked for (`--jit_compile`), or None."""
+        return None
+
+    def placement(self, model):
+        """What each device holds of `model` and its optimizer (`sharding.Placement`; the
+        optimizer is built first, so that its slots are laid out), or None where every device
+        holds all of it. Call after `scope`."""
+        if not self.shards_weights:
+            return None
+        from vit_keras.tools import sharding
+
+        if model.optimizer is not None and not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
+        return sharding.placement(model, self.fsdp_min_bytes)
+
+    def reset(self):
+        """Leaves the process without the distribution `scope` set (at the end of a run)."""
+
+
+class _Parallel(Distribution):
+    """A kind Keras' distribution API runs on JAX (`_keras_distribution(devices)`); refused on
+    the other backends."""
+
+    def scope(self):
+        backend = keras.backend.backend()
+        if backend != "jax":
+            return self._scope_off_jax(backend)
+        keras.distribution.set_distribution(
+            self._keras_distribution(keras.distribution.list_devices()))
+        return contextlib.nullcontext()
+
+    def _scope_off_jax(self, backend):
+        if backend == "tensorflow":
+            raise ValueError(f"--distribution {self.kind} needs the JAX backend: Keras' "
+                             f"ModelParallel is implemented for JAX only, and TensorFlow's DTensor "
+                             f"path is not supported here. Use --backend jax, or data_parallel on "
+                             f"TensorFlow.")
+        raise ValueError(f"--distribution {self.kind} is not available on the {backend} backend: "
+                         f"Keras has no distribution engine for torch. Use --backend jax "
+                         f"(data_parallel, model_parallel, fsdp) or --backend tensorflow "
+                         f"(data_parallel).")
+
+    @property
+    def replicas(self):
+        # Every device of every process takes a slice of each batch.
+        return len(keras.distribution.list_devices()) if keras.backend.backend() == "jax" else 1
+
+    def reset(self):
+        if keras.backend.backend() == "jax":
+            keras.distribution.set_distribution(None)
+
+
+class _DataParallel(_Parallel):
+    """`data_parallel` (see `get`)."""
+
+    kind = "data_parallel"
+    _strategy = None  # TensorFlow's MirroredStrategy: one per run, its replicas are the run's
+
+    def _keras_distribution(self, devices):
+        return keras.distribution.DataParallel(devices=devices)
+
+    def _mirrored(self):
+        if self._strategy is None:
+            import tensorflow as tf
+
+            self._strategy = tf.distribute.MirroredStrategy()
+        return self._strategy
+
+    def _scope_off_jax(self, backend):
+        if backend == "tensorflow":
+            return self._mirrored().scope()
+        return super()._scope_off_jax(backend)
+
+    @property
+    def replicas(self):
+        if keras.backend.backend() == "tensorflow":
+            return self._mirrored().num_replicas_in_sync
+        return super().replicas
+
+    @property
+    def xla_off(self):
+        if keras.backend.backend() != "tensorflow":
+            return None
+        # "Trying to access resource ... located in device CPU:1 from device CPU:0",
+        # tensorflow.org/xla/known_issues.
+        return ("MirroredStrategy: XLA compilation off (TensorFlow's XLA cannot place mirrored "
+                "variables).")
+
+
+class _ModelParallel(_Parallel):
+    """`model_parallel` (see `get`)."""
+
+    kind = "model_parallel"
+    shards_weights = True
+
+    def _keras_distribution(self, devices):
+        local = len(devices) // self.processes.count
+        model_size = int(self.model_parallel_size
+                         or (local if self.processes.multi else len(devices)))
+        mesh = _mesh(devices, model_size, self.processes)
+        return keras.distribution.ModelParallel(layout_map=model_parallel_layout_map(mesh),
+                                                batch_dim_name="batch")
+
+
+class _FullyShardedDataParallel(_Parallel):
+    """`fsdp` (see `get`)."""
+
+    kind = "fsdp"
+    shards_weights = True
+    sharded_backup = True
+
+    def _keras_distribution(self, devices):
+        from vit_keras.tools import sharding
+
+        model_size = int(self.model_parallel_size or 1)
+        mesh = _mesh(devices, model_size, self.processes, spanning_allowed=True)
+        rules = model_parallel_layout_map(mesh) if model_size > 1 else None
+        return sharding.FullyShardedDataParallel(mesh, layout_map=rules,
+                                                 min_bytes=self.fsdp_min_bytes)
+
+
+_KINDS = {kind.kind: kind for kind in (Distribution, _DataParallel, _ModelParallel,
+                                       _FullyShardedDataParallel)}
+DISTRIBUTIONS = tuple(_KINDS)  # the values of --distribution
+
+
+def get(kind="none", model_parallel_size=None, processes=Processes(), fsdp_min_bytes=0):
+    """The `Distribution` that `--distribution kind` names (`DISTRIBUTIONS`; None or "" is
+    "none"), for a run of `processes`. Nothing is set up until its `scope()`:
 
     - `data_parallel`: `keras.distribution.DataParallel` over all devices of all processes on
       JAX; `tf.distribute.MirroredStrategy` on TensorFlow. Batches are split across devices; with
       several processes Keras gives each process its slice of every batch
       (`DataParallel.distribute_dataset`), so the batch size stays the global one.
-    - `model_parallel`: `keras.distribution.ModelParallel` on JAX with a (batch, model) mesh and
+    - `model_parallel` (JAX): `keras.distribution.ModelParallel` with a (batch, model) mesh and
       `model_parallel_layout_map`; `model_parallel_size` devices on the model axis (default: all,
       or with several processes each process's own: a weight sharded across processes could not
       be saved by one of them).
     - `fsdp` (JAX): `sharding.FullyShardedDataParallel`: the batch and every weight of at least
       `fsdp_min_bytes` (with its optimizer slots) split over all devices; with
       `model_parallel_size` > 1, a (batch, model) mesh whose model axis shards as
-      `model_parallel` does and whose batch axis takes the FSDP rule.
-    The torch backend has no such engine in Keras; other combinations raise `ValueError`, and
-    several processes without a distribution raise `MultiProcessError`.
+      `model_parallel` does and whose batch axis takes the FSDP rule. Its backups are sharded
+      Orbax checkpoints (`sharded_backup`).
+    The torch backend has no such engine in Keras: `scope()` raises `ValueError` there, and for
+    `model_parallel` and `fsdp` on TensorFlow.
+
+    Raises `ValueError` for an unknown kind, naming the choices, and `MultiProcessError` for
+    several processes without a distribution to share the work.
     """
-    backend = keras.backend.backend()
-    if kind in (None, "", "none"):
-        if processes.multi:
-            raise MultiProcessError(
-                f"{processes.count} processes need --distribution data_parallel (or "
-                f"model_parallel or fsdp on JAX) to share the work.")
-        return contextlib.nullcontext()
-    if kind not in DISTRIBUTIONS:
-        raise ValueError(f"Unknown distribution {kind!r}; expected one of {DISTRIBUTIONS}.")
-    if backend == "jax":
-        from keras import distribution
+    kind = kind or "none"
+    if kind not in _KINDS:
+        raise ValueError(f"Unknown distribution {kind!r}; choose one of "
+                         f"{', '.join(DISTRIBUTIONS)}.")
+    if kind == "none" and processes.multi:
+        raise MultiProcessError(
+            f"{processes.count} processes need --distribution data_parallel (or "
+            f"model_parallel or fsdp on JAX) to share the work.")
+    return _KINDS[kind](model_parallel_size, processes, fsdp_min_bytes)
 
-        devices = distribution.list_devices()
-        if kind == "data_parallel":
-            distribution.set_distribution(distribution.DataParallel(devices=devices))
-        elif kind == "fsdp":
-            from vit_keras.tools import sharding
 
-            model_size = int(model_parallel_size or 1)
-            mesh = _mesh(devices, model_size, processes, spanning_allowed=True)
-            rules = model_parallel_layout_map(mesh) if model_size > 1 else None
-            distribution.set_distribution(sharding.FullyShardedDataParallel(
-                mesh, layout_map=rules, min_bytes=fsdp_min_bytes))
-        else:
-            local = len(devices) // processes.count
-            model_size = int(model_parallel_size or (local if processes.multi else len(devices)))
-            mesh = _mesh(devices, model_size, processes)
-            distribution.set_distribution(distribution.ModelParallel(
-                layout_map=model_parallel_layout_map(mesh), batch_dim_name="batch"))
-        return contextlib.nullcontext()
-    if backend == "tensorflow" and kind == "data_parallel":
-        import tensorflow as tf
-
-        global _mirrored_strategy
-        _mirrored_strategy = tf.distribute.MirroredStrategy()
-        return _mirrored_strategy.scope()
-    if backend == "tensorflow":
-        raise ValueError(f"--distribution {kind} needs the JAX backend: Keras' ModelParallel "
-                         f"is implemented for JAX only, and TensorFlow's DTensor path is not "
-                         f"supported here. Use --backend jax, or data_parallel on TensorFlow.")
-    raise ValueError(f"--distribution {kind} is not available on the {backend} backend: Keras has "
-                     f"no distribution engine for torch. Use --backend jax (data_parallel, "
-                     f"model_parallel, fsdp) or --backend tensorflow (data_parallel).")
+def distribution_scope(kind="none", model_parallel_size=None, processes=Processes(),
+                       fsdp_min_bytes=0):
+    """`get(...).scope()`: sets up `--distribution kind` and returns the context to build and
+    compile the model in."""
+    return get(kind, model_parallel_size, processes, fsdp_min_bytes).scope()
 
 
 def _mesh(devices, model_size, processes, spanning_allowed=False):
     """A (batch, model) `DeviceMesh` with `model_size` devices on the model axis. A model axis
     spanning processes is refused unless `spanning_allowed` (FSDP gathers its weights to save)."""
-    from keras import distribution
-
     local = len(devices) // processes.count
     if model_size < 1 or len(devices) % model_size:
         raise ValueError(f"model_parallel_size {model_size} does not divide the "
@@ -294,19 +418,8 @@ def _mesh(devices, model_size, processes, spanning_allowed=False):
             f"model_parallel_size {model_size} spreads weights over several of the "
             f"{processes.count} processes ({local} devices each); use a divisor of "
             f"{local}, so that every process holds whole weights to save.")
-    return distribution.DeviceMesh((len(devices) // model_size, model_size),
-                                   ("batch", "model"), devices)
-
-
-def num_replicas(kind="none"):
-    """How many devices a batch is split over under `kind`."""
-    if kind in (None, "", "none"):
-        return 1
-    if keras.backend.backend() == "jax":
-        from keras import distribution
-
-        return len(distribution.list_devices())
-    return _mirrored_strategy.num_replicas_in_sync if _mirrored_strategy else 1
+    return keras.distribution.DeviceMesh((len(devices) // model_size, model_size),
+                                         ("batch", "model"), devices)
 
 
 def pad_to_whole_batches(dataset, num_examples, batch_size):

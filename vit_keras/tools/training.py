@@ -329,6 +329,9 @@ def run(config, app="finetune", log=print, started=None, objective=CLASSIFICATIO
     processes = distribution_lib.initialize_processes(several.coordinator_address,
                                                       several.num_processes, several.process_id,
                                                       several.peer_timeout)
+    compute = config.compute
+    distribution = distribution_lib.get(compute.distribution, compute.model_parallel_size,
+                                        processes, compute.fsdp_min_bytes)
     output = config.output
     run_name = output.run_name or default_run_name(config, app)
     run_folder_lib.check_run_name(run_name)
@@ -338,7 +341,8 @@ def run(config, app="finetune", log=print, started=None, objective=CLASSIFICATIO
                                 run_flags_text(config, objective), objective)
         if finished is not None:
             return finished
-        state = _RunState(config, objective, parts, run_name, folder, processes, log, started)
+        state = _RunState(config, objective, parts, run_name, folder, processes, distribution,
+                          log, started)
         try:
             _prepare(state)
             fit_seconds = _train(state)
@@ -349,8 +353,7 @@ def run(config, app="finetune", log=print, started=None, objective=CLASSIFICATIO
             raise run_folder_lib.write_error(error.filename or folder.path, error) from None
         finally:  # the process as it was, however the run ended
             set_precision("none")
-            if config.compute.distribution != "none" and keras.backend.backend() == "jax":
-                keras.distribution.set_distribution(None)
+            distribution.reset()
 
 
 @dataclasses.dataclass
@@ -364,6 +367,7 @@ class _RunState:
     name: str
     folder: RunFolder
     processes: distribution_lib.Processes
+    distribution: distribution_lib.Distribution
     log: object
     started: float
     writes: RunFolder = None     # process 0: the run folder; the others: a private scratch one
@@ -438,25 +442,19 @@ def _prepare(state):
     if processes.is_chief:
         state.folder.write_class_names(state.splits.class_names)
     state.training = state.objective.training_splits(state.splits)
-    compute = config.compute
-    set_precision(compute.mixed_precision)
-    scope = distribution_lib.distribution_scope(compute.distribution, compute.model_parallel_size,
-                                                processes, compute.fsdp_min_bytes)
+    set_precision(config.compute.mixed_precision)
+    distribution = state.distribution
+    scope = distribution.scope()
     _schedule(state)
     _find_resume_epoch(state)
     with scope:
         _build_and_compile(state)
     resident = 0  # the bytes each device keeps between steps, under a sharding distribution
-    if compute.distribution in ("model_parallel", "fsdp") and keras.backend.backend() == "jax":
-        from vit_keras.tools import sharding
-
-        model = state.model
-        if model.optimizer is not None and not model.optimizer.built:  # its slots, laid out now
-            model.optimizer.build(model.trainable_variables)
-        placed = sharding.placement(model, compute.fsdp_min_bytes)
-        log(f"--distribution {compute.distribution}, {placed.describe()}.")
+    placed = distribution.placement(state.model)
+    if placed is not None:
+        log(f"--distribution {distribution.kind}, {placed.describe()}.")
         resident = placed.parameter_bytes + placed.optimizer_bytes + placed.gradient_bytes
-        if compute.distribution == "fsdp":
+        if distribution.sharded_backup:  # model.keras, at the end, is the first gathering
             state.placement = placed
             shortfall = memory.saving_shortfall(placed.total_parameter_bytes
                                                 + placed.total_optimizer_bytes)
@@ -478,12 +476,10 @@ def _schedule(state):
     """Replicas, accumulation, steps per epoch, epochs and optimizer updates of a run (call
     once its distribution is set up)."""
     settings, recipe = state.config.optimization, state.recipe
-    distribution = state.config.compute.distribution
-    if distribution != "none":
-        state.replicas = distribution_lib.num_replicas(distribution)
+    state.replicas = state.distribution.replicas
     if recipe.batch_size % state.replicas:
         raise ValueError(f"Batch size {recipe.batch_size} is not divisible by the "
-                         f"{state.replicas} devices of --distribution {distribution}; use "
+                         f"{state.replicas} devices of --distribution {state.distribution.kind}; use "
                          f"a multiple of {state.replicas}.")
     state.accum = max(1, int(settings.accum_steps or 1))
     state.steps_per_epoch = settings.steps_per_epoch or max(
@@ -502,7 +498,7 @@ def _find_resume_epoch(state):
     # fsdp: each process writes its own shards of an Orbax checkpoint, nothing gathered.
     state.backup = callbacks_lib.AtomicBackupAndRestore(
         folder.backup, seed=state.config.seed, save_dir=state.writes.backup,
-        sharded=state.config.compute.distribution == "fsdp", delete_checkpoint=False)
+        sharded=state.distribution.sharded_backup, delete_checkpoint=False)
     state.resume_epoch = state.backup.resume_epoch
     found = distribution_lib.process_values(state.resume_epoch, state.processes)
     if len(set(found)) > 1:
@@ -519,13 +515,9 @@ def _build_and_compile(state):
     the distribution's scope)."""
     config, recipe, log = state.config, state.recipe, state.log
     jit_compile = config.compute.jit_compile
-    if (jit_compile is None and config.compute.distribution == "data_parallel"
-            and keras.backend.backend() == "tensorflow"):
-        # XLA cannot use MirroredStrategy's per-device variables ("Trying to access resource ...
-        # located in device CPU:1 from device CPU:0", tensorflow.org/xla/known_issues).
+    if jit_compile is None and state.distribution.xla_off:
         jit_compile = False
-        state.log("MirroredStrategy: XLA compilation off (TensorFlow's XLA cannot place "
-                  "mirrored variables).")
+        log(state.distribution.xla_off)
     vit = build_run_model(config, recipe, state.splits.num_classes, log=log)
     # A resumed run rebuilds the same model (LoRA, linear probe, remat) before its backup loads.
     for part in state.parts:
@@ -585,7 +577,7 @@ def _callbacks(state, nan_guard):
     every epoch (a part's own checkpoint, LoRA's), and last the backup (an epoch's backup exists
     only once its other files are written)."""
     # fsdp writes model.keras once, at the end: each epoch's (sharded) backup gathers nothing.
-    whole = None if state.backup.sharded else callbacks_lib.AtomicModelCheckpoint
+    whole = None if state.distribution.sharded_backup else callbacks_lib.AtomicModelCheckpoint
     checkpoint = next((part.checkpoint for part in state.parts if part.checkpoint), whole)
     checkpoint = checkpoint and checkpoint(state.writes.model)
     if checkpoint is not None:
@@ -638,7 +630,8 @@ def _fit(state, train_ds, val_ds):
         epoch, batch, loss = nan_guard.bad_step
         kept = (f"{state.folder.model} keeps the last epoch that ended with a finite loss"
                 if os.path.exists(state.folder.model) else
-                "an fsdp run writes model.keras only at its end" if state.backup.sharded else
+                f"an {state.distribution.kind} run writes model.keras only at its end"
+                if state.distribution.sharded_backup else
                 "no epoch ended with a finite loss, so no model.keras was written")
         raise callbacks_lib.NonFiniteLossError(
             f"The training loss became {loss} at epoch {epoch + 1}, batch {batch + 1}; the run "
