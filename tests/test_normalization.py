@@ -17,6 +17,7 @@ import pytest
 
 import vit_keras
 from vit_keras.model import normalization
+from vit_keras.weights import families as family_records
 from vit_keras.weights import releases
 from vit_keras.weights.checkpoints import huggingface
 from vit_keras.weights.checkpoints import timm as timm_format
@@ -232,8 +233,16 @@ def test_timm_eval_crop_rules_agree_with_every_timm_pretrained_config_they_claim
             claimed.add(architecture)
             wrong += [] if expected == {found} else [architecture]
     assert not wrong
-    idle = [pattern for pattern, crop in timm_format._EVAL_CROP_BY_NAME
-            if crop is not None and not any(re.search(pattern, name) for name in claimed)]
+    # Every rule of a family's record claims some name of that family, and so does every
+    # family-wide crop (vit_keras.weights.families).
+    records = family_records.FAMILIES
+    idle = [(record.name, pattern) for record in records
+            for pattern, crop in record.timm_eval_crops
+            if crop is not None and not any(re.search(pattern, name) and
+                                            family_records.by_timm_name(name) is record
+                                            for name in claimed)]
+    idle += [record.name for record in records if record.eval_crop is not None
+             and not any(family_records.by_timm_name(name) is record for name in claimed)]
     assert not idle
     families = ("_dinov3", "_dinov2", "^vit_pe_", "^aimv2_", r"\.mae$", "^eva02_", "^deit_",
                 "^deit3_", "_clip_", "_siglip", "_rope_", r"\.augreg")

@@ -16,7 +16,7 @@ import pytest
 import vit_keras
 from vit_keras import errors
 from vit_keras.model import geometry
-from vit_keras.weights import download, pretrained, releases
+from vit_keras.weights import download, families, pretrained, releases
 
 from conftest import random_images
 from weights_mirror import MirrorServer, write_class_names, write_release
@@ -153,6 +153,7 @@ def test_each_family_release_states_the_epsilon_and_gelu_its_repository_computes
     for release in releases.RELEASES:
         if release.name not in releases.FAMILY_RELEASE_NAMES:
             continue
+        assert releases.FAMILY_NUMERICS[release.name] == families.by_release(release.name).numerics
         if release.hf_hub_id.startswith("timm/"):
             said = timm.architecture_hints(release.hf_hub_id[len("timm/"):])
         else:

@@ -3,7 +3,8 @@ them is cached (see `vit_keras.weights.download.fetch_release`).
 
 - A hub release's `config.json`, on its own (`check_config`): the image size, patch size, width,
   depth, heads and MLP size of the release's variant and resolution, and the LayerNorm epsilon and
-  GELU of `releases.FAMILY_NUMERICS`. A `config.json` that says otherwise would make the weights
+  GELU of `releases.FAMILY_NUMERICS` (the numerics of each release's family record,
+  `vit_keras.weights.families`). A `config.json` that says otherwise would make the weights
   compute something else, or be refused under a name that is not the culprit's.
 - The weights, read with that `config.json` beside them (`read_release`): a checkpoint that reads
   whole, finite, with the release variant's architecture, head, representation layer,

@@ -16,6 +16,7 @@ import dataclasses
 
 from vit_keras import errors
 from vit_keras.model import configs, normalization
+from vit_keras.weights import families
 
 OFFICIAL_BASE_URL = "https://storage.googleapis.com/"
 """The bucket the paper's `Release.path`s are relative to (`VIT_KERAS_WEIGHTS_MIRROR` replaces it)."""
@@ -71,8 +72,10 @@ class Release:
     @property
     def normalization(self):
         """How the release's pixels were normalised in training (a `vit_keras.model.normalization.
-        Normalization`): the model built from it normalises its input the same way."""
-        return normalization.NORMALIZATIONS[_NORMALIZATION.get(self.name, "inception")]
+        Normalization`): the model built from it normalises its input the same way. Its family's
+        (`vit_keras.weights.families`); a release of no family's has the paper's."""
+        family = families.by_release(self.name) or families.VIT
+        return normalization.NORMALIZATIONS[family.normalization]
 
     @property
     def url(self):
@@ -204,36 +207,6 @@ _FAMILY = (  # (variant, release, files' repository, other repository, image siz
     ("DINOv2-g/14", "dinov2", "timm/vit_giant_patch14_dinov2.lvd142m", None, 518, None, "token"),
 )
 _HUB_WEIGHTS = "model.safetensors"
-# The family's input normalisation by release (timm's pretrained configs and the hub's image
-# processors say the same); every other release, the paper's and AugReg's and SigLIP's, has the
-# original (x - 127.5) / 127.5 ("inception").
-_NORMALIZATION = {"deit_in1k": "imagenet", "deit_distilled_in1k": "imagenet",
-                  "deit3_in22k_ft_in1k": "imagenet", "dinov2": "imagenet",
-                  "dinov2_reg4": "imagenet", "mae": "imagenet", "clip_openai": "clip",
-                  "dinov3": "imagenet", "eva02_mim_in22k": "clip", "aimv2": "clip"}
-
-FAMILY_NUMERICS = {
-    "deit_in1k": {"layer_norm_epsilon": 1e-6, "gelu": "exact"},
-    "deit_distilled_in1k": {"layer_norm_epsilon": 1e-6, "gelu": "exact"},
-    "deit3_in22k_ft_in1k": {"layer_norm_epsilon": 1e-6, "gelu": "exact"},
-    "dinov2": {"layer_norm_epsilon": 1e-6, "gelu": "exact"},
-    "dinov2_reg4": {"layer_norm_epsilon": 1e-6, "gelu": "exact"},
-    "siglip_webli": {"layer_norm_epsilon": 1e-6, "gelu": "tanh"},
-    "clip_openai": {"layer_norm_epsilon": 1e-5, "gelu": "quick"},
-    "mae": {"layer_norm_epsilon": 1e-6, "gelu": "exact"},
-    "dinov3": {"layer_norm_epsilon": 1e-5, "gelu": "exact", "rope": "dinov3"},
-    "pe_core": {"layer_norm_epsilon": 1e-5, "gelu": "exact", "rope": "axial"},
-    "eva02_mim_in22k": {"layer_norm_epsilon": 1e-6, "gelu": "exact", "rope": "axial"},
-    "aimv2": {"layer_norm_epsilon": 1e-5, "gelu": "exact"},
-}
-"""What each family release computes with that its weights do not store, as `ViTConfig` fields:
-the LayerNorm epsilon, the GELU (`"exact"`, `"tanh"` or `"quick"`) and the kind of rotary
-embeddings (`rope`), which its repository's
-`config.json` states (a transformers `layer_norm_eps` and `hidden_act`, or a timm architecture
-name, see `vit_keras.weights.checkpoints.timm`). A release's files are checked against it before they
-are cached: a `config.json` that says otherwise describes other weights."""
-
-
 def _hub_file(repo, name):
     return f"{repo}/resolve/main/{name}"
 
@@ -273,22 +246,27 @@ def _table():
                                              r.image_size)))
 
 
-PAPER_RELEASE_NAMES = ("imagenet21k", "imagenet21k+imagenet2012", "augreg_in21k",
-                       "augreg_in21k_ft_in1k", "augreg_in1k")
+PAPER_RELEASE_NAMES = families.VIT.release_names
 """The paper's releases (ImageNet-21k, and fine-tuned on ImageNet-1k) and AugReg's ("How to train
 your ViT": ImageNet-21k, fine-tuned on ImageNet-1k, and ImageNet-1k only), in the bucket."""
-FAMILY_RELEASE_NAMES = ("deit_in1k", "deit_distilled_in1k", "deit3_in22k_ft_in1k", "dinov2",
-                        "dinov2_reg4", "siglip_webli", "clip_openai", "mae", "dinov3", "pe_core",
-                        "eva02_mim_in22k", "aimv2")
-"""The family's releases on the Hugging Face hub: DeiT (ImageNet-1k; distilled), DeiT III
-(ImageNet-21k, fine-tuned on 1k), DINOv2 (LVD-142M; with four registers; giant), SigLIP (WebLI),
-CLIP (OpenAI's), MAE (ImageNet-1k self-supervised), DINOv3 (LVD-1689M), PE core, EVA-02 (masked
-image modelling on ImageNet-21k), AIMv2 (Apple's pre-training)."""
+FAMILY_RELEASE_NAMES = tuple(dict.fromkeys(row[1] for row in _FAMILY))
+"""The family's releases on the Hugging Face hub, in the table's order: DeiT (ImageNet-1k;
+distilled), DeiT III (ImageNet-21k, fine-tuned on 1k), DINOv2 (LVD-142M; with four registers;
+giant), SigLIP (WebLI), CLIP (OpenAI's), MAE (ImageNet-1k self-supervised), DINOv3 (LVD-1689M),
+PE core, EVA-02 (masked image modelling on ImageNet-21k), AIMv2 (Apple's pre-training)."""
 ROTARY_RELEASE_NAMES = ("dinov3", "pe_core", "eva02_mim_in22k", "aimv2")
 """The family's releases with rotary embeddings or a gated MLP throughout (DINOv2 giant's SwiGLU
 is a `dinov2` release)."""
 RELEASE_NAMES = PAPER_RELEASE_NAMES + FAMILY_RELEASE_NAMES
 """Every release name a `weights=` value can take."""
+
+FAMILY_NUMERICS = {name: families.by_release(name).numerics for name in FAMILY_RELEASE_NAMES}
+"""What each family release computes with that its weights do not store, as `ViTConfig` fields:
+the LayerNorm epsilon, the GELU (`"exact"`, `"tanh"` or `"quick"`) and the kind of rotary
+embeddings (`rope`): its family record's `numerics` (`vit_keras.weights.families`), which its
+repository's `config.json` states (a transformers `layer_norm_eps` and `hidden_act`, or a timm
+architecture name, see `vit_keras.weights.checkpoints.timm`). A release's files are checked
+against it before they are cached: a `config.json` that says otherwise describes other weights."""
 
 RELEASES = _table()
 """Every published file, as `Release` records, by variant (in `VARIANTS` order) and release."""

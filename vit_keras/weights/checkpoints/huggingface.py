@@ -8,8 +8,9 @@ image tower), `siglip_vision_model` (`SiglipVisionModel`; a full `siglip` folder
 `vit_mae` (`ViTMAEModel`), and with rotary embeddings or gated MLPs `dinov3_vit`
 (`DINOv3ViTModel`) and `aimv2_vision_model` (`Aimv2VisionModel` without its attention-pooling
 `head`, `use_head=false`). The key names are `names.from_huggingface`'s; this module reads what
-only `config.json` says (epsilon, GELU variant, heads, grid) and the defaults each family's config
-class has when a field is left out.
+only `config.json` says (epsilon, GELU variant, heads, grid); the defaults each family's config
+class has when a field is left out, its published normalisation and its name are its record's
+(`vit_keras.weights.families`, `by_model_type`).
 """
 
 import logging
@@ -19,6 +20,7 @@ import re
 
 from vit_keras import errors
 from vit_keras.model import normalization as normalization_lib
+from vit_keras.weights import families
 from vit_keras.weights.checkpoints import files, names, timm
 
 logger = logging.getLogger("vit_keras")
@@ -35,40 +37,9 @@ _ACTIVATIONS = {"gelu": "exact", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"
 # The MLP (`ViTConfig.mlp`) by (gated, SiLU).
 _MLPS = {(False, False): "gelu", (False, True): "silu", (True, False): "geglu",
          (True, True): "swiglu"}
-# Each family's config-class defaults for the fields vit_keras reads (transformers leaves a field
-# out of `config.json` when it has the default, in older folders and nested `vision_config`s).
-_DEFAULTS = {
-    "vit": {"layer_norm_eps": 1e-12, "hidden_act": "gelu"},
-    "deit": {"layer_norm_eps": 1e-12, "hidden_act": "gelu"},
-    "vit_mae": {"layer_norm_eps": 1e-12, "hidden_act": "gelu"},
-    "dinov2": {"layer_norm_eps": 1e-6, "hidden_act": "gelu"},
-    "dinov2_with_registers": {"layer_norm_eps": 1e-6, "hidden_act": "gelu"},
-    "clip_vision_model": {"layer_norm_eps": 1e-5, "hidden_act": "quick_gelu"},
-    "siglip_vision_model": {"layer_norm_eps": 1e-6, "hidden_act": "gelu_pytorch_tanh"},
-    "dinov3_vit": {"layer_norm_eps": 1e-5, "hidden_act": "gelu", "rope_theta": 100.0},
-    "aimv2_vision_model": {"rms_norm_eps": 1e-5, "hidden_act": "silu", "use_head": True},
-}
-# The normalisation of each family's published image processors (`preprocessor_config.json` of
-# facebook/deit-*, facebook/dinov2-*, openai/clip-*, google/siglip-*, facebook/vit-mae-*), used when
-# a folder has none. Not transformers' class defaults: `DeiTImageProcessor()` has 0.5, the DeiT
-# weights were trained on ImageNet's mean and std. `vit` folders differ (Google's ViTs 0.5,
-# DINO's ImageNet's), so a `vit` folder without the file has no known normalisation.
-_FAMILY_NORMALIZATION = {"deit": "imagenet", "dinov2": "imagenet",
-                         "dinov2_with_registers": "imagenet", "vit_mae": "imagenet",
-                         "clip_vision_model": "clip", "siglip_vision_model": "inception",
-                         "dinov3_vit": "imagenet", "aimv2_vision_model": "clip"}
-# The family a `model_type` names, which names the model (`configs.family_variant_name`); a `vit`
-# folder (Google's ViTs, DINO's) keeps the paper's variant names.
-_FAMILY_NAMES = {"deit": "DeiT", "vit_mae": "MAE", "dinov2": "DINOv2",
-                 "dinov2_with_registers": "DINOv2", "clip_vision_model": "CLIP",
-                 "siglip_vision_model": "SigLIP", "dinov3_vit": "DINOv3",
-                 "aimv2_vision_model": "AIMv2"}
-# Each family's config-class head count. A `config.json` leaves out the fields at their class's
-# defaults (transformers 4 saved the difference), so one without `num_attention_heads` has these;
-# without a `config.json` the heads are the caller's or the paper's for the width.
-_DEFAULT_HEADS = {"dinov3_vit": 6, "aimv2_vision_model": 8}  # the others: 12
-FAMILIES = tuple(_DEFAULTS)
-"""The `model_type`s vit_keras reads (`clip` and `siglip` folders: their `vision_config`)."""
+FAMILIES = families.model_types()
+"""The `model_type`s vit_keras reads (`clip` and `siglip` folders: their `vision_config`), each
+claimed by a family's record (`vit_keras.weights.families`)."""
 _VISION_TOWERS = {"clip": "clip_vision_model", "siglip": "siglip_vision_model"}
 
 
@@ -218,7 +189,9 @@ def read_eval_crop(folder):
 def read_normalization(folder, model_type):
     """`(Normalization, where it comes from)` of a folder's pixels: its image processor's
     `preprocessor_config.json` (`image_mean`, `image_std`, `rescale_factor`, `do_normalize`), else
-    the published processors of its family `model_type`; `(None, None)` when neither says."""
+    the published processors of its family `model_type` (its record's `normalization`, where
+    the `model_type` alone says it: not `vit`'s, which DINO's weights share); `(None, None)` when
+    neither says."""
     path, config = _preprocessor_config(folder)
     if config is not None:
         try:
@@ -241,7 +214,8 @@ def read_normalization(folder, model_type):
         except ValueError as error:  # values a model cannot compute with (see Normalization)
             raise errors.CheckpointError(f"{path!r} (rescale_factor, image_mean, image_std): "
                                          f"{error}") from None
-    name = _FAMILY_NORMALIZATION.get(model_type)
+    family = families.by_model_type(model_type)
+    name = family.normalization if family and family.normalization_by_name else None
     if name is None:
         return None, None
     return (normalization_lib.NORMALIZATIONS[name],
@@ -285,22 +259,29 @@ def hints(config, model_type="vit"):
     config = vision_config(config) or {}
     _check_config({"model_type": model_type, **config}, CONFIG)
     model_type = config.get("model_type", model_type)
-    config = {**_DEFAULTS[model_type], **config}
+    record = families.by_model_type(model_type)
+    # A config.json leaves out the fields at their config class's defaults (transformers 4 saved
+    # the difference); without a config.json the heads are the caller's or the paper's.
+    config = {**record.transformers_defaults, **config}
     if given:
-        config.setdefault("num_attention_heads", _DEFAULT_HEADS.get(model_type, 12))
+        config.setdefault("num_attention_heads", record.transformers_heads)
     activation = _ACTIVATIONS[config["hidden_act"]]
     gelu = "exact" if activation == "silu" else activation
-    epsilon = config["rms_norm_eps" if model_type == "aimv2_vision_model" else "layer_norm_eps"]
+    # AIMv2's RMSNorm names its epsilon rms_norm_eps.
+    epsilon = config["rms_norm_eps" if "rms_norm_eps" in record.transformers_defaults
+                     else "layer_norm_eps"]
     out = {"layer_norm_epsilon": float(epsilon), "gelu": gelu,
            "approximate_gelu": gelu == "tanh", "posemb_prefix": True,
            "silu": activation == "silu"}
     if isinstance(config.get("use_gated_mlp"), bool):
         out["gated"] = config["use_gated_mlp"]
-    if model_type in _FAMILY_NAMES:
-        out["family"] = _FAMILY_NAMES[model_type]
-    if model_type == "dinov3_vit":  # its pooler output is the class token after the norm
-        out.update(rope="dinov3", rope_temperature=float(config["rope_theta"]),
-                   rope_rotate_half=True, classifier="token")
+    if record.names_models:
+        out["family"] = record.name
+    if record.rope:  # DINOv3's, with transformers' rope_theta for its temperature
+        out.update(record.rope)
+        if "rope_theta" in config:
+            out["rope_temperature"] = float(config["rope_theta"])
+    out.update(record.transformers)  # DINOv3's pooler output: the class token after the norm
     if "num_attention_heads" in config:
         out["num_heads"] = int(config["num_attention_heads"])
     if "image_size" in config and "patch_size" in config:

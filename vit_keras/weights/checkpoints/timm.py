@@ -3,7 +3,8 @@
 The keys say most of a timm model's switches (LayerScale `ls1`/`ls2`, `reg_token`, `dist_token`,
 `norm_pre`, `fc_norm`, `attn_pool`, a patch embedding without bias); what they cannot say comes
 from timm's `config.json` beside a hub file (its `architecture`, and the `mean` and `std` of its
-`pretrained_cfg`), else from the timm architecture name (`timm_architecture=`):
+`pretrained_cfg`), else from the timm architecture name (`timm_architecture=`), whose family's
+record (`vit_keras.weights.families`, `by_timm_name`) says:
 
 | name contains | LayerNorm epsilon | GELU | normalisation |
 |---|---|---|---|
@@ -13,15 +14,15 @@ from timm's `config.json` beside a hub file (its `architecture`, and the `mean` 
 | `_siglip`, tag `.augreg*` or `.orig_in21k*` | 1e-6 | exact | `"inception"` |
 | anything else | 1e-6 | exact | not known |
 
-and the heads from its size (`tiny` 3, `small` 6, `base` 12, `large` 16, ...; AIMv2's own) at the
-width that size has: a file of another width needs its heads from the caller or the config
-(`convert`).
+and the heads from its size (`tiny` 3, `small` 6, `base` 12, `large` 16, ...: `_HEADS_BY_SIZE`,
+timm's size words; AIMv2's own, its record's) at the width that size has: a file of another
+width needs its heads from the caller or the config (`convert`).
 
 The rotary families (timm's `Eva` models: EVA-02, DINOv3, PE, RoPE-ViT) need the name: the keys
 give their parts (separate q/k/v projections, `q_bias`/`v_bias`, `gamma_1`/`gamma_2`, SwiGLU as
 `fc1_g`/`fc1_x` or packed in `fc1`, the MLP's norm, `patch_embed.norm`, RMSNorm's missing biases,
 RoPE-Mixed's `rope.freqs`) but not the kind and settings of the rotary embeddings, which
-`_ROPE_BY_NAME` reads from the name (docs/checkpoints.md, "The rotary and gated families"); a
+the family's record gives for the name (docs/checkpoints.md, "The rotary and gated families"); a
 file of `Eva` keys without a name is refused rather than read without its RoPE. Without either, the keys
 decide what they can: CLIP's (`norm_pre` and a patch embedding without bias) give its epsilon and
 normalisation, a distillation token DeiT's normalisation; CLIP's GELU variant (quick in OpenAI's
@@ -36,6 +37,7 @@ import re
 from vit_keras import errors
 from vit_keras.model import configs, geometry
 from vit_keras.model import normalization as normalization_lib
+from vit_keras.weights import families
 from vit_keras.weights.checkpoints import files, names
 
 logger = logging.getLogger("vit_keras")
@@ -51,15 +53,6 @@ _HEADS_BY_SIZE = {"tiny": {192: 3}, "small": {384: 6}, "small_plus": {384: 6},
                   "huge_plus": {1280: 20}, "giant": {1408: 16, 1536: 24},
                   "gigantic": {1664: 16}, "enormous": {1792: 16}, "so150m": {896: 14},
                   "so400m": {1152: 16}, "7b": {4096: 32}}
-# Names whose heads are not their size's (the first that matches): AIMv2's, PE's gigantic, and
-# timm's B/16 with mean pooling.
-_HEADS_BY_NAME = ((r"^aimv2_large_", {1024: 8}), (r"^aimv2_huge_", {1536: 12}),
-                  (r"^aimv2_1b_", {2048: 16}), (r"^aimv2_3b_", {3072: 24}),
-                  (r"^vit_pe_[a-z]+_gigantic_", {1536: 16}),
-                  (r"^vit_base_patch16_gap_224$", {768: 16}))
-# The input size of the rotary families without absolute embeddings whose names do not end in it
-# (timm's pretrained_cfg `input_size`), for a file without timm's config.json.
-_IMAGE_SIZE_BY_NAME = ((r"_dinov3", 256),)
 
 
 def matches(state_dict):
@@ -78,56 +71,6 @@ def default_num_heads(hidden_size):
     return heads.pop()
 
 
-# (pattern on "architecture.tag", normalisation): the first that matches names it. Checked against
-# the mean and std of every timm pretrained config that a pattern claims (tests/test_normalization.py).
-_NORMALIZATION_BY_NAME = (
-    (r"^vit_large_patch14_clip_\d+\.laion2b", "inception"),  # LAION's L/14, unlike its others
-    (r"^vit_large_patch14_clip_\d+$", None),  # without a tag: OpenAI's (CLIP's) or LAION's
-    # DINOv3's satellite weights have their own; without a tag L and 7B may be either.
-    (r"^vit_(?:large|7b)_patch16_dinov3(?:_qkvb)?(?:\.sat|$)", None),
-    (r"_clip_|^eva02_|^aimv2_|^vit_betwixt_patch16_rope_reg4_gap_", "clip"),
-    (r"_dinov3|_patch16_rope_(?:mixed_)?(?:ape_)?224", "imagenet"),
-    (r"^vit_pe_|_rope_reg1_gap_", "inception"),
-    (r"^deit|_dinov2|\.mae$|\.dino$", "imagenet"),
-    (r"_siglip|\.augreg|\.orig_in21k", "inception"),
-)
-# (pattern on "architecture.tag", eval_crop): the centre crop and interpolation of timm's
-# evaluation transform for the weights a name holds (`ViT.eval_crop`), where a file comes without
-# timm's config.json. The first that matches names it; none: resized only. A family whose every tag
-# agrees by its name; the others (EVA-02, DeiT, DeiT III, CLIP, SigLIP, RoPE-ViT, AugReg) by name and
-# tag, so an untagged name or an unknown tag is resized. timm's "squash" (CLIP's, SigLIP's and
-# EVA-02's fine-tunes at 336 to 448) is no centre crop: resized. Checked against every timm
-# pretrained config a pattern claims (tests/test_normalization.py).
-_CROP_90, _CROP_95, _CROP_100 = (0.9, "bicubic"), (0.95, "bicubic"), (1.0, "bicubic")
-_EVAL_CROP_BY_NAME = (
-    (r"_dinov[23]|^vit_pe_|^aimv2_", _CROP_100),
-    (r"\.(?:mae|dino)$", _CROP_90),
-    (r"^(?:vit|deit3?)_\w+_224\.(?:augreg2?_in\w+|orig_in21k\w*|fb_in1k)$", _CROP_90),
-    (r"^(?:vit|deit3?)_\w+_384\.(?:augreg_in\w+|orig_in21k_ft_in1k|fb_in1k|fb_in22k_ft_in1k)$",
-     _CROP_100),
-    (r"^deit3_\w+_224\.fb_in22k_ft_in1k$", _CROP_100),
-    (r"^eva02_\w+_224\.(?:mim_in22k|mim_m38m|merged2b|laion2b(?:_plus)?)$", _CROP_90),
-    (r"^eva02_\w+_(?:336|448)\.(?:mim_(?:in22k|m38m)_ft_in1k|merged2b)$", _CROP_100),
-    (r"_rope_(?:mixed_)?(?:ape_)?224\.naver_in1k$", _CROP_90),
-    (r"_rope_reg\d_gap_256\.sbb_in1k$", _CROP_95),
-    (r"^vit_base_patch(?:16|32)_clip_(?:quickgelu_)?224\.openai(?:_ft_in1k|_ft_in12k)?$", _CROP_90),
-    (r"^vit_base_patch32_clip_(?:quickgelu_)?224\.laion(?:2b(?:_ft_in1k|_ft_in12k_in1k)?|400m_e32)$",
-     _CROP_90),
-    (r"^vit_base_patch16_clip_224\.laion2b_ft_in12k$|_clip_224\.tinyclip_\w+$", _CROP_90),
-    (r"^vit_base_patch16_clip_224\.(?:laion2b|openai)_ft_in12k_in1k$", _CROP_95),
-    (r"^vit_base_patch16_clip_(?:quickgelu_)?224\.(?:laion2b|laion2b_ft_in1k|laion400m_e32)$",
-     _CROP_100),
-    (r"^vit_(?:large|huge|giant|gigantic)_patch14_clip_(?:quickgelu_)?224\.", _CROP_100),
-    (r"_clip_(?:quickgelu_)?(?:224|256)\.(?:datacompxl|dfn2b|metaclip_2pt5b|metaclip_400m)$",
-     _CROP_100),
-    (r"_clip_(?:quickgelu_)?(?:336|378)\.(?:openai|dfn5b)$|_plus_clip_240\.laion400m_e32$",
-     _CROP_100),
-    (r"^vit_base_patch32_clip_(?:384|448)\.laion2b_ft_in12k_in1k$", _CROP_100),
-    (r"_siglip_gap_(?:448|896)\.pali\w*$|^vit_so400m_patch14_siglip_gap_(?:378|384)\.webli$",
-     _CROP_100),
-    (r"_siglip_(?:gap_)?\d+\.(?:v2_webli|webli|webli_i18n|pali_mix|pali_pt|pali2_3b_pt|"
-     r"pali2_10b_pt)$", _CROP_90),
-)
 # Keys of timm ViTs that vit_keras' model has no place for, and what they are.
 _UNSUPPORTED = (
     (r"\.attn\.[qk]_norm\.", "qk-norm (a norm on queries and keys)"),
@@ -138,62 +81,39 @@ _UNSUPPORTED = (
 )
 # Keys only timm's `Eva` class writes (AIMv2's `fc1_g` is a VisionTransformer's, without RoPE).
 _EVA_KEYS = r"\.attn\.(?:[qkv]_proj\.|[qv]_bias$)|\.gamma_[12]$|\.mlp\.norm\."
-# Rotary embeddings, by architecture name (the keys do not tell which kind, nor its settings):
-# timm's `Eva` models as timm 1.0.31 builds them. The first that matches names them.
-_ROPE_BY_NAME = (
-    # timm pools DINOv3 by the mean of its patch tokens (DINOv3's own code: the class token).
-    (r"_dinov3", {"rope": "dinov3", "rope_temperature": 100.0, "rope_rotate_half": True,
-                  "layer_norm_epsilon": 1e-5, "classifier": "gap"}),
-    # Perception Encoder: EVA's positions rescaled to its own grid (image size / patch), counted
-    # from 1 when there is a class token (see `convert`); attention pooling over every token.
-    (r"^vit_pe_", {"rope": "axial", "rope_xy": True, "layer_norm_epsilon": 1e-5,
-                   "map_num_heads": 8, "map_prefix": True}),
-    (r"^eva02_|_rope_reg\d+_gap_", {"rope": "axial", "rope_ref_grid": (16, 16)}),
-    (r"_rope_mixed_", {"rope": "mixed", "rope_temperature": 10.0, "rope_xy": True}),
-    (r"_rope_", {"rope": "axial", "rope_temperature": 100.0, "rope_xy": True}),
-)
-
-# The family a name belongs to, which names the model (`configs.family_variant_name`); the
-# paper's ViTs (`vit_*` of none of these) keep the paper's variant names. The first that matches.
-_FAMILY_BY_NAME = (
-    (r"_dinov3", "DINOv3"), (r"_dinov2", "DINOv2"), (r"^eva02_", "EVA02"), (r"^vit_pe_", "PE"),
-    (r"^aimv2_", "AIMv2"), (r"^deit3_", "DeiT3"), (r"^deit_", "DeiT"), (r"_siglip", "SigLIP"),
-    (r"_clip_", "CLIP"), (r"_rope_", "RoPE-ViT"), (r"\.mae$", "MAE"),
-)
 
 
 def architecture_hints(timm_architecture):
     """What a timm architecture name (`"vit_base_patch16_clip_quickgelu_224.openai"`; the
     pretrained tag after the dot matters only for the normalisation, the evaluation crop and MAE's
-    family) says what the keys do not: `layer_norm_epsilon`, `gelu`, `heads_by_width` (`{width:
-    heads}`) where its size names them, the rotary settings, the `image_size` it ends in (or its
-    family's), the `family` (`_FAMILY_BY_NAME`), and `normalization` and `eval_crop` where the
-    tables above name one."""
+    family) says what the keys do not, from its family's record (`families.by_timm_name`):
+    `layer_norm_epsilon`, `gelu`, `heads_by_width` (`{width: heads}`) where its size names them,
+    the rotary settings, the `image_size` it ends in (or its family's), the `family` that names
+    the model, and `normalization` and `eval_crop` where the record names one."""
     name = timm_architecture.split(".")[0]
-    clip = "_clip_" in name and not name.startswith("eva02_")  # EVA-02's CLIP towers: 1e-6
-    hints = {"layer_norm_epsilon": 1e-5 if clip or name.startswith("aimv2_") else 1e-6,
-             "gelu": "quick" if "quickgelu" in name else "exact"}
+    own = families.by_timm_name(name)  # the name's family; MAE's is its tag's
+    hints = {"layer_norm_epsilon": own.layer_norm_epsilon,
+             "gelu": "quick" if "quickgelu" in name else "exact"}  # timm's GELU is exact else
     size = re.match(r"^(?:vit_pe_[a-z]+|vit|deit3?|eva02)_([a-z0-9]+(?:_plus)?)_", name)
-    heads = next((heads for pattern, heads in _HEADS_BY_NAME if re.search(pattern, name)),
-                 _HEADS_BY_SIZE.get(size.group(1)) if size else None)
+    found, heads = families.first_match(own.timm_heads, name)
+    if not found:
+        heads = _HEADS_BY_SIZE.get(size.group(1)) if size else None
     if heads:
         hints["heads_by_width"] = heads
     image_size = re.search(r"_(\d+)$", name)
-    image_size = int(image_size.group(1)) if image_size else next(
-        (found for pattern, found in _IMAGE_SIZE_BY_NAME if re.search(pattern, name)), None)
+    image_size = int(image_size.group(1)) if image_size else own.image_size
     if image_size:
         hints["image_size"] = (image_size, image_size)
-    rope = next((dict(found) for pattern, found in _ROPE_BY_NAME if re.search(pattern, name)), {})
-    if name.startswith("vit_pe_"):
+    rope = {**own.rope, **(families.first_match(own.timm_rope, name)[1] or {})}
+    if own.rope_own_grid:
         grid = re.search(r"_patch(\d+)_(\d+)", name)
         if grid:
             side = int(grid.group(2)) // int(grid.group(1))
             rope["rope_ref_grid"] = (side, side)
-    hints.update(rope)
-    family = next((found for pattern, found in _FAMILY_BY_NAME
-                   if re.search(pattern, timm_architecture)), None)
-    if family:
-        hints["family"] = family
+    hints.update(rope, **own.timm)
+    family = families.by_timm_name(timm_architecture)
+    if family.names_models:
+        hints["family"] = family.name
     eval_crop = eval_crop_for_name(timm_architecture)
     if eval_crop:
         hints["eval_crop"] = eval_crop
@@ -206,16 +126,21 @@ def architecture_hints(timm_architecture):
 
 def normalization_for_name(timm_name):
     """The name of the normalisation (a key of `vit_keras.model.normalization.NORMALIZATIONS`) that a
-    timm model name with or without its pretrained tag says, or None."""
-    return next((found for pattern, found in _NORMALIZATION_BY_NAME
-                 if re.search(pattern, timm_name)), None)  # a None rule ends the search too
+    timm model name with or without its pretrained tag says (its family's `timm_normalization`,
+    else the family's where its name says it), or None."""
+    family = families.by_timm_name(timm_name)
+    found, normalization = families.first_match(family.timm_normalization, timm_name)
+    if found:
+        return normalization  # a None rule ends the search too
+    return family.normalization if family.normalization_by_name else None
 
 
 def eval_crop_for_name(timm_name):
     """`(crop_fraction, interpolation)` of timm's evaluation transform that a timm model name with
-    its pretrained tag says (`_EVAL_CROP_BY_NAME`), or None (resize only)."""
-    return next((crop for pattern, crop in _EVAL_CROP_BY_NAME if re.search(pattern, timm_name)),
-                None)
+    its pretrained tag says (its family's `eval_crop`, else its `timm_eval_crops`), or None
+    (resize only)."""
+    family = families.by_timm_name(timm_name)
+    return family.eval_crop or families.first_match(family.timm_eval_crops, timm_name)[1]
 
 
 def config_beside(path):
@@ -321,7 +246,8 @@ def convert(state_dict, num_heads=None, timm_architecture=None, beside=None):
                      normalization_source="timm's config.json (pretrained_cfg mean and std)")
     if eval_crop is not None:
         hints["eval_crop"] = eval_crop
-    if (timm_architecture or "").startswith("vit_pe_") and "cls_token" in state_dict:
+    if (timm_architecture and "cls_token" in state_dict
+            and families.by_timm_name(timm_architecture.split(".")[0]).rope_own_grid):
         hints["rope_grid_offset"] = 1.0  # PE counts patches from 1 beside its class token
     num_heads = _num_heads(state_dict, num_heads, beside.get("num_heads"),
                            hints.pop("heads_by_width", None), timm_architecture)
