@@ -11,6 +11,9 @@
     python benchmarks/throughput.py --models ViT-Ti/16 --modes train --rounds 3 \
         --implementations timm vit_keras-tensorflow vit_keras-jax \
         --commits main .       # a change measured before (main) and after (the checkout)
+    python benchmarks/throughput.py --implementations vit_keras-jax --commits main . --models \
+        '{"name": "DINOv3-Ti/16", "patch_size": 16, "hidden_size": 192, "mlp_dim": 768,
+          "num_heads": 3, "num_layers": 12, "rope": "dinov3"}'   # a family's switches (vit_keras)
 
 Each implementation (vit_keras and keras-hub's ViTBackbone on each Keras backend, timm eager and
 with torch.compile) runs in its own process, and the processes alternate A B C A B C ... over
@@ -91,11 +94,13 @@ def forward_flops(config, image_size, num_classes=1000, channels=3):
 
 
 def parse_model(text):
-    """A variant name from MODELS, or a JSON dict of ViTConfig fields with a "name"."""
+    """A variant name from MODELS, or a JSON dict of ViTConfig fields with a "name": the sizes,
+    and for vit_keras alone any switch (`{"name": "rope-Ti/16", ..., "rope": "dinov3"}`)."""
     if text in MODELS:
         return {"name": text, **MODELS[text]}
     config = json.loads(text)
-    return {"name": config.get("name", "custom"), **{k: config[k] for k in MODELS["ViT-Ti/16"]}}
+    return {"name": config.get("name", "custom"), **{k: config[k] for k in MODELS["ViT-Ti/16"]},
+            **{k: v for k, v in config.items() if k not in MODELS["ViT-Ti/16"] and k != "name"}}
 
 
 def split_commit(implementation):

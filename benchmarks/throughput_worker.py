@@ -137,6 +137,11 @@ def timm_steps(config, args, compiled):
     from timm.models.vision_transformer import VisionTransformer  # pylint: disable=import-outside-toplevel
     import torch  # pylint: disable=import-outside-toplevel
 
+    switches = sorted(set(config) - {"name", "patch_size", "hidden_size", "mlp_dim", "num_heads",
+                                     "num_layers"})
+    if switches:
+        raise SystemExit(f"The timm baseline builds the paper's ViT; {config['name']} sets "
+                         f"{switches} (measure it against vit_keras commits, --commits).")
     torch.manual_seed(0)
     dynamic = args.dynamic_built_size is not None
     model = VisionTransformer(

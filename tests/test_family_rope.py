@@ -449,10 +449,54 @@ def test_rotary_layers_round_trip_their_config():
 
     for layer in (position_embeddings.RotaryPositions("dinov3", (3, 4), 5, 0.5, True, (6, 8)),
                   position_embeddings.RotaryEmbedding(4, "mixed", 10.0, False),
+                  position_embeddings.RotaryRotation(8, "dinov3", 100.0, True),
                   _rotary_block(),
                   vit_keras.SwiGLUBlock(24, inner_norm="layer_norm", use_bias=False)):
         clone = type(layer).from_config(layer.get_config())
         assert clone.get_config() == layer.get_config(), type(layer).__name__
+
+
+@pytest.mark.parametrize("rope", ["axial", "dinov3", "mixed"])
+def test_fixed_rotary_frequencies_turn_once_per_forward_and_learned_ones_per_block(rope):
+    """Axial and DINOv3 angles are the model's: one `RotaryRotation` whose cosine and sine every
+    block takes; RoPE-Mixed's are each block's, which take the coordinates."""
+    vit = vit_keras.ViT({"patch_size": 8, "hidden_size": 32, "mlp_dim": 64, "num_heads": 2,
+                         "num_layers": 3, "rope": rope}, image_size=32, num_classes=3)
+    rotary = [block.input[1] for block in vit.blocks]
+    if rope == "mixed":
+        assert vit.rotary_rotation is None
+        assert all(each is vit.rotary_positions.output for each in rotary)
+        assert tuple(rotary[0].shape) == (17, 2)
+    else:
+        assert all(each is vit.rotary_rotation.output for each in rotary)
+        assert tuple(rotary[0].shape) == (2, 1, 17, 16)
+    images = np.random.default_rng(0).uniform(0, 255, (2, 32, 32, 3)).astype("float32")
+    tokens, inputs = vit.tokens_before_blocks()(images)
+    for block in vit.blocks:  # the blocks called one by one on their inputs give the model's
+        tokens = block(tokens, inputs)
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(vit.heads[0](vit.pooling(vit.encoder_norm(tokens)))),
+        keras.ops.convert_to_numpy(vit(images)), rtol=1e-5, atol=1e-5)
+
+
+def test_the_rotary_input_stays_float32_under_mixed_precision():
+    """Keras casts a layer's float inputs to its compute dtype; a bfloat16 cosine and sine would
+    turn q and k by angles off by up to 2**-9. The block keeps them float32: a rotation rounded to
+    bfloat16 first gives another output."""
+    from vit_keras.model import position_embeddings  # pylint: disable=import-outside-toplevel
+
+    block = _rotary_block()
+    block = type(block).from_config({**block.get_config(), "dtype": "mixed_bfloat16"})
+    x = np.random.default_rng(0).normal(size=(2, 13, 16)).astype("float32")
+    coordinates = np.random.default_rng(1).uniform(0, 40, size=(13, 2)).astype("float32")
+    rotation = position_embeddings.RotaryRotation(8, temperature=100.0)(coordinates)
+    rounded = keras.ops.cast(keras.ops.cast(rotation, "bfloat16"), "float32")
+    exact, coarse = (keras.ops.convert_to_numpy(keras.ops.cast(block(x, each), "float32"))
+                     for each in (rotation, rounded))
+    assert keras.ops.convert_to_numpy(block(x, rotation)).dtype.name == "bfloat16"
+    assert not np.array_equal(exact, coarse)
+    np.testing.assert_allclose(exact, keras.ops.convert_to_numpy(
+        keras.ops.cast(block(x, coordinates), "float32")), rtol=1e-2, atol=1e-2)
 
 
 def test_a_block_and_an_attention_layer_saved_before_specs_load_as_the_same_layers():

@@ -27,11 +27,12 @@ the layer is built from what is known then, never by trying a kernel and catchin
   attention dropout and float16 (whose fused kernels accumulate float16 products in float32,
   which XLA:CPU cannot do: jax: "precision F16_F16_F32 is not supported").
 
-A kernel is called as `kernel(layer, x, dropout, positions)` → `(batch, tokens, hidden)` and the
+A kernel is called as `kernel(layer, x, dropout, rotary)` → `(batch, tokens, hidden)` and the
 float32 probabilities (None for a fused kernel), given the attention layer (its `query`, `key`,
 `value` and `out` projections, and `rope` with rotary embeddings). Most are three steps:
 `project(layer, x)` → q, k, v in the kernel's layout (`head_major` or token-major), q and k then
-turned by `layer.rope` to the tokens' `positions` where there are some;
+turned by `layer.rope` where there is a `rotary` input (the tokens' coordinates or their
+rotation, see `vit_keras.model.position_embeddings`);
 `attend(q, k, v)` → the attended values in that layout and the probabilities;
 `out(layer, attended)` → `(batch, tokens, hidden)`. Quantized or LoRA-enabled projections are
 called as layers by every kernel, so their own arithmetic applies.
@@ -117,16 +118,16 @@ class _Kernel:
 
     head_major = False  # q, k, v `(batch, heads, tokens, head_dim)`, else `(batch, tokens, ...)`
 
-    def __call__(self, layer, x, dropout=None, positions=None):
-        q, k, v = self.rotated(layer, *self.project(layer, x), positions)
+    def __call__(self, layer, x, dropout=None, rotary=None):
+        q, k, v = self.rotated(layer, *self.project(layer, x), rotary)
         attended, probabilities = self.attend(q, k, v, dropout=dropout)
         return self.out(layer, attended), probabilities
 
-    def rotated(self, layer, q, k, v, positions):
-        """q and k turned by the layer's rotary embedding to `positions` (None: as they are)."""
-        if positions is None:
+    def rotated(self, layer, q, k, v, rotary):
+        """q and k turned by the layer's rotary embedding (`rotary` None: as they are)."""
+        if rotary is None:
             return q, k, v
-        q, k = layer.rope.turn([q, k], positions, head_major=self.head_major)
+        q, k = layer.rope.turn([q, k], rotary, head_major=self.head_major)
         return q, k, v
 
 
@@ -171,13 +172,13 @@ class PaddedAttention(FusedAttention):
     def __init__(self, implementation="cudnn"):
         self.implementation = implementation
 
-    def __call__(self, layer, x, dropout=None, positions=None):
+    def __call__(self, layer, x, dropout=None, rotary=None):
         _no_dropout(self, dropout)
         tokens = x.shape[1]
         padded = -(-tokens // PAD_MULTIPLE) * PAD_MULTIPLE
         if padded != tokens:
             x = ops.pad(x, ((0, 0), (0, padded - tokens), (0, 0)))
-        q, k, v = self.rotated(layer, *self.project(layer, x), positions)
+        q, k, v = self.rotated(layer, *self.project(layer, x), rotary)
         attended = self.attend(q, k, v, valid_tokens=tokens)
         return self.out(layer, attended)[:, :tokens], None
 
@@ -307,8 +308,8 @@ KERNELS = {
     "torch": TorchAttention,
 }
 """The attention implementations by name: each makes a kernel, called as `kernel(layer, x, dropout,
-positions)` (`positions`: the tokens' coordinates for rotary embeddings, else None; see the module's
-docstring). A new one is one class and one entry here."""
+rotary)` (`rotary`: the tokens' coordinates or rotation for rotary embeddings, else None; see the
+module's docstring). A new one is one class and one entry here."""
 
 
 # The attention layer and its projections ---------------------------------------------------------------
@@ -368,7 +369,7 @@ class HeadsProjection(keras.layers.EinsumDense):
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
-class MultiHeadDotProductAttention(keras.layers.Layer):
+class MultiHeadDotProductAttention(position_embeddings.TakesRotary, keras.layers.Layer):
     """Multi-head self-attention with the vit_jax weight layout.
 
     Input: `(batch, tokens, hidden)`. Output: `(batch, tokens, hidden)`, and with
@@ -385,8 +386,9 @@ class MultiHeadDotProductAttention(keras.layers.Layer):
 
     `spec`: its `AttentionSpec` (which projections have biases; with rotary embeddings the layer
     has a `RotaryEmbedding` `rope`, see `vit_keras.model.position_embeddings`, and a call takes the
-    tokens' coordinates, `layer(x, positions)`). `attention` names the kernel (None: chosen when
-    built).
+    tokens' coordinates `(tokens, 2)` or, with fixed frequencies, the rotation the model computed
+    from them once for every layer, `layer(x, rotary)`). `attention` names the kernel (None:
+    chosen when built).
     """
 
     MODEL_PARALLEL = {**{f"{name}/kernel": (None, "model", None) for name in ("query", "key", "value")},
@@ -409,6 +411,7 @@ class MultiHeadDotProductAttention(keras.layers.Layer):
         self.rope = None if self.spec.rope is None else self.spec.rope.embedding(
             self.num_heads, dtype=self.dtype_policy)
         self._attention_kernel = self._probabilities_kernel = None  # chosen in build
+        position_embeddings.keep_rotary_float32(self)
 
     @property
     def qkv_bias(self):
@@ -462,21 +465,22 @@ class MultiHeadDotProductAttention(keras.layers.Layer):
         (chosen when the layer was built; False before)."""
         return self.attention_kernel not in (None, "explicit")
 
-    def call(self, x, positions=None, training=None, return_attention_scores=False):
-        if (positions is None) != (self.rope is None):
+    def call(self, x, rotary=None, training=None, return_attention_scores=False):
+        if (rotary is None) != (self.rope is None):
             raise ValueError(f"{self.name}: " + (
-                "a layer with rotary embeddings is called with the tokens' coordinates, "
-                "layer(x, positions)." if positions is None else
-                "positions are given, but the layer has no rotary embeddings (rope=None)."))
+                "a layer with rotary embeddings is called with the tokens' coordinates or "
+                "rotation, layer(x, rotary)." if rotary is None else
+                "a rotary input is given, but the layer has no rotary embeddings (rope=None)."))
+        x = ops.cast(x, self.compute_dtype)
         dropout = training and self.attention_dropout > 0
         kernel = self._attention_kernel
         if return_attention_scores or dropout:  # probabilities to return or to drop
             kernel = self._probabilities_kernel
         y, probabilities = kernel(self, x, dropout=self._dropout if dropout else None,
-                                  positions=positions)
+                                  rotary=rotary)
         return (y, probabilities) if return_attention_scores else y
 
-    def compute_output_spec(self, x, positions=None, training=None,
+    def compute_output_spec(self, x, rotary=None, training=None,
                             return_attention_scores=False):
         y = keras.KerasTensor(x.shape, dtype=self.compute_dtype)
         if not return_attention_scores:

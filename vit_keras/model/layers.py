@@ -14,7 +14,7 @@ import keras
 from keras import ops
 
 from vit_keras.model import attention as attention_lib
-from vit_keras.model import kernels, legacy, norms, xla_cpu
+from vit_keras.model import kernels, legacy, norms, position_embeddings, xla_cpu
 from vit_keras.model import mlp as mlp_lib
 
 # Where they were defined before their slot modules; `vit_keras.model.layers.X` keeps importing them.
@@ -215,7 +215,7 @@ class LayerScale(keras.layers.Layer):
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
-class TransformerBlock(keras.layers.Layer):
+class TransformerBlock(position_embeddings.TakesRotary, keras.layers.Layer):
     """One pre-LayerNorm encoder block: `x + attn(LN(x))`, then `x + mlp(LN(x))`.
 
     Input and output: `(batch, tokens, hidden)`; with `return_attention_scores=True` the call also
@@ -224,7 +224,8 @@ class TransformerBlock(keras.layers.Layer):
     With `layer_scale_init` both branches are scaled per channel (`LayerScale_1` after the
     attention, `LayerScale_3` after the MLP) before they are added. The slots take their specs
     whole: `attention_spec` (`vit_keras.model.attention.AttentionSpec`: its biases and rotary
-    embeddings; with these a call takes the tokens' coordinates, `block(x, positions)`),
+    embeddings; with these a call takes the tokens' coordinates or rotation, `block(x, rotary)`,
+    see `vit_keras.model.position_embeddings`),
     `mlp_spec` (`vit_keras.model.mlp.MlpSpec`) and `norm_spec` (`vit_keras.model.norms.NormSpec`,
     the two norms'); `attention` names the attention kernel (`vit_keras.model.attention.KERNELS`;
     None: chosen when built).
@@ -270,6 +271,7 @@ class TransformerBlock(keras.layers.Layer):
             self.scale_3 = LayerScale(self.layer_scale_init, dtype=policy, name="LayerScale_3")
         if self.drop_path_rate > 0:
             self._seed_generator = keras.random.SeedGenerator(seed)
+        position_embeddings.keep_rotary_float32(self)
 
     @property
     def gelu(self):
@@ -297,9 +299,9 @@ class TransformerBlock(keras.layers.Layer):
                                     noise_shape=(ops.shape(branch)[0], 1, 1),
                                     seed=self._seed_generator)
 
-    def call(self, x, positions=None, training=None, return_attention_scores=False):
-        x = self._block_boundary(x)
-        y = self.attention(self._norm(self.norm_0, x), positions, training=training,
+    def call(self, x, rotary=None, training=None, return_attention_scores=False):
+        x = self._block_boundary(ops.cast(x, self.compute_dtype))
+        y = self.attention(self._norm(self.norm_0, x), rotary, training=training,
                            return_attention_scores=return_attention_scores)
         if return_attention_scores:
             y, scores = y
@@ -313,7 +315,7 @@ class TransformerBlock(keras.layers.Layer):
         x = x + self._drop_path(y, training)
         return (x, scores) if return_attention_scores else x
 
-    def compute_output_spec(self, x, positions=None, training=None, return_attention_scores=False):
+    def compute_output_spec(self, x, rotary=None, training=None, return_attention_scores=False):
         return self.attention.compute_output_spec(x, return_attention_scores=return_attention_scores)
 
     def get_config(self):
@@ -383,17 +385,17 @@ def _rematerialized_call(block, call):
     weights = {id(weight) for weight in block.weights}
     generators = [variable for variable in block.variables if id(variable) not in weights]
 
-    def forward(x, states, positions, training):
+    def forward(x, states, rotary, training):
         for variable, state in zip(generators, states):
             variable.assign(state)
-        return call(x, positions, training=training), [variable.value for variable in generators]
+        return call(x, rotary, training=training), [variable.value for variable in generators]
 
-    def rematerialized_call(x, positions=None, training=None, return_attention_scores=False):
+    def rematerialized_call(x, rotary=None, training=None, return_attention_scores=False):
         if return_attention_scores:
-            return call(x, positions, training=training, return_attention_scores=True)
-        # The coordinates are bound, not passed: they are constants of the image size, with no
-        # gradient (the frequencies that turn them are the block's weights).
-        y, states = keras.remat(functools.partial(forward, positions=positions, training=training))(
+            return call(x, rotary, training=training, return_attention_scores=True)
+        # The rotary input is bound, not passed: constants of the image size, with no gradient
+        # (the learned frequencies that turn the coordinates are the block's weights).
+        y, states = keras.remat(functools.partial(forward, rotary=rotary, training=training))(
             x, [variable.value for variable in generators])
         for variable, state in zip(generators, states):
             variable.assign(state)

@@ -8,11 +8,13 @@
 
 Rotary position embeddings (RoPE; Su et al., "RoFormer"; for images Heo et al., "Rotary Position
 Embedding for Vision Transformer") act on the attention's queries and keys instead, beside an
-absolute embedding or without one (`ViTConfig.rope`). Two parts, as the data flows:
-`RotaryPositions` (one per model) gives each token its coordinates on the patch grid of the
-input, and `RotaryEmbedding` (one per attention layer, which holds the frequencies) rotates that
-layer's queries and keys by angles of those coordinates. Prefix tokens get the coordinates
-(0, 0), an angle of 0: they are left as they are, as timm leaves them.
+absolute embedding or without one (`ViTConfig.rope`). As the data flows: `RotaryPositions` (one
+per model) gives each token its coordinates on the patch grid of the input; the angles they turn
+by are the coordinates times frequencies, and their cosine and sine (the *rotation*) are computed
+once per forward by the model's `RotaryRotation` where the frequencies are fixed (axial,
+DINOv3), or by each attention layer's `RotaryEmbedding` where it learns its own (RoPE-Mixed).
+`RotaryEmbedding` turns the layer's queries and keys by the rotation. Prefix tokens get the
+coordinates (0, 0), an angle of 0: they are left as they are, as timm leaves them.
 """
 
 import dataclasses
@@ -130,10 +132,21 @@ class RopeSpec(specs.Spec):
         return RotaryPositions(self.kind, grid_size, num_prefix_tokens, self.grid_offset, self.xy,
                                self.ref_grid, dtype=dtype, name=name)
 
+    @property
+    def learned(self):
+        """Whether each attention layer learns its frequencies (RoPE-Mixed): the rotation is then
+        the layer's, else computed once per forward by the model's `RotaryRotation`."""
+        return self.kind == "mixed"
+
     def embedding(self, num_heads, dtype=None, name="rope"):
         """An attention layer's `RotaryEmbedding`."""
         return RotaryEmbedding(num_heads, self.kind, self.temperature, self.rotate_half,
                                dtype=dtype, name=name)
+
+    def rotation(self, head_dim, name="rope_rotation"):
+        """The model's `RotaryRotation` (fixed frequencies only)."""
+        return RotaryRotation(head_dim, self.kind, self.temperature, self.rotate_half,
+                              dtype="float32", name=name)
 
 
 def rope_spec(config):
@@ -211,6 +224,85 @@ class RotaryPositions(keras.layers.Layer):
                 "xy": self.xy, "ref_grid": None if self.ref_grid is None else list(self.ref_grid)}
 
 
+class TakesRotary:
+    """For a layer called as `layer(x, rotary, ...)` (a block, an attention layer): Keras casts
+    every float input to the compute dtype, and the rotary input (coordinates, or a cosine and
+    sine) must stay float32. The layer's `__init__` calls `keep_rotary_float32(self)`, and its
+    `call` casts `x` to its compute dtype."""
+
+    def __call__(self, x, *args, **kwargs):
+        if isinstance(x, np.ndarray):  # Keras finds the input's shape on tensors only
+            x = ops.convert_to_tensor(x)
+        return super().__call__(x, *args, **kwargs)
+
+
+def keep_rotary_float32(layer):
+    """Turns off Keras' casting of `layer`'s inputs (see `TakesRotary`)."""
+    layer._convert_input_args = False  # pylint: disable=protected-access
+    layer._allow_non_tensor_positional_args = True  # pylint: disable=protected-access
+
+
+def _fixed_frequencies(kind, temperature, head_dim):
+    """The frequencies of `"axial"` and `"dinov3"`, float32 `(2, 1, head_dim / 2)`: the bands
+    `temperature ** -(k / (head_dim / 4))`, `k < head_dim / 4` (times 2π for DINOv3, whose periods
+    are `temperature ** (k / (head_dim / 4))`), the first half of the angles turning with the
+    first coordinate, the second half with the other."""
+    bands = _bands(temperature, head_dim)
+    bands = bands * np.float32(2 * math.pi) if kind == "dinov3" else bands
+    zeros = np.zeros_like(bands)
+    return np.stack([np.concatenate([bands, zeros]), np.concatenate([zeros, bands])])[:, None]
+
+
+def _bands(temperature, head_dim):
+    return temperature ** -(np.arange(head_dim // 4, dtype="float32") / (head_dim // 4))
+
+
+def _rotation(positions, frequencies, rotate_half):
+    """`(tokens, 2)` coordinates and frequencies `(2, heads or 1, head_dim / 2)` → the rotation,
+    float32 `(2, heads or 1, tokens, head_dim)`: the cosine and the sine of the angles
+    `x * F[0] + y * F[1]`, each repeated over its pair of channels, `(2i, 2i + 1)` or with
+    `rotate_half` `(i, i + head_dim / 2)`."""
+    frequencies = ops.convert_to_tensor(frequencies, "float32")
+    positions = ops.cast(positions, "float32")
+    angles = (positions[None, :, 0:1] * frequencies[0][:, None, :]
+              + positions[None, :, 1:2] * frequencies[1][:, None, :])
+    if rotate_half:
+        angles = ops.concatenate([angles, angles], axis=-1)
+    else:
+        angles = ops.repeat(angles, 2, axis=-1)
+    return ops.stack([ops.cos(angles), ops.sin(angles)])
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class RotaryRotation(keras.layers.Layer):
+    """The rotation of fixed rotary frequencies (`"axial"`, `"dinov3"`), once per forward for
+    every attention layer: `(tokens, 2)` coordinates (`RotaryPositions`) → float32 `(2, 1,
+    tokens, head_dim)`, the cosine and the sine of each channel's angle (see `RotaryEmbedding`).
+    No weights."""
+
+    def __init__(self, head_dim, kind="axial", temperature=10000.0, rotate_half=False, **kwargs):
+        super().__init__(**kwargs)
+        if kind not in RotaryPositions.KINDS or kind == "mixed":
+            raise ValueError(f"RotaryRotation computes fixed frequencies (\"axial\", "
+                             f"\"dinov3\"); got {kind!r} (RoPE-Mixed's are each attention "
+                             f"layer's own).")
+        self.head_dim = int(head_dim)
+        self.kind = kind
+        self.temperature = float(temperature)
+        self.rotate_half = bool(rotate_half)
+        self._frequencies = _fixed_frequencies(kind, self.temperature, self.head_dim)
+
+    def call(self, positions):
+        return _rotation(positions, self._frequencies, self.rotate_half)
+
+    def compute_output_spec(self, positions):
+        return keras.KerasTensor((2, 1, positions.shape[0], self.head_dim), dtype="float32")
+
+    def get_config(self):
+        return {**super().get_config(), "head_dim": self.head_dim, "kind": self.kind,
+                "temperature": self.temperature, "rotate_half": self.rotate_half}
+
+
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class RotaryEmbedding(keras.layers.Layer):
     """Rotates an attention layer's queries or keys by angles of their tokens' coordinates.
@@ -226,7 +318,9 @@ class RotaryEmbedding(keras.layers.Layer):
       as RoPE-Mixed does (the axial magnitudes, each head turned by a random angle).
 
     Each pair of channels, `(2i, 2i + 1)` or with `rotate_half` `(i, i + head_dim / 2)`, turns by
-    its angle: `x * cos + rotated(x) * sin`, in float32 whatever the compute dtype.
+    its angle: `x * cos + rotated(x) * sin`, in float32 whatever the compute dtype. The layer takes
+    the coordinates `(tokens, 2)`, or with fixed frequencies the rotation `(2, 1, tokens,
+    head_dim)` the model's `RotaryRotation` computed from them once for every layer.
     """
 
     def __init__(self, num_heads, kind="axial", temperature=10000.0, rotate_half=False, **kwargs):
@@ -242,45 +336,37 @@ class RotaryEmbedding(keras.layers.Layer):
     def build(self, head_shape):
         """`head_shape`: `(..., head_dim)` of the queries."""
         head_dim = head_shape[-1]
-        bands = self.temperature ** -(np.arange(head_dim // 4, dtype="float32") / (head_dim // 4))
         if self.kind == "mixed":
             self.frequencies = self.add_weight(
                 name="frequencies", shape=(2, self.num_heads, head_dim // 2),
-                initializer=_MixedFrequencies(bands), autocast=False)
+                initializer=_MixedFrequencies(_bands(self.temperature, head_dim)),
+                autocast=False)
         else:
-            bands = bands * np.float32(2 * math.pi) if self.kind == "dinov3" else bands
-            zeros = np.zeros_like(bands)
-            self._frequencies = np.stack([np.concatenate([bands, zeros]),
-                                          np.concatenate([zeros, bands])])[:, None]
+            self._frequencies = _fixed_frequencies(self.kind, self.temperature, head_dim)
 
-    def angles(self, positions):
-        """`(tokens, 2)` coordinates → float32 angles `(heads or 1, tokens, head_dim / 2)`."""
-        frequencies = ops.convert_to_tensor(
-            self.frequencies if self.kind == "mixed" else self._frequencies, "float32")
-        positions = ops.cast(positions, "float32")
-        return (positions[None, :, 0:1] * frequencies[0][:, None, :]
-                + positions[None, :, 1:2] * frequencies[1][:, None, :])
+    def rotation(self, positions):
+        """`(tokens, 2)` coordinates → the rotation, float32 `(2, heads or 1, tokens,
+        head_dim)` (cosine and sine)."""
+        frequencies = self.frequencies if self.kind == "mixed" else self._frequencies
+        return _rotation(positions, frequencies, self.rotate_half)
 
-    def call(self, x, positions, head_major=True):
+    def call(self, x, rotary, head_major=True):
         """`x`: queries or keys, `(batch, heads, tokens, head_dim)` (`head_major`) or `(batch,
-        tokens, heads, head_dim)`; tokens past the coordinates' (padding) stay as they are."""
-        return self.turn([x], positions, head_major)[0]
+        tokens, heads, head_dim)`; `rotary`: the tokens' coordinates or their rotation. Tokens
+        past those (padding) stay as they are."""
+        return self.turn([x], rotary, head_major)[0]
 
-    def turn(self, tensors, positions, head_major=True):
-        """`call` for several tensors of one layout (an attention's q and k), the angles' sine and
-        cosine computed once."""
+    def turn(self, tensors, rotary, head_major=True):
+        """`call` for several tensors of one layout (an attention's q and k), one rotation."""
+        rotation = self.rotation(rotary) if len(rotary.shape) == 2 else rotary
+        cos, sin = rotation[0], rotation[1]  # (heads or 1, tokens, head_dim)
         x = tensors[0]
-        angles = self.angles(positions)
         tokens = x.shape[2] if head_major else x.shape[1]
-        if tokens is not None and angles.shape[1] is not None and tokens > angles.shape[1]:
-            angles = ops.pad(angles, ((0, 0), (0, tokens - angles.shape[1]), (0, 0)))
-        if self.rotate_half:
-            angles = ops.concatenate([angles, angles], axis=-1)
-        else:
-            angles = ops.repeat(angles, 2, axis=-1)
-        if not head_major:
-            angles = ops.transpose(angles, (1, 0, 2))  # (tokens, heads, head_dim)
-        cos, sin = ops.cos(angles), ops.sin(angles)
+        if tokens is not None and cos.shape[1] is not None and tokens > cos.shape[1]:
+            padding = ((0, 0), (0, tokens - cos.shape[1]), (0, 0))
+            cos, sin = ops.pad(cos, padding, constant_values=1.0), ops.pad(sin, padding)
+        if not head_major:  # (tokens, heads or 1, head_dim)
+            cos, sin = ops.transpose(cos, (1, 0, 2)), ops.transpose(sin, (1, 0, 2))
         turned = []
         for x in tensors:
             x32 = ops.cast(x, "float32")
@@ -295,7 +381,7 @@ class RotaryEmbedding(keras.layers.Layer):
         pairs = ops.reshape(x, (*ops.shape(x)[:-1], x.shape[-1] // 2, 2))
         return ops.reshape(ops.stack([-pairs[..., 1], pairs[..., 0]], axis=-1), ops.shape(x))
 
-    def compute_output_spec(self, x, positions, head_major=True):
+    def compute_output_spec(self, x, rotary, head_major=True):
         return keras.KerasTensor(x.shape, dtype=x.dtype)
 
     def get_config(self):

@@ -84,7 +84,8 @@ class ViT(keras.Model):
 
     Its parts, read by the rest of the library: `stem` (a hybrid's ResNet, else None),
     `patch_embedding`, `patch_norm`, `position_embedding` (None without an absolute one),
-    `rotary_positions` (`RotaryPositions`, with rotary embeddings), `blocks`, `encoder_norm`
+    `rotary_positions` (`RotaryPositions`, with rotary embeddings), `rotary_rotation`
+    (`RotaryRotation`, with fixed rotary frequencies), `blocks`, `encoder_norm`
     (None with `fc_norm`), `fc_norm`, `pooling` (`heads.Pooling`), `pre_logits`, `heads` (the
     classifier's Dense layers).
     """
@@ -169,11 +170,14 @@ class ViT(keras.Model):
                                               dtype=policy, name="reg")
             prefix.append(registers)
             x = registers(x)
-        rotary = positions = None
+        rotary_positions = rotation = rotary = None
         attention_spec = attention_lib.attention_spec(config)
-        if attention_spec.rope is not None:
-            rotary = attention_spec.rope.positions(grid, covered + config.num_registers)
-            positions = rotary(patches)
+        if attention_spec.rope is not None:  # the blocks' rotary input, computed once
+            rotary_positions = attention_spec.rope.positions(grid, covered + config.num_registers)
+            rotary = rotary_positions(patches)
+            if not attention_spec.rope.learned:
+                rotation = attention_spec.rope.rotation(config.hidden_size // config.num_heads)
+                rotary = rotation(rotary)
         x = keras.layers.Dropout(dropout, dtype=policy, name="dropout")(x)
         pre_norm = None
         if config.pre_norm:
@@ -187,7 +191,7 @@ class ViT(keras.Model):
                 layer_scale_init=config.layer_scale_init, attention=attention,
                 attention_spec=attention_spec, mlp_spec=mlp_spec, norm_spec=norm_spec,
                 dtype=policy, name=f"encoderblock_{index}"))
-            x = blocks[-1](x) if positions is None else blocks[-1](x, positions)
+            x = blocks[-1](x) if rotary is None else blocks[-1](x, rotary)
         encoder_norm = fc_norm = pre_logits = None
         if not config.fc_norm:
             encoder_norm = norm_spec.make(dtype=head_policy, name="encoder_norm")
@@ -220,7 +224,8 @@ class ViT(keras.Model):
             "attention": attention, "dtype": policy, "eval_crop": geometry.eval_crop(eval_crop)}
         # The parts (the layers above, tracked once: Keras saves each layer under the graph's).
         self.rescale, self.stem, self.patch_embedding = rescale, stem, embedding
-        self.patch_norm, self.rotary_positions = patch_norm, rotary
+        self.patch_norm, self.rotary_positions = patch_norm, rotary_positions
+        self.rotary_rotation = rotation
         self.prefix_layers, self.position_embedding = prefix, position
         self.pre_norm, self.blocks = pre_norm, blocks
         self.encoder_norm, self.pooling, self.fc_norm = encoder_norm, pooling, fc_norm
@@ -365,11 +370,10 @@ class ViT(keras.Model):
 
     def tokens_before_blocks(self):
         """A `keras.Model` (of this model's layers) from images to the first block's input
-        tokens `(batch, tokens, hidden)`; with rotary embeddings to those tokens and their
-        coordinates `(tokens, 2)` (each block's second input)."""
-        if self.rotary_positions is None:
-            return keras.Model(self.input, self.blocks[0].input)
-        return keras.Model(self.input, [self.blocks[0].input[0], self.rotary_positions.output])
+        tokens `(batch, tokens, hidden)`; with rotary embeddings to those tokens and each block's
+        second input, the tokens' coordinates `(tokens, 2)` or their rotation `(2, 1, tokens,
+        head_dim)` (see `vit_keras.model.position_embeddings`)."""
+        return keras.Model(self.input, self.blocks[0].input)
 
     # -- adopting models saved before this class --------------------------------------------------
 
@@ -573,9 +577,9 @@ def attention_scores(model, images, batch_size=16):
     per_block = [[] for _ in vit.blocks]
     for start in range(0, len(images), batch_size):
         x = stem(images[start:start + batch_size], training=False)
-        x, positions = x if vit.rotary_positions is not None else (x, None)
+        x, rotary = x if vit.rotary_positions is not None else (x, None)
         for index, block in enumerate(vit.blocks):
-            x, scores = block(x, positions, training=False, return_attention_scores=True)
+            x, scores = block(x, rotary, training=False, return_attention_scores=True)
             per_block[index].append(keras.ops.convert_to_numpy(scores))
     return [np.concatenate(chunks) for chunks in per_block]
 
