@@ -122,9 +122,9 @@ def test_another_size_matches_timm_built_for_it_and_with_dynamic_size(family):
 
 def test_switches_are_read_from_the_keys_and_the_architecture_name(family):
     architecture, path, _, _, _ = family
-    checkpoint = vit_keras.checkpoints.read_checkpoint(
+    checkpoint = vit_keras.weights.checkpoints.read_checkpoint(
         path, num_heads=2, timm_architecture=architecture)
-    found = vit_keras.checkpoints.architecture(checkpoint)["switches"]
+    found = vit_keras.weights.checkpoints.architecture(checkpoint)["switches"]
     defaults = {name: getattr(configs.get_config("ViT-B/16"), name) for name in configs.SWITCHES}
     assert found == {**defaults, **FAMILIES[architecture][2]}
 

@@ -133,9 +133,9 @@ def test_last_layer_tokens_match_timms_forward_features(family):
 
 def test_switches_are_read_from_the_keys_and_the_architecture_name(family):
     architecture, path, _, _, switches, _ = family
-    checkpoint = vit_keras.checkpoints.read_checkpoint(
+    checkpoint = vit_keras.weights.checkpoints.read_checkpoint(
         path, num_heads=2, timm_architecture=architecture)
-    found = vit_keras.checkpoints.architecture(checkpoint)["switches"]
+    found = vit_keras.weights.checkpoints.architecture(checkpoint)["switches"]
     defaults = {name: getattr(configs.get_config("ViT-B/16"), name) for name in configs.SWITCHES}
     assert found == {**defaults, **switches}
 
@@ -221,7 +221,7 @@ def test_timm_config_json_beside_the_file_names_the_architecture(tmp_path):
     torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
     (tmp_path / "config.json").write_text(json.dumps(
         {"architecture": "vit_base_patch16_clip_quickgelu_224", "num_classes": 7}))
-    checkpoint = vit_keras.checkpoints.read_checkpoint(tmp_path / "pytorch_model.bin", num_heads=2)
+    checkpoint = vit_keras.weights.checkpoints.read_checkpoint(tmp_path / "pytorch_model.bin", num_heads=2)
     assert checkpoint.hints["gelu"] == "quick"
     assert checkpoint.hints["layer_norm_epsilon"] == 1e-5
 

@@ -229,3 +229,41 @@ def test_the_training_apps_share_one_training_loop():
     paths += [os.path.join(apps, file) for file in os.listdir(apps) if file.endswith(".py")]
     callers = {os.path.relpath(path, REPO_ROOT) for path in paths if _fit_calls(path)}
     assert callers == {os.path.join("vit_keras", "tools", "training.py")}
+
+
+def _old_paths_used(source):
+    """The old module paths (`vit_keras._moved.MOVED`) a source file imports or reads as
+    `vit_keras.<old>` attributes."""
+    from vit_keras import _moved  # pylint: disable=import-outside-toplevel
+
+    old_names = {old.split(".")[1] for old in _moved.MOVED}
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in _moved.MOVED)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.update(f"{node.module}.{alias.name}" for alias in node.names
+                         if f"{node.module}.{alias.name}" in _moved.MOVED)
+            found.update({node.module} & set(_moved.MOVED))
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+              and node.value.id == "vit_keras" and node.attr in old_names):
+            found.add(f"vit_keras.{node.attr}")
+    return found
+
+
+def test_the_library_apps_benchmarks_and_tests_use_no_old_module_path():
+    """Old paths are for users' code, until they go (`vit_keras._moved.REMOVAL`)."""
+    used = {}
+    for folder in ("vit_keras", "apps", "benchmarks", "tests"):
+        for root, _, files in os.walk(os.path.join(REPO_ROOT, folder)):
+            for file in files:
+                if file.endswith(".py") and file not in ("test_public_api.py", "_moved.py"):
+                    with open(os.path.join(root, file)) as f:
+                        found = _old_paths_used(f.read())
+                    if found:
+                        used[os.path.relpath(os.path.join(root, file), REPO_ROOT)] = found
+    assert not used
+    assert _old_paths_used("import vit_keras.layers\nfrom vit_keras.checkpoints import timm\n"
+                           "vit_keras.releases.find_release('x')\n") == {
+        "vit_keras.layers", "vit_keras.checkpoints", "vit_keras.checkpoints.timm",
+        "vit_keras.releases"}

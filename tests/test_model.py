@@ -106,7 +106,7 @@ def test_output_shapes(tiny_config, image_size, classifier, representation_size,
     model = vit_keras.build_model(tiny_config, image_size=image_size, num_classes=7,
                                   classifier=classifier, representation_size=representation_size,
                                   channels=channels)
-    height, width = vit_keras.geometry.pair(image_size)
+    height, width = vit_keras.model.geometry.pair(image_size)
     logits = model.predict(random_images(2, height, width, channels), verbose=0)
     assert logits.shape == (2, 7)
     assert model.get_layer("posembed_input").pos_embedding.shape == (1, tokens, 32)

@@ -155,7 +155,7 @@ def test_clip_keys_decide_the_epsilon_and_say_the_gelu_is_assumed(tmp_path, capl
     path = tmp_path / "clip.pth"
     torch.save(model.state_dict(), path)
     with caplog.at_level(logging.WARNING, logger="vit_keras"):
-        checkpoint = vit_keras.checkpoints.read_checkpoint(str(path), num_heads=2)
+        checkpoint = vit_keras.weights.checkpoints.read_checkpoint(str(path), num_heads=2)
     assert checkpoint.hints["layer_norm_epsilon"] == 1e-5
     assert "GELU cannot be told from the keys" in caplog.text
     assert "--timm_architecture" in caplog.text

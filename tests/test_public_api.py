@@ -63,3 +63,25 @@ def test_the_api_page_documents_the_model_and_its_slots():
     documented = set(_documented_now())
     assert {"vit_keras.ViT", "vit_keras.model.mlp", "vit_keras.model.norms",
             "vit_keras.model.position_embeddings", "vit_keras.model.heads"} <= documented
+
+
+def test_an_old_module_path_is_the_new_module_behind_a_dated_warning():
+    import datetime  # pylint: disable=import-outside-toplevel
+    import vit_keras  # pylint: disable=import-outside-toplevel
+    from vit_keras import _moved  # pylint: disable=import-outside-toplevel
+    from vit_keras.weights.checkpoints import timm  # pylint: disable=import-outside-toplevel
+
+    with pytest.warns(DeprecationWarning, match=r"vit_keras\.layers moved to "
+                      rf"vit_keras\.model\.layers.*{_moved.REMOVAL}"):
+        assert vit_keras.layers.TransformerBlock is vit_keras.TransformerBlock
+    old = importlib.import_module("vit_keras.checkpoints.timm")
+    with pytest.warns(DeprecationWarning, match=r"vit_keras\.weights\.checkpoints\.timm"):
+        assert old.matches is timm.matches
+    matches = timm.matches
+    try:
+        with pytest.warns(DeprecationWarning):  # a patch through the old path reaches the module
+            old.matches = None
+        assert timm.matches is None
+    finally:
+        timm.matches = matches
+    assert datetime.date.fromisoformat(_moved.REMOVAL) > datetime.date(2026, 11, 28)

@@ -364,7 +364,7 @@ def test_the_official_bucket_is_the_default_source(monkeypatch):
 @backend_independent
 def test_imagenet2012_class_names_ship_in_wordnet_order():
     names = vit_keras.class_names("imagenet2012")
-    synsets = vit_keras.labels.imagenet2012_synsets()
+    synsets = vit_keras.weights.labels.imagenet2012_synsets()
     assert len(names) == len(set(synsets)) == 1000 and list(synsets) == sorted(synsets)
     assert names[0] == "tench, Tinca tinca" and names[207] == "golden retriever"
     assert vit_keras.class_names(releases.find_release("ViT-B/16", "augreg_in1k")) == names

@@ -245,7 +245,7 @@ def write_release(root, release, seed=0):
 
 def write_class_names(root, dataset, count):
     """A synthetic class-name list (`"class 0"`, ...) at the path the release table names."""
-    path = os.path.join(str(root), *vit_keras.releases.CLASS_NAME_FILES[dataset].split("/"))
+    path = os.path.join(str(root), *vit_keras.weights.releases.CLASS_NAME_FILES[dataset].split("/"))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         f.writelines(f"{dataset} class {i}\n" for i in range(count))

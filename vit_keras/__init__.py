@@ -11,8 +11,9 @@ Keras objects a trained model carries). The application half (data pipelines, re
 runs, export, figures) is `vit_keras.tools`, which the core never imports.
 """
 
-import importlib as _importlib
 import sys as _sys
+
+from vit_keras import _moved
 
 from vit_keras.host_memory import keep_freed_host_memory
 from vit_keras.inspection.analysis import (
@@ -59,30 +60,9 @@ from vit_keras.weights.releases import Release, list_weights
 
 __version__ = "0.1.0"
 
-# Where the core's modules lived before the sub-packages (the API page's names of 21b95ce):
-# `import vit_keras.layers` and `from vit_keras.checkpoints import timm` keep working, each the
-# one module it now is (tests/test_public_api.py).
-_MOVED = {
-    **{name: f"vit_keras.model.{name}" for name in (
-        "attention", "configs", "geometry", "heads", "interpolation_ops", "kernels", "layers",
-        "normalization", "resnet", "xla_cpu")},
-    **{name: f"vit_keras.weights.{name}" for name in (
-        "checkpoints", "download", "download_http", "keras_files", "labels", "patch_resize",
-        "posemb", "pretrained", "release_files", "releases")},
-    **{name: f"vit_keras.weights.checkpoints.{name}" for name in (
-        "files", "huggingface", "loader", "names", "npz", "timm")},
-    **{name: f"vit_keras.inspection.{name}" for name in ("analysis", "features")},
-    **{name: f"vit_keras.training.{name}" for name in (
-        "fewshot", "layer_decay", "masked_patch_prediction", "schedules")},
-}
-for _old, _new in _MOVED.items():
-    _module = _importlib.import_module(_new)
-    if _new.startswith("vit_keras.weights.checkpoints."):
-        _sys.modules[f"vit_keras.checkpoints.{_old}"] = _module
-    else:
-        _sys.modules[f"vit_keras.{_old}"] = _module
-        globals().setdefault(_old, _module)
-del _old, _new, _module
+# The old module paths (`vit_keras.layers`, `vit_keras.checkpoints.timm`, ...), each a stand-in for
+# the module it now is, behind a dated DeprecationWarning.
+_moved.register(_sys.modules[__name__])
 
 __all__ = [
     "ViT",
