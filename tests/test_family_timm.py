@@ -221,7 +221,8 @@ def test_timm_config_json_beside_the_file_names_the_architecture(tmp_path):
     torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
     (tmp_path / "config.json").write_text(json.dumps(
         {"architecture": "vit_base_patch16_clip_quickgelu_224", "num_classes": 7}))
-    checkpoint = vit_keras.weights.checkpoints.read_checkpoint(tmp_path / "pytorch_model.bin", num_heads=2)
+    checkpoint = vit_keras.weights.checkpoints.read_checkpoint(
+        tmp_path / "pytorch_model.bin", num_heads=2)
     assert checkpoint.hints["gelu"] == "quick"
     assert checkpoint.hints["layer_norm_epsilon"] == 1e-5
 

@@ -67,6 +67,7 @@ def test_the_api_page_documents_the_model_and_its_slots():
 
 def test_an_old_module_path_is_the_new_module_behind_a_dated_warning():
     import datetime  # pylint: disable=import-outside-toplevel
+
     import vit_keras  # pylint: disable=import-outside-toplevel
     from vit_keras import _moved  # pylint: disable=import-outside-toplevel
     from vit_keras.weights.checkpoints import timm  # pylint: disable=import-outside-toplevel

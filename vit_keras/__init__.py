@@ -14,7 +14,6 @@ runs, export, figures) is `vit_keras.tools`, which the core never imports.
 import sys as _sys
 
 from vit_keras import _moved
-
 from vit_keras.host_memory import keep_freed_host_memory
 from vit_keras.inspection.analysis import (
     attention_rollout,
