@@ -250,10 +250,16 @@ def test_build_arguments_override_the_configs_epsilon_and_gelu():
     kept = vit_keras.build_model(config, image_size=16)
     assert kept.get_layer("encoderblock_0").gelu == "quick"
     assert kept.get_layer("encoder_norm").epsilon == pytest.approx(1e-5)
-    overridden = vit_keras.build_model(config, image_size=16, approximate_gelu=True,
+    overridden = vit_keras.build_model(config, image_size=16, gelu="tanh",
                                        layer_norm_epsilon=1e-6)
     assert overridden.get_layer("encoderblock_0").gelu == "tanh"
     assert overridden.get_layer("encoder_norm").epsilon == pytest.approx(1e-6)
+    with pytest.warns(DeprecationWarning, match="approximate_gelu.*2027-06-01.*gelu="):
+        deprecated = vit_keras.build_model(config, image_size=16, approximate_gelu=True)
+    assert deprecated.get_layer("encoderblock_0").gelu == "tanh"
+    with pytest.raises(ValueError, match="approximate_gelu=False asks for the exact GELU"), \
+            pytest.warns(DeprecationWarning):
+        vit_keras.build_model(config, image_size=16, approximate_gelu=False, gelu="tanh")
 
 
 def test_a_block_config_of_before_gelu_existed_still_loads():
@@ -261,6 +267,9 @@ def test_a_block_config_of_before_gelu_existed_still_loads():
     block = layers.TransformerBlock.from_config(
         {"name": "encoderblock_0", "num_heads": 2, "mlp_dim": 8, "approximate_gelu": True})
     assert block.gelu == "tanh"
+    mlp = layers.MlpBlock.from_config({"name": "MlpBlock_3", "mlp_dim": 8, "dropout": 0.0,
+                                       "approximate_gelu": True})
+    assert mlp.gelu == "tanh" and "approximate_gelu" not in mlp.get_config()
 
 
 @pytest.mark.parametrize("layer, shape", [

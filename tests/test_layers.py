@@ -23,7 +23,7 @@ def _layer_cases():
         (layers.ClassToken(name="cls"), (2, 6, 16)),
         (layers.AddPositionEmbs(name="posembed_input"), (2, 7, 16)),
         (layers.MultiHeadDotProductAttention(4, attention_dropout=0.1), (2, 7, 16)),
-        (layers.MlpBlock(32, dropout=0.2, approximate_gelu=True), (2, 7, 16)),
+        (layers.MlpBlock(32, dropout=0.2, gelu="tanh"), (2, 7, 16)),
         (layers.TransformerBlock(4, 32, dropout=0.1, attention_dropout=0.1, drop_path_rate=0.2,
                                  norm_spec=norms.NormSpec(epsilon=1e-5),
                                  mlp_spec=mlp_lib.MlpSpec(gelu="tanh"), seed=3), (2, 7, 16)),

@@ -70,7 +70,7 @@ def test_a_vit_saves_and_loads_as_itself_computing_the_same(tmp_path, arguments)
 
 
 def test_the_config_is_the_constructor_arguments_with_the_overrides_folded_in():
-    model = ViT(TINY, image_size=(32, 48), layer_norm_epsilon=1e-5, approximate_gelu=True)
+    model = ViT(TINY, image_size=(32, 48), layer_norm_epsilon=1e-5, gelu="tanh")
     config = model.get_config()
     assert config["variant"]["layer_norm_epsilon"] == 1e-5
     assert config["variant"]["gelu"] == "tanh"

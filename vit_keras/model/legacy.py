@@ -35,6 +35,15 @@ def _split(config, defaults):
     return rest, {**defaults, **{key: config[key] for key in defaults if key in config}}
 
 
+def mlp_config(config):
+    """An `MlpBlock` config of today from one of any version (before `gelu`: the boolean
+    `approximate_gelu`)."""
+    if "approximate_gelu" not in config:
+        return dict(config)
+    rest = {key: value for key, value in config.items() if key != "approximate_gelu"}
+    return {**rest, "gelu": _gelu(config.get("gelu"), config["approximate_gelu"])}
+
+
 def attention_config(config):
     """A `MultiHeadDotProductAttention` config of today from one of any version."""
     if "spec" in config:

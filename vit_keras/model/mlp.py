@@ -24,23 +24,19 @@ import dataclasses
 import keras
 from keras import ops
 
-from vit_keras.model import initializers, kernels, norms, specs
+from vit_keras.model import initializers, kernels, legacy, norms, specs
 from vit_keras.model.configs import GELUS
 
 _PACKAGE = "vit_keras"
 
 
-def gelu_variant(gelu=None, approximate_gelu=False):
-    """The GELU a layer computes: `"exact"` (erf; timm, Hugging Face), `"tanh"` (Flax's
-    approximation) or `"quick"` (`x * sigmoid(1.702 x)`, OpenAI CLIP's). `gelu=None` takes the
-    older boolean `approximate_gelu` (True: `"tanh"`)."""
+def gelu_variant(gelu=None):
+    """The GELU a layer computes: `"exact"` (erf; timm, Hugging Face; also for None), `"tanh"`
+    (Flax's approximation) or `"quick"` (`x * sigmoid(1.702 x)`, OpenAI CLIP's)."""
     if gelu is None:
-        return "tanh" if approximate_gelu else "exact"
+        return "exact"
     if gelu not in GELUS:
         raise ValueError(f"Unknown gelu {gelu!r}; expected one of {GELUS}.")
-    if approximate_gelu and gelu != "tanh":
-        raise ValueError(f"approximate_gelu=True asks for the tanh GELU, but gelu={gelu!r}; "
-                         f"pass one of the two.")
     return gelu
 
 
@@ -58,8 +54,7 @@ class MlpBlock(keras.layers.Layer):
     """Dense → GELU → dropout → Dense → dropout, as in vit_jax's `MlpBlock`.
 
     Input and output: `(batch, tokens, hidden)`. Weights: `Dense_0` `(hidden, mlp_dim)`,
-    `Dense_1` `(mlp_dim, hidden)`. `gelu`: see `gelu_variant`; `approximate_gelu=True` is the
-    older spelling of `gelu="tanh"` (configs saved before `gelu` existed carry it).
+    `Dense_1` `(mlp_dim, hidden)`. `gelu`: see `gelu_variant`.
     """
 
     MODEL_PARALLEL = {"Dense_0/kernel": (None, "model"), "Dense_0/bias": ("model",),
@@ -68,12 +63,12 @@ class MlpBlock(keras.layers.Layer):
     """Its weights' layouts over a mesh's `model` axis (by path inside the layer): split over the
     hidden units (a gated MLP's gate as its `Dense_0`); the rest replicated."""
 
-    def __init__(self, mlp_dim, dropout=0.0, approximate_gelu=False, gelu=None, use_bias=True,
-                 inner_norm=None, norm_epsilon=1e-6, **kwargs):
+    def __init__(self, mlp_dim, dropout=0.0, gelu=None, use_bias=True, inner_norm=None,
+                 norm_epsilon=1e-6, **kwargs):
         super().__init__(**kwargs)
         self.mlp_dim = int(mlp_dim)
         self.dropout = float(dropout)
-        self.gelu = gelu_variant(gelu, approximate_gelu)
+        self.gelu = gelu_variant(gelu)
         self.use_bias = bool(use_bias)
         self.inner_norm, self.norm_epsilon = inner_norm, float(norm_epsilon)
         self._dropout = keras.layers.Dropout(self.dropout, dtype=self.dtype_policy, name="dropout")
@@ -130,6 +125,10 @@ class MlpBlock(keras.layers.Layer):
             config.update(use_bias=self.use_bias, inner_norm=self.inner_norm,
                           norm_epsilon=self.norm_epsilon)
         return config
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**legacy.mlp_config(config))
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)

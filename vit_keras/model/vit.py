@@ -10,6 +10,7 @@ by name. Architecture only: weights come in through `vit_keras.weights.pretraine
 
 import dataclasses
 import re
+import warnings
 
 import keras
 import numpy as np
@@ -30,8 +31,8 @@ class ViT(keras.Model):
     features)` without the top.
 
     `vit_keras.build_model` builds one and loads weights into it; built here it is freshly
-    initialised. `get_config()` is these arguments (with `layer_norm_epsilon` and
-    `approximate_gelu` folded into `variant`), so `ViT.from_config` rebuilds it.
+    initialised. `get_config()` is these arguments (with `layer_norm_epsilon` and `gelu` folded
+    into `variant`), so `ViT.from_config` rebuilds it.
 
     Args:
       variant: a name from `vit_keras.VARIANTS` (e.g. `"ViT-B/16"`), a `ViTConfig`, or a dict of
@@ -58,8 +59,10 @@ class ViT(keras.Model):
       channels: number of input channels.
       layer_norm_epsilon: overrides the config's `layer_norm_epsilon` (1e-6, the original
         models'); None keeps it.
-      approximate_gelu: overrides the config's `gelu`: True the tanh GELU of Flax, False the exact
-        erf GELU of timm and Hugging Face; None keeps the config's.
+      gelu: overrides the config's `gelu`: `"tanh"` (Flax's approximation), `"exact"` (the erf
+        GELU of timm and Hugging Face) or `"quick"` (CLIP's); None keeps the config's.
+      approximate_gelu: deprecated (goes on 2027-06-01), the boolean spelling of `gelu`: True
+        `"tanh"`, False `"exact"`.
       hybrid_numerics: hybrids only: the weight-standardisation and GroupNorm epsilons of
         `"vit_jax"` (the original models) or `"timm"` (see `vit_keras.model.resnet.NUMERICS`).
       dynamic_image_size: `True`: the model takes images of any size, `(batch, None, None,
@@ -92,7 +95,7 @@ class ViT(keras.Model):
 
     ARGUMENTS = ("image_size", "num_classes", "include_top", "include_preprocessing",
                  "normalization", "classifier", "representation_size", "dropout",
-                 "attention_dropout", "drop_path_rate", "channels", "layer_norm_epsilon",
+                 "attention_dropout", "drop_path_rate", "channels", "layer_norm_epsilon", "gelu",
                  "approximate_gelu", "hybrid_numerics", "dynamic_image_size", "attention", "dtype",
                  "eval_crop", "name")
     """The keyword arguments beside `variant` (those `build_model` passes on)."""
@@ -101,9 +104,11 @@ class ViT(keras.Model):
                  include_top=True, include_preprocessing=True, normalization=None,
                  classifier="token", representation_size=None, dropout=0.0,
                  attention_dropout=0.0, drop_path_rate=0.0, channels=3, layer_norm_epsilon=None,
-                 approximate_gelu=None, hybrid_numerics="vit_jax", dynamic_image_size=False,
-                 attention=None, dtype=None, eval_crop=None, name=None, **kwargs):
-        config = _with_overrides(configs.get_config(variant), layer_norm_epsilon, approximate_gelu)
+                 gelu=None, approximate_gelu=None, hybrid_numerics="vit_jax",
+                 dynamic_image_size=False, attention=None, dtype=None, eval_crop=None, name=None,
+                 **kwargs):
+        gelu = _gelu_argument(gelu, approximate_gelu)
+        config = _with_overrides(configs.get_config(variant), layer_norm_epsilon, gelu)
         height, width = geometry.pair(224 if image_size is None else image_size, "image size")
         num_classes = 1000 if num_classes is None else int(num_classes)
         _check_switches(config, classifier, representation_size)
@@ -394,13 +399,26 @@ class ViT(keras.Model):
         return vit
 
 
-def _with_overrides(config, layer_norm_epsilon, approximate_gelu):
+def _gelu_argument(gelu, approximate_gelu):
+    """`gelu`, or the deprecated `approximate_gelu`'s (with its warning)."""
+    if approximate_gelu is None:
+        return gelu
+    warnings.warn("ViT(approximate_gelu=...) is deprecated and goes on 2027-06-01: pass "
+                  "gelu=\"tanh\" or gelu=\"exact\".", DeprecationWarning, stacklevel=3)
+    wanted = "tanh" if approximate_gelu else "exact"
+    if gelu is not None and gelu != wanted:
+        raise ValueError(f"approximate_gelu={approximate_gelu} asks for the {wanted} GELU, but "
+                         f"gelu={gelu!r}; pass gelu alone.")
+    return wanted
+
+
+def _with_overrides(config, layer_norm_epsilon, gelu):
     """`config` with the build arguments that override its fields (None: the config's)."""
     changes = {}
     if layer_norm_epsilon is not None:
         changes["layer_norm_epsilon"] = float(layer_norm_epsilon)
-    if approximate_gelu is not None:
-        changes["gelu"] = "tanh" if approximate_gelu else "exact"
+    if gelu is not None:
+        changes["gelu"] = mlp_lib.gelu_variant(gelu)
     return dataclasses.replace(config, **changes) if changes else config
 
 

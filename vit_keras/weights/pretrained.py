@@ -138,7 +138,7 @@ def build_model(variant, *, weights=None, image_size=None, num_classes=None,
         (default: none, or the release file's, which has one in the original ImageNet-21k files).
       **arguments: the other arguments of `vit_keras.ViT` (`include_top`,
         `include_preprocessing`, `normalization`, `classifier`, `dropout`, `attention_dropout`,
-        `drop_path_rate`, `channels`, `layer_norm_epsilon`, `approximate_gelu`,
+        `drop_path_rate`, `channels`, `layer_norm_epsilon`, `gelu`,
         `hybrid_numerics`, `dynamic_image_size`, `attention`, `dtype`, `name`), documented
         there. `normalization` None is the weights' own (the release table's, timm's pretrained
         config, the Hugging Face image processor, what a checkpoint's keys identify; see

@@ -250,10 +250,10 @@ def family(state_dict, config=None):
 
 def hints(config, model_type="vit"):
     """Architecture facts from a `config.json` (dict, or None: the family's defaults) that the
-    weights alone do not carry: `layer_norm_epsilon`, `gelu` (and the older `approximate_gelu`),
-    `num_heads`, `grid`, the `family` that names the model, and the family's position-embedding
-    layout (`posemb_prefix`: every Hugging Face family adds position embeddings to its class and
-    distillation tokens), the MLP's activation (`silu`: SiLU, else the GELU `gelu` names) and,
+    weights alone do not carry: `layer_norm_epsilon`, `gelu`, `num_heads`, `grid`, the `family`
+    that names the model, and the family's position-embedding layout (`posemb_prefix`: every
+    Hugging Face family adds position embeddings to its class and distillation tokens), the MLP's
+    activation (`silu`: SiLU, else the GELU `gelu` names) and,
     where the config says, whether it is `gated` (DINOv3's `use_gated_mlp`)."""
     given = config is not None
     config = vision_config(config) or {}
@@ -270,8 +270,7 @@ def hints(config, model_type="vit"):
     # AIMv2's RMSNorm names its epsilon rms_norm_eps.
     epsilon = config["rms_norm_eps" if "rms_norm_eps" in record.transformers_defaults
                      else "layer_norm_eps"]
-    out = {"layer_norm_epsilon": float(epsilon), "gelu": gelu,
-           "approximate_gelu": gelu == "tanh", "posemb_prefix": True,
+    out = {"layer_norm_epsilon": float(epsilon), "gelu": gelu, "posemb_prefix": True,
            "silu": activation == "silu"}
     if isinstance(config.get("use_gated_mlp"), bool):
         out["gated"] = config["use_gated_mlp"]

@@ -30,7 +30,7 @@ class Checkpoint:
 
     `format` is `"vit_jax"`, `"big_vision"`, `"timm"` or `"huggingface"`; `interpolation` and
     `antialias` are the format's own position-embedding resampling; `hints` holds what the weights
-    alone do not say (`num_heads`, `layer_norm_epsilon`, `approximate_gelu`, `grid`).
+    alone do not say (`num_heads`, `layer_norm_epsilon`, `gelu`, `grid`).
     """
 
     path: str
@@ -406,7 +406,7 @@ def architecture(checkpoint):
     checkpoint's hints where the keys cannot tell, e.g. epsilon and GELU) and the `build_model`
     arguments the file determines (`classifier`, `representation_size`, `num_classes`,
     `channels`, `grid`, `normalization` (None where the file does not say);
-    `layer_norm_epsilon` and `approximate_gelu` repeat the switches)."""
+    `layer_norm_epsilon` and `gelu` repeat the switches)."""
     params = checkpoint.params
     kernel = params.get(names.EMBEDDING_KERNEL)
     if kernel is None or kernel.ndim != 4 or kernel.shape[0] != kernel.shape[1]:
@@ -471,7 +471,7 @@ def architecture(checkpoint):
         "channels": int(channels),
         "grid": grid,
         "layer_norm_epsilon": switches["layer_norm_epsilon"],
-        "approximate_gelu": switches["gelu"] == "tanh",
+        "gelu": switches["gelu"],
         "switches": switches,
     }
 
@@ -500,7 +500,7 @@ def _switches(checkpoint):
         "fc_norm": names.FC_NORM + "scale" in params,
         "patch_bias": "embedding/bias" in params,
         "layer_norm_epsilon": 1e-6,
-        "gelu": "tanh" if hints.get("approximate_gelu") else "exact",
+        "gelu": "exact",
         "class_token": None,
         "mlp": "swiglu" if mlp + "gate/kernel" in params else "gelu",
         "norm": ("rms_norm" if names.BLOCK.format(0) + "LayerNorm_0/scale" in params

@@ -259,8 +259,6 @@ def convert(state_dict, num_heads=None, timm_architecture=None, beside=None):
     params = names.from_timm(state_dict, num_heads, hints.get("map_num_heads"))
     info = {"format": "timm", "interpolation": "bicubic", "antialias": True,
             "num_heads": num_heads, **hints}
-    if "gelu" in hints:
-        info["approximate_gelu"] = hints["gelu"] == "tanh"
     return params, info
 
 
