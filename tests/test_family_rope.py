@@ -17,6 +17,7 @@ import pytest
 
 import vit_keras
 from vit_keras.model import configs
+from vit_keras.model.position_embeddings import RopeSpec
 
 from conftest import NEXT_BACKEND, run_app, run_on_backend
 from test_family_timm import _LOAD_ALL, images_for, randomised, relative_error
@@ -33,28 +34,28 @@ FAMILIES = {
     "eva02_base_patch14_224": (
         {"img_size": 28}, (42, 56),
         {"mlp": "swiglu", "mlp_norm": True, "qkv_bias": "qv", "fc_norm": True, "class_token": True,
-         "rope": "axial", "rope_ref_grid": (16, 16)}),
+         "rope": RopeSpec("axial", ref_grid=(16, 16))}),
     "vit_base_patch16_dinov3": (
         {"img_size": 32, "patch_size": 8}, (24, 40),
         {"position_embedding": "none", "num_registers": 4, "layer_scale_init": 1e-5,
-         "class_token": True, "qkv_bias": "none", "rope": "dinov3", "rope_temperature": 100.0,
-         "rope_rotate_half": True, "layer_norm_epsilon": 1e-5}),
+         "class_token": True, "qkv_bias": "none", "layer_norm_epsilon": 1e-5,
+         "rope": RopeSpec("dinov3", temperature=100.0, rotate_half=True)}),
     "vit_huge_plus_patch16_dinov3": (
         {"img_size": 32, "patch_size": 8}, (24, 40),
         {"position_embedding": "none", "num_registers": 4, "layer_scale_init": 1e-5,
-         "class_token": True, "qkv_bias": "none", "mlp": "swiglu", "rope": "dinov3",
-         "rope_temperature": 100.0, "rope_rotate_half": True, "layer_norm_epsilon": 1e-5}),
+         "class_token": True, "qkv_bias": "none", "mlp": "swiglu", "layer_norm_epsilon": 1e-5,
+         "rope": RopeSpec("dinov3", temperature=100.0, rotate_half=True)}),
     "vit_giant_patch14_dinov2": (  # its packed SwiGLU needs an even hidden width
         {"img_size": 28, "embed_dim": 96}, (42, 56), {"mlp": "swiglu", "layer_scale_init": 1e-5}),
     "vit_base_patch16_rope_mixed_224": (
         {"img_size": 32, "patch_size": 8}, (24, 40),
-        {"position_embedding": "none", "layer_scale_init": 1e-5, "rope": "mixed",
-         "rope_temperature": 10.0, "rope_xy": True}),
+        {"position_embedding": "none", "layer_scale_init": 1e-5,
+         "rope": RopeSpec("mixed", temperature=10.0, xy=True)}),
     "vit_pe_core_base_patch16_224": (
         {"img_size": 32, "patch_size": 8}, (24, 40),
         {"pre_norm": True, "patch_bias": False, "layer_norm_epsilon": 1e-5, "class_token": True,
-         "map_num_heads": 8, "map_prefix": True, "rope": "axial", "rope_xy": True,
-         "rope_grid_offset": 1.0, "rope_ref_grid": (14, 14)}),
+         "map_num_heads": 8, "map_prefix": True,
+         "rope": RopeSpec("axial", grid_offset=1.0, xy=True, ref_grid=(14, 14))}),
     "aimv2_large_patch14_224": (
         {"img_size": 28}, (42, 56),
         {"norm": "rms_norm", "mlp": "swiglu", "qkv_bias": "none", "proj_bias": False,

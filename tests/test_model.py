@@ -165,7 +165,7 @@ def test_unknown_classifier_is_refused(tiny_config):
 # Without absolute position embeddings (rotary ones alone), JAX's predict ran on another size.
 @pytest.mark.parametrize("position", ["learned", "rotary"])
 def test_wrong_input_image_size_is_named_in_the_error(tiny_config, position):
-    rotary = {"rope": "dinov3", "rope_rotate_half": True, "position_embedding": "none"}
+    rotary = {"rope": {"kind": "dinov3", "rotate_half": True}, "position_embedding": "none"}
     model = vit_keras.build_model({**tiny_config, **(rotary if position == "rotary" else {})},
                                   image_size=16)
     # Keras' own input check answers first on TensorFlow and torch; the model's own on JAX.

@@ -46,6 +46,19 @@ def test_a_keras_file_of_the_functional_model_before_vit_loads_and_is_adopted_al
     assert vit_keras.with_dynamic_image_size(legacy).dynamic_image_size
 
 
+def test_a_rotary_vit_saved_with_flat_rope_fields_loads_and_predicts_as_before():
+    # Written by main at 17f9db0, when a ViTConfig held its rotary options as flat fields
+    # (`rope: "dinov3"`, `rope_temperature`, `rope_rotate_half`, ...): a tiny DINOv3-like model.
+    model = keras.models.load_model(os.path.join(DATA, "rope_vit_17f9db0.keras"))
+    expected = np.load(os.path.join(DATA, "rope_vit_17f9db0_logits.npz"))
+    assert model.vit_config.rope == vit_keras.model.position_embeddings.RopeSpec(
+        "dinov3", temperature=100.0, rotate_half=True)
+    assert model.rotary_rotation is not None  # now turned once per forward
+    np.testing.assert_allclose(model.predict(expected["images"], verbose=0), expected["logits"],
+                               rtol=1e-5, atol=1e-5)
+    assert ViT.from_config(model.get_config()).vit_config == model.vit_config
+
+
 @pytest.mark.parametrize("arguments", [
     dict(),
     dict(classifier="gap"),
@@ -148,5 +161,5 @@ def test_an_unknown_slot_value_is_refused_by_name():
         ViT({**TINY, "norm": "rms"}, image_size=32)
     with pytest.raises(ValueError, match="unknown position_embedding 'rope'"):
         ViT({**TINY, "position_embedding": "rope"}, image_size=32)
-    with pytest.raises(ValueError, match="unknown rope 'spiral'"):
+    with pytest.raises(ValueError, match="Unknown rotary embedding 'spiral'"):
         ViT({**TINY, "rope": "spiral"}, image_size=32)

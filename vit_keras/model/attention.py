@@ -521,6 +521,5 @@ class AttentionSpec(specs.Spec):
 
 
 def attention_spec(config):
-    """The `AttentionSpec` of a `ViTConfig` (`qkv_bias`, `proj_bias` and its rotary fields)."""
-    return AttentionSpec(config.qkv_bias, config.proj_bias,
-                         position_embeddings.rope_spec(config))
+    """The `AttentionSpec` of a `ViTConfig` (`qkv_bias`, `proj_bias` and its `rope`)."""
+    return AttentionSpec(config.qkv_bias, config.proj_bias, config.rope)

@@ -3,6 +3,9 @@
 import dataclasses
 import types
 
+from vit_keras.model import legacy
+from vit_keras.model.position_embeddings import RopeSpec
+
 
 @dataclasses.dataclass(frozen=True)
 class ViTConfig:
@@ -41,8 +44,8 @@ class ViTConfig:
     mlp: str = "gelu"
     norm: str = "layer_norm"
     position_embedding: str = "learned"  # or "none": no absolute embedding (RoPE alone)
-    # The rotary families' switches (EVA-02, DINOv3, PE, AIMv2, RoPE-ViT, DINOv2 giant); see
-    # vit_keras.model.position_embeddings.RotaryPositions and docs/checkpoints.md.
+    # The rotary and gated families' switches (EVA-02, DINOv3, PE, AIMv2, RoPE-ViT, DINOv2
+    # giant); see docs/checkpoints.md.
     qkv_bias: str = "qkv"  # which of the query, key and value projections have biases: "qv", "none"
     proj_bias: bool = True  # the attention's output projection has a bias
     mlp_bias: bool = True  # the MLP's projections have biases
@@ -50,12 +53,9 @@ class ViTConfig:
     patch_norm: bool = False  # a norm on the patch embeddings (AIMv2)
     map_num_heads: int | None = None  # the MAP head's heads (None: num_heads; PE's: 8)
     map_prefix: bool = False  # the MAP head attends to the prefix tokens too (PE)
-    rope: str | None = None  # rotary embeddings: "axial", "dinov3" or "mixed" (learned per block)
-    rope_temperature: float = 10000.0  # the frequencies' base
-    rope_grid_offset: float = 0.0  # added to each patch's row and column index (PE: 1)
-    rope_xy: bool = False  # the first rotated half takes the column (x), not the row
-    rope_ref_grid: tuple | None = None  # EVA's: positions rescaled to this grid at any size
-    rope_rotate_half: bool = False  # rotate the pairs (i, i + d/2), not (2i, 2i + 1) (DINOv3)
+    # Rotary embeddings: their spec (vit_keras.model.position_embeddings.RopeSpec; a dict of its
+    # fields, or its kind alone: "axial", "dinov3", "mixed"), or None.
+    rope: RopeSpec | None = None
 
     @property
     def is_hybrid(self):
@@ -71,9 +71,10 @@ class ViTConfig:
                 + self.num_registers)
 
     def __post_init__(self):
-        for field in ("resnet_layers", "rope_ref_grid"):  # JSON gives lists
-            if getattr(self, field) is not None:
-                object.__setattr__(self, field, tuple(getattr(self, field)))
+        if self.resnet_layers is not None:  # JSON gives lists
+            object.__setattr__(self, "resnet_layers", tuple(self.resnet_layers))
+        rope = RopeSpec(self.rope) if isinstance(self.rope, str) else RopeSpec.of(self.rope)
+        object.__setattr__(self, "rope", rope)
         for field, allowed in _CHOICES.items():
             if getattr(self, field) not in allowed:
                 raise ValueError(f"{self.name}: unknown {field} {getattr(self, field)!r}; expected "
@@ -101,9 +102,7 @@ class ViTConfig:
 
 
 GELUS = ("exact", "tanh", "quick")
-ROPES = (None, "axial", "dinov3", "mixed")
-_CHOICES = {"qkv_bias": ("qkv", "qv", "none"), "rope": ROPES,
-            "position_embedding": ("learned", "none")}
+_CHOICES = {"qkv_bias": ("qkv", "qv", "none"), "position_embedding": ("learned", "none")}
 _SIZES = ("name", "patch_size", "hidden_size", "mlp_dim", "num_heads", "num_layers",
           "resnet_layers", "resnet_width")
 SWITCHES = tuple(field.name for field in dataclasses.fields(ViTConfig) if field.name not in _SIZES)
@@ -160,9 +159,9 @@ _HYBRIDS = (
 # releases are the paper's variants, the switches read from the files.
 _FAMILY = (
     ViTConfig("EVA02-B/14", 14, 768, 2048, 12, 12, mlp="swiglu", mlp_norm=True, qkv_bias="qv",
-              fc_norm=True, class_token=True, rope="axial", rope_ref_grid=(16, 16)),
+              fc_norm=True, class_token=True, rope=RopeSpec("axial", ref_grid=(16, 16))),
     ViTConfig("EVA02-L/14", 14, 1024, 2730, 16, 24, mlp="swiglu", mlp_norm=True, qkv_bias="qv",
-              fc_norm=True, class_token=True, rope="axial", rope_ref_grid=(16, 16)),
+              fc_norm=True, class_token=True, rope=RopeSpec("axial", ref_grid=(16, 16))),
     ViTConfig("AIMv2-L/14", 14, 1024, 2816, 8, 24, norm="rms_norm", mlp="swiglu",
               qkv_bias="none", proj_bias=False, mlp_bias=False, patch_norm=True,
               layer_norm_epsilon=1e-5),
@@ -190,11 +189,12 @@ def family_variant_name(family, config):
 
 def get_config(variant):
     """Resolves a variant name (`"ViT-B/16"`, or `"ViT-B_16"` as the published files spell it), a
-    `ViTConfig` or a mapping of `ViTConfig` fields to a `ViTConfig`."""
+    `ViTConfig` or a mapping of `ViTConfig` fields (as `dataclasses.asdict` gives them, or as an
+    earlier version saved them) to a `ViTConfig`."""
     if isinstance(variant, ViTConfig):
         return variant
     if isinstance(variant, dict):
-        fields = {"name": "custom", **variant}
+        fields = {"name": "custom", **legacy.variant_config(variant)}
         unknown = set(fields) - {f.name for f in dataclasses.fields(ViTConfig)}
         if unknown:
             raise ValueError(f"Unknown config fields {sorted(unknown)}; a config has the fields of "

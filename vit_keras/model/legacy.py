@@ -1,9 +1,10 @@
-"""The one converter of layer configs saved before the slots took specs.
+"""The one converter of configs saved before the slots took specs.
 
 Until the specs (`vit_keras.model.specs`), an encoder block's config carried its slots' options
 one by one (`gelu`, `mlp`, `norm`, `qkv_bias`, `rope_temperature`, ...), and an attention layer's
-its rotary options. `.keras` files written then hold those configs; the layers' `from_config`
-pass them through here, which returns the config of today (the specs as dicts), so that every
+its rotary options, and a `ViTConfig` its rotary fields (`rope_temperature`, ...). `.keras` files
+written then hold those configs; the layers' `from_config` and `configs.get_config` pass them
+through here, which returns the config of today (the specs as dicts), so that every
 file of an earlier version loads and predicts as before. Nothing else reads the old names.
 """
 
@@ -33,6 +34,23 @@ def _split(config, defaults):
     """`(config without the old options, the old options with their defaults)`."""
     rest = {key: value for key, value in config.items() if key not in defaults}
     return rest, {**defaults, **{key: config[key] for key in defaults if key in config}}
+
+
+# A ViTConfig's rotary fields before they became one RopeSpec, by the spec field each is.
+_ROPE_FIELDS = {"rope_temperature": "temperature", "rope_grid_offset": "grid_offset",
+                "rope_xy": "xy", "rope_ref_grid": "ref_grid", "rope_rotate_half": "rotate_half"}
+
+
+def variant_config(fields):
+    """`ViTConfig` fields of today from those of any version (before the rotary spec: `rope` the
+    kind, beside `rope_temperature`, `rope_grid_offset`, ...)."""
+    if not any(name in fields for name in _ROPE_FIELDS):
+        return dict(fields)
+    rest = {key: value for key, value in fields.items() if key not in _ROPE_FIELDS}
+    rope = None if fields.get("rope") is None else {
+        "kind": fields["rope"], **{field: fields[old] for old, field in _ROPE_FIELDS.items()
+                                   if old in fields}}
+    return {**rest, "rope": rope}
 
 
 def mlp_config(config):

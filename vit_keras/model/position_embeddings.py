@@ -149,15 +149,6 @@ class RopeSpec(specs.Spec):
                               dtype="float32", name=name)
 
 
-def rope_spec(config):
-    """The `RopeSpec` of a `ViTConfig` (its `rope` and `rope_*` fields), or None without rotary
-    embeddings."""
-    if not config.rope:
-        return None
-    return RopeSpec(config.rope, config.rope_temperature, config.rope_grid_offset, config.rope_xy,
-                    config.rope_ref_grid, config.rope_rotate_half)
-
-
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class RotaryPositions(keras.layers.Layer):
     """Each token's coordinates for the rotary embeddings of the attention layers.

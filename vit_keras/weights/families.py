@@ -17,6 +17,8 @@ releases' files in `releases._FAMILY`, and new key names, if any, in `checkpoint
 import dataclasses
 import re
 
+from vit_keras.model.position_embeddings import RopeSpec
+
 _CROP_90, _CROP_95, _CROP_100 = (0.9, "bicubic"), (0.95, "bicubic"), (1.0, "bicubic")
 # timm's evaluation crops of the ImageNet fine-tunes that the paper's ViTs, DeiT and DeiT III share.
 _IN1K_224 = (r"^(?:vit|deit3?)_\w+_224\.(?:augreg2?_in\w+|orig_in21k\w*|fb_in1k)$", _CROP_90)
@@ -41,7 +43,7 @@ class Family:
       layer_norm_epsilon: the LayerNorm (or RMSNorm) epsilon its models compute with (timm's and
         its releases'; transformers' config classes may differ, see `transformers_defaults`).
       gelu: the GELU of its releases (`"exact"`, `"tanh"`, `"quick"`).
-      rope: its rotary embeddings (`rope`, `rope_temperature`, ...), empty without.
+      rope: its rotary embeddings (`RopeSpec`), None without.
       normalization: the input normalisation of its published weights (a key of
         `vit_keras.model.normalization.NORMALIZATIONS`), None where they differ.
       normalization_by_name: whether the family's name alone says `normalization`: False for
@@ -61,8 +63,8 @@ class Family:
       transformers_heads: its config class's `num_attention_heads`.
       timm_heads: `(pattern, {width: heads})` for names whose heads are not their size word's;
         the first that matches.
-      timm_rope: `(pattern, rope settings)` for a family whose names differ in them; the first
-        that matches, over `rope`.
+      timm_rope: `(pattern, RopeSpec)` for a family whose names differ in them; the first that
+        matches, else `rope`.
       timm_normalization: `(pattern on "architecture.tag", normalisation name or None)`; the
         first that matches decides (None: not known), else `normalization` where
         `normalization_by_name`.
@@ -77,7 +79,7 @@ class Family:
     model_types: tuple = ()
     layer_norm_epsilon: float = 1e-6
     gelu: str = "exact"
-    rope: dict = dataclasses.field(default_factory=dict)
+    rope: RopeSpec | None = None
     normalization: str | None = None
     normalization_by_name: bool = True
     eval_crop: tuple | None = None
@@ -97,8 +99,8 @@ class Family:
         """What its releases compute with that their weights do not store, as `ViTConfig` fields:
         `layer_norm_epsilon`, `gelu` and, for a rotary family, the kind of its `rope`."""
         found = {"layer_norm_epsilon": self.layer_norm_epsilon, "gelu": self.gelu}
-        if "rope" in self.rope:
-            found["rope"] = self.rope["rope"]
+        if self.rope is not None:
+            found["rope"] = self.rope.kind
         return found
 
 
@@ -118,7 +120,7 @@ FAMILIES = (
     Family(
         "DINOv3", release_names=("dinov3",), timm_pattern=r"_dinov3",
         model_types=("dinov3_vit",), layer_norm_epsilon=1e-5,
-        rope={"rope": "dinov3", "rope_temperature": 100.0, "rope_rotate_half": True},
+        rope=RopeSpec("dinov3", temperature=100.0, rotate_half=True),
         normalization="imagenet", eval_crop=_CROP_100, image_size=256,
         timm={"classifier": "gap"},  # timm pools by the mean of the patch tokens
         transformers={"classifier": "token"},  # transformers' pooler: the class token
@@ -133,7 +135,7 @@ FAMILIES = (
         transformers_defaults={"layer_norm_eps": 1e-6, "hidden_act": "gelu"}),
     Family(
         "EVA02", release_names=("eva02_mim_in22k",), timm_pattern=r"^eva02_",
-        rope={"rope": "axial", "rope_ref_grid": (16, 16)}, normalization="clip",
+        rope=RopeSpec("axial", ref_grid=(16, 16)), normalization="clip",
         timm_eval_crops=(
             (r"^eva02_\w+_224\.(?:mim_in22k|mim_m38m|merged2b|laion2b(?:_plus)?)$", _CROP_90),
             (r"^eva02_\w+_(?:336|448)\.(?:mim_(?:in22k|m38m)_ft_in1k|merged2b)$", _CROP_100))),
@@ -141,7 +143,7 @@ FAMILIES = (
         # Perception Encoder: EVA's positions rescaled to its own grid; attention pooling over
         # every token.
         "PE", release_names=("pe_core",), timm_pattern=r"^vit_pe_", layer_norm_epsilon=1e-5,
-        rope={"rope": "axial", "rope_xy": True}, normalization="inception", eval_crop=_CROP_100,
+        rope=RopeSpec("axial", xy=True), normalization="inception", eval_crop=_CROP_100,
         rope_own_grid=True, timm={"map_num_heads": 8, "map_prefix": True},
         timm_heads=((r"^vit_pe_[a-z]+_gigantic_", {1536: 16}),)),
     Family(
@@ -199,9 +201,9 @@ FAMILIES = (
     Family(
         "RoPE-ViT", timm_pattern=r"_rope_",
         timm_rope=(
-            (r"_rope_reg\d+_gap_", {"rope": "axial", "rope_ref_grid": (16, 16)}),
-            (r"_rope_mixed_", {"rope": "mixed", "rope_temperature": 10.0, "rope_xy": True}),
-            (r"_rope_", {"rope": "axial", "rope_temperature": 100.0, "rope_xy": True})),
+            (r"_rope_reg\d+_gap_", RopeSpec("axial", ref_grid=(16, 16))),
+            (r"_rope_mixed_", RopeSpec("mixed", temperature=10.0, xy=True)),
+            (r"_rope_", RopeSpec("axial", temperature=100.0, xy=True))),
         timm_normalization=((r"^vit_betwixt_patch16_rope_reg4_gap_", "clip"),
                             (r"_patch16_rope_(?:mixed_)?(?:ape_)?224", "imagenet"),
                             (r"_rope_reg1_gap_", "inception")),

@@ -22,6 +22,7 @@ import os
 
 from vit_keras import errors
 from vit_keras.model import configs, geometry
+from vit_keras.model.position_embeddings import RopeSpec
 from vit_keras.weights import download, releases
 from vit_keras.weights.checkpoints import huggingface, loader, timm
 
@@ -78,6 +79,11 @@ def _transformers_config_problems(config, variant, release, numerics):
     return problems
 
 
+def _numeric(value):
+    """A switch as a family's `numerics` states it (rotary embeddings: their kind)."""
+    return value.kind if isinstance(value, RopeSpec) else value
+
+
 def _timm_config_problems(config, variant, numerics):
     architecture = config.get("architecture")
     if not isinstance(architecture, str):
@@ -90,9 +96,9 @@ def _timm_config_problems(config, variant, numerics):
         problems.append(f"architecture {architecture!r} is not {variant.hidden_size} wide with "
                         f"{variant.num_heads} heads")
     for field in numerics or ():
-        if hints.get(field) != numerics[field]:
+        if _numeric(hints.get(field)) != numerics[field]:
             problems.append(f"architecture {architecture!r} computes with {field} "
-                            f"{hints.get(field)!r} (expected {numerics[field]!r})")
+                            f"{_numeric(hints.get(field))!r} (expected {numerics[field]!r})")
     features = config.get("num_features", variant.hidden_size)
     if features != variant.hidden_size:
         problems.append(f"num_features {features!r} (expected {variant.hidden_size})")
@@ -153,7 +159,7 @@ def read_release(path, release):
     found = {**fields, "classifier": arch["classifier"], "num_classes": arch["num_classes"],
              "representation_size": arch["representation_size"],
              "grid": tuple(arch["grid"]) if arch["grid"] else None,
-             **{name: arch["switches"][name] for name in numerics}}
+             **{name: _numeric(arch["switches"][name]) for name in numerics}}
     side = release.image_size // geometry.pixels_per_token(config)
     wanted = {**{name: getattr(config, name) for name in fields},
               "classifier": release.classifier, "num_classes": release.num_classes,

@@ -13,6 +13,7 @@ class has when a field is left out, its published normalisation and its name are
 (`vit_keras.weights.families`, `by_model_type`).
 """
 
+import dataclasses
 import logging
 import math
 import os
@@ -277,9 +278,9 @@ def hints(config, model_type="vit"):
     if record.names_models:
         out["family"] = record.name
     if record.rope:  # DINOv3's, with transformers' rope_theta for its temperature
-        out.update(record.rope)
+        out["rope"] = record.rope
         if "rope_theta" in config:
-            out["rope_temperature"] = float(config["rope_theta"])
+            out["rope"] = dataclasses.replace(record.rope, temperature=float(config["rope_theta"]))
     out.update(record.transformers)  # DINOv3's pooler output: the class token after the norm
     if "num_attention_heads" in config:
         out["num_heads"] = int(config["num_attention_heads"])

@@ -13,6 +13,7 @@ import numpy as np
 
 from vit_keras import errors
 from vit_keras.model import configs, geometry
+from vit_keras.model.position_embeddings import RopeSpec
 from vit_keras.weights import patch_resize, posemb
 from vit_keras.weights.checkpoints import files, huggingface, names, npz, timm
 
@@ -515,12 +516,8 @@ def _switches(checkpoint):
         "map_prefix": False,
         # The rotary embeddings' kind and settings the keys cannot tell (but RoPE-Mixed's learned
         # frequencies): they come with the hints, from the architecture's name.
-        "rope": "mixed" if names.ROPE_FREQUENCIES.format(0) in params else None,
-        "rope_temperature": 10.0 if names.ROPE_FREQUENCIES.format(0) in params else 10000.0,
-        "rope_grid_offset": 0.0,
-        "rope_xy": names.ROPE_FREQUENCIES.format(0) in params,  # RoPE-Mixed's (x, y) order
-        "rope_ref_grid": None,
-        "rope_rotate_half": False,
+        "rope": (RopeSpec("mixed", temperature=10.0, xy=True)  # RoPE-Mixed's (x, y) order
+                 if names.ROPE_FREQUENCIES.format(0) in params else None),
     }
     switches.update({name: hints[name] for name in configs.SWITCHES if name in hints})
     if switches["map_num_heads"] == num_heads:

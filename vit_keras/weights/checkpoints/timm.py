@@ -30,6 +30,7 @@ weights as timm's `_clip_quickgelu_` models hold them, exact in timm's `_clip_` 
 tell, and that is said in one warning.
 """
 
+import dataclasses
 import logging
 import os
 import re
@@ -104,13 +105,14 @@ def architecture_hints(timm_architecture):
     image_size = int(image_size.group(1)) if image_size else own.image_size
     if image_size:
         hints["image_size"] = (image_size, image_size)
-    rope = {**own.rope, **(families.first_match(own.timm_rope, name)[1] or {})}
-    if own.rope_own_grid:
-        grid = re.search(r"_patch(\d+)_(\d+)", name)
-        if grid:
-            side = int(grid.group(2)) // int(grid.group(1))
-            rope["rope_ref_grid"] = (side, side)
-    hints.update(rope, **own.timm)
+    rope = families.first_match(own.timm_rope, name)[1] or own.rope
+    grid = re.search(r"_patch(\d+)_(\d+)", name) if own.rope_own_grid else None
+    if grid:
+        side = int(grid.group(2)) // int(grid.group(1))
+        rope = dataclasses.replace(rope, ref_grid=(side, side))
+    if rope is not None:
+        hints["rope"] = rope
+    hints.update(own.timm)
     family = families.by_timm_name(timm_architecture)
     if family.names_models:
         hints["family"] = family.name
@@ -248,7 +250,8 @@ def convert(state_dict, num_heads=None, timm_architecture=None, beside=None):
         hints["eval_crop"] = eval_crop
     if (timm_architecture and "cls_token" in state_dict
             and families.by_timm_name(timm_architecture.split(".")[0]).rope_own_grid):
-        hints["rope_grid_offset"] = 1.0  # PE counts patches from 1 beside its class token
+        # PE counts patches from 1 beside its class token.
+        hints["rope"] = dataclasses.replace(hints["rope"], grid_offset=1.0)
     num_heads = _num_heads(state_dict, num_heads, beside.get("num_heads"),
                            hints.pop("heads_by_width", None), timm_architecture)
     grid = _grid(state_dict, beside.get("image_size"),
