@@ -77,7 +77,7 @@ def quiet_failed_checkpoint_writes():
     process's logging and `sys.unraisablehook`, put back at the end of a run without a failed
     write."""
     # Imported now: the records may come while the interpreter shuts down.
-    from vit_keras.tools import sharded_checkpoint  # pylint: disable=import-outside-toplevel
+    from vit_keras.tools.distributed import sharded_checkpoint  # pylint: disable=import-outside-toplevel
 
     loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]  # Orbax's, asyncio's
     previous_hook = sys.unraisablehook

@@ -125,7 +125,7 @@ def flag_module(depth=1):
 
 def parse_flags(argv):
     """The apps' absl flag parser, `app.run(main, flags_parser=_backend.parse_flags)`: a flag that
-    is unknown, malformed or outside its range (`vit_keras.tools.config_flags`) ends the app
+    is unknown, malformed or outside its range (`vit_keras.tools.runs.config_flags`) ends the app
     before `main` with one line, `ERROR: ...`, and status 2, as every other mistake does (absl's
     own parser prints two lines and exits with 1). Also refuses a `--backend` that absl read but
     `select_backend` did not, so a run never records a backend it did not run on."""

@@ -29,7 +29,7 @@ def parse_image_size(values):
 def read_class_names(path, model_path):
     """Class names from `path` (`--class_names`: a JSON list or one name per line), else from
     `class_names.json` in the model's run folder, else `None` (classes are numbered)."""
-    from vit_keras.tools.run_folder import RunFolder, load_class_names
+    from vit_keras.tools.runs.run_folder import RunFolder, load_class_names
 
     if path:
         if not os.path.isfile(path):
@@ -159,7 +159,7 @@ def check_keras_weights(path, variant):
     names another architecture than the file holds (the run would train the file's and record
     `--model`'s). Reads the file's `config.json` only."""
     from vit_keras.model import configs
-    from vit_keras.tools import recipes
+    from vit_keras.tools.runs import recipes
 
     check_model_file(path, "--weights")
     if not variant:
@@ -322,7 +322,7 @@ def training_app(name, started, recipe="auto", recipe_help=None, objective=None)
     """Defines the training flags under the calling app and returns its absl main, which runs
     `training.run` with the objective and prints the objective's summary.
 
-    The flags are the `option` fields of `vit_keras.tools.run_config.RunConfig` but the
+    The flags are the `option` fields of `vit_keras.tools.runs.run_config.RunConfig` but the
     objective's `left_out_flags`, with the objective's `flag_overrides`, and the objective's own
     `option` fields.
 
@@ -332,9 +332,9 @@ def training_app(name, started, recipe="auto", recipe_help=None, objective=None)
       recipe: the `--recipe` default. Other than "auto", a dataset with a recipe of its own
         (`recipes.DATASET_DEFAULTS`: the digits) still gets it unless `--recipe` is given.
       recipe_help: the `--recipe` help (default: the objective's, which explains "auto").
-      objective: a `vit_keras.tools.objectives.Objective` class (default: `Classification`).
+      objective: a `vit_keras.tools.runs.objectives.Objective` class (default: `Classification`).
     """
-    from vit_keras.tools import config_flags, objectives, recipes, training
+    from vit_keras.tools.runs import config_flags, objectives, recipes, training
 
     objective = objective or objectives.Classification
     overrides = {field: dict(settings) for field, settings in objective.flag_overrides.items()}
@@ -350,7 +350,7 @@ def training_app(name, started, recipe="auto", recipe_help=None, objective=None)
     def main(argv):
         if len(argv) > 1:
             raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
-        from vit_keras.tools.run_folder import RunFolder
+        from vit_keras.tools.runs.run_folder import RunFolder
 
         own = recipes.dataset_recipe(objective.recipes, FLAGS.dataset)
         if recipe != "auto" and own is not None and not FLAGS["recipe"].present:
@@ -380,7 +380,7 @@ def training_app(name, started, recipe="auto", recipe_help=None, objective=None)
 
 def run_settings(model_path):
     """dataset, data_dir, seed and val_fraction of the run that wrote `model_path`, if known."""
-    from vit_keras.tools.run_folder import RunFolder
+    from vit_keras.tools.runs.run_folder import RunFolder
 
     run = ((RunFolder.of_model(model_path).read_metrics() or {}).get("config") or {}).get("run")
     return {key: run.get(key) for key in ("dataset", "data_dir", "seed", "val_fraction")} if run else {}
@@ -409,7 +409,7 @@ def load_run_splits(model_path, dataset=None, data_dir=None, seed=None, val_frac
 def model_image_size(model):
     """The side of the square images a model is fed by the apps' pipelines: its input's, or for a
     model of dynamic image size the size it was built for."""
-    from vit_keras.tools import training
+    from vit_keras.tools.runs import training
 
     return training.model_image_size(model)
 

@@ -28,7 +28,7 @@ _backend.start_app()  # before keras is imported
 
 from absl import app, flags, logging
 
-from vit_keras.tools import config_flags
+from vit_keras.tools.runs import config_flags
 
 import _common
 

@@ -23,7 +23,7 @@ _backend.start_app()  # before keras is imported
 
 from absl import app, flags
 
-from vit_keras.tools import config_flags
+from vit_keras.tools.runs import config_flags
 
 import _common
 
@@ -54,7 +54,8 @@ def main(argv):
     import keras
 
     import vit_keras  # noqa: F401  (registers the layers for loading)
-    from vit_keras.tools import data, evaluation, run_folder
+    from vit_keras.tools import data
+    from vit_keras.tools.runs import evaluation, run_folder
 
     _common.check_model_file(FLAGS.model)  # before the data loads
     dataset, splits = _common.load_run_splits(FLAGS.model, FLAGS.dataset, FLAGS.data_dir,

@@ -28,7 +28,7 @@ _backend.start_app()  # before keras is imported
 
 from absl import app, flags
 
-from vit_keras.tools import config_flags
+from vit_keras.tools.runs import config_flags
 
 import _common
 
@@ -73,7 +73,8 @@ def main(argv):
     import keras
 
     import vit_keras  # registers the layers for loading
-    from vit_keras.tools import data, run_folder
+    from vit_keras.tools import data
+    from vit_keras.tools.runs import run_folder
     from vit_keras.training import fewshot
 
     try:

@@ -43,7 +43,7 @@ from absl import app
 
 import _common
 
-# The flags are vit_keras.tools.run_config.RunConfig's fields.
+# The flags are vit_keras.tools.runs.run_config.RunConfig's fields.
 main = _common.training_app("finetune", _STARTED)
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ _backend.start_app()  # before keras is imported
 
 from absl import app, flags
 
-from vit_keras.tools import config_flags
+from vit_keras.tools.runs import config_flags
 
 import _common
 
@@ -79,7 +79,8 @@ def main(argv):
     import keras
 
     import vit_keras  # registers the layers for loading
-    from vit_keras.tools import data, evaluation, run_folder
+    from vit_keras.tools import data
+    from vit_keras.tools.runs import evaluation, run_folder
 
     is_keras_file = FLAGS.model.endswith(".keras") or os.path.isfile(FLAGS.model)
     if FLAGS.weights is None:

@@ -39,12 +39,12 @@ _backend.start_app()  # before keras is imported
 
 from absl import app
 
-from vit_keras.tools import objectives
+from vit_keras.tools.runs import objectives
 
 import _common
 
-# The flags are vit_keras.tools.run_config.RunConfig's fields that apply to masked patch
-# prediction, and vit_keras.tools.objectives.MaskedPatchPrediction's.
+# The flags are vit_keras.tools.runs.run_config.RunConfig's fields that apply to masked patch
+# prediction, and vit_keras.tools.runs.objectives.MaskedPatchPrediction's.
 main = _common.training_app("pretrain", _STARTED, objective=objectives.MaskedPatchPrediction)
 
 if __name__ == "__main__":

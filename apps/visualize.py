@@ -25,7 +25,7 @@ import os
 from absl import app, flags, logging
 import numpy as np
 
-from vit_keras.tools import config_flags
+from vit_keras.tools.runs import config_flags
 
 import _common
 

@@ -7,7 +7,7 @@ each backend.
 
 Each backend runs the app exactly as a user would (a fresh process, the default flags, a fresh run
 folder: `--overwrite`), timed from process start to exit; the numbers come from the run's metrics
-(read through `vit_keras.tools.run_folder`, the one module that knows a run folder's layout).
+(read through `vit_keras.tools.runs.run_folder`, the one module that knows a run folder's layout).
 Prints a markdown table. Not part of the test suite.
 """
 
@@ -21,7 +21,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # vit_keras from this checkout, installed or not
-from vit_keras.tools.run_folder import RunFolder  # noqa: E402
+from vit_keras.tools.runs.run_folder import RunFolder  # noqa: E402
 
 TARGET_ACCURACY = 0.95
 TARGET_SECONDS = 300

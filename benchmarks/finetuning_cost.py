@@ -11,7 +11,7 @@ and int8 against float inference throughput (`model.quantize("int8")`).
 Each measurement runs in its own process (peak RSS is the process's, `ru_maxrss`), and the
 processes alternate over `--rounds` rounds (full, lora, probe, remat, full, ...) so that drift in
 the machine's load hits all alike. A training process builds the model with random weights,
-applies the mode as `training.run` does (the parts of `vit_keras.tools.run_parts`),
+applies the mode as `training.run` does (the parts of `vit_keras.tools.runs.run_parts`),
 compiles SGD (XLA on jax and tensorflow, eager on torch, as the apps default) and times
 `train_on_batch` after `--warmup` steps. An inference process times `predict_on_batch` of the
 float model and of its int8 copy. Prints a table per part and writes all measurements as JSON
@@ -48,7 +48,8 @@ def _worker(args):
     import numpy as np
 
     import vit_keras
-    from vit_keras.tools import evaluation, finetuning, recipes, run_parts, training
+    from vit_keras.tools import finetuning
+    from vit_keras.tools.runs import evaluation, recipes, run_parts, training
 
     keras.utils.set_random_seed(0)
     model = vit_keras.build_model(recipes.variant_config(args.model), image_size=args.image_size,

@@ -6,7 +6,7 @@ each with and without weight EMA (--ema_decay) and layer-wise learning-rate deca
    unused), once, in its own process as a user would run it;
 2. fine-tuning on the digits' train split (the digits recipe with --weights: AdamW, warm-up,
    linear decay) for each method and option, `--seeds` seeds each, through
-   `vit_keras.tools.training.run` in this process (a process per run would spend more time
+   `vit_keras.tools.runs.training.run` in this process (a process per run would spend more time
    starting than training); scored on the test split (360 images).
 
     python benchmarks/finetuning_digits.py --backend jax --json \\
@@ -75,7 +75,7 @@ def main():
 
     import keras  # after KERAS_BACKEND is set
 
-    from vit_keras.tools import training
+    from vit_keras.tools.runs import training
 
     output = args.output_dir or tempfile.mkdtemp(prefix="finetuning_digits_")
     started = time.perf_counter()

@@ -66,7 +66,7 @@ def random_init_model(path, image_size, seed):
     import keras
 
     from vit_keras import build_model
-    from vit_keras.tools import recipes
+    from vit_keras.tools.runs import recipes
 
     keras.utils.set_random_seed(seed)
     build_model(recipes.DIGITS_VIT, image_size=image_size, num_classes=10,
@@ -98,7 +98,7 @@ def masking_cost(image_size, batch_size, variant, rounds=8, steps=20):
     import numpy as np
 
     from vit_keras import build_model
-    from vit_keras.tools import recipes
+    from vit_keras.tools.runs import recipes
     from vit_keras.training import masked_patch_prediction as mpp
 
     class NoCorruption(mpp.MaskedPatchCorruption):
@@ -159,7 +159,7 @@ def main():
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     sys.path.insert(0, REPO)
     # After KERAS_BACKEND is set: vit_keras imports Keras.
-    from vit_keras.tools.run_folder import RunFolder
+    from vit_keras.tools.runs.run_folder import RunFolder
 
     if args.masking_cost:
         variant, image_size, batch = args.masking_cost

@@ -44,7 +44,7 @@ def _worker(model_name, kind, mode, batch_size, steps):
     import numpy as np
 
     import vit_keras
-    from vit_keras.tools import distribution, sharding
+    from vit_keras.tools.distributed import distribution, sharding
 
     variant = MODELS[model_name]
     # model_parallel splits heads and MLP units over the model axis: as many devices as divide
@@ -101,7 +101,7 @@ def _backup_seconds(model):
     wrote before); with the bytes each takes on disk."""
     import tempfile
 
-    from vit_keras.tools import sharded_checkpoint
+    from vit_keras.tools.distributed import sharded_checkpoint
 
     def timed(call):
         started = time.perf_counter()
@@ -128,7 +128,7 @@ def _compiled_step_memory(model, optimizer, loss, batch_size):
     import jax
     import keras
 
-    from vit_keras.tools import sharding as sharding_lib
+    from vit_keras.tools.distributed import sharding as sharding_lib
 
     mesh_distribution = keras.distribution.distribution()
 

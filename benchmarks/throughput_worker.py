@@ -91,7 +91,7 @@ def keras_steps(implementation, config, args):
     keras.utils.set_random_seed(0)
     devices = 1
     # Each step's batch split over the process's XLA devices (JAX only). Keras' API, not
-    # vit_keras.tools.distribution: a keras-hub process imports nothing of vit_keras.
+    # vit_keras.tools.distributed.distribution: a keras-hub process imports nothing of vit_keras.
     if args.data_parallel:
         local_devices = keras.distribution.list_devices()
         keras.distribution.set_distribution(keras.distribution.DataParallel(devices=local_devices))

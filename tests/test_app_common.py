@@ -227,7 +227,7 @@ def test_read_class_names_from_the_flag_then_the_run_folder(tmp_path):
 def test_run_config_fields_are_the_training_flags():
     from absl import flags
 
-    from vit_keras.tools import config_flags, training
+    from vit_keras.tools.runs import config_flags, training
 
     flag_values = flags.FlagValues()
     config_flags.define_flags(training.RunConfig, flag_values=flag_values,
@@ -264,7 +264,7 @@ def test_model_image_size_is_the_input_side_or_the_built_side_of_a_dynamic_model
 
 def test_run_splits_come_from_the_run_that_trained_the_model(tmp_path, monkeypatch):
     from vit_keras.tools import data
-    from vit_keras.tools.run_folder import RunFolder
+    from vit_keras.tools.runs.run_folder import RunFolder
 
     model_path = str(tmp_path / "run" / "model.keras")
     os.makedirs(os.path.dirname(model_path))

@@ -93,7 +93,7 @@ def test_killed_and_resumed_run_reproduces_the_uninterrupted_run_exactly(resumed
     index), the backup holds weights, optimizer and dropout-generator states, and a training step
     on the CPU is deterministic. The SIGKILL lands after any of the 12 epochs' backups. Equal in
     every run so far: 3 on JAX, 2 on TensorFlow, 2 on torch (plus one by hand on each)."""
-    from vit_keras.tools.run_folder import read_history
+    from vit_keras.tools.runs.run_folder import read_history
 
     resumed = read_history(resumed_run["dir"] / "history.csv")
     reference = read_history(uninterrupted_run["dir"] / "history.csv")
@@ -175,7 +175,7 @@ def test_help_documents_every_flag(app):
         "predict.py": ["backend", "model", "top_k", "class_names", "json", "resize_only"],
     }
     if app in ("finetune.py", "train.py"):
-        from vit_keras.tools import config_flags, training
+        from vit_keras.tools.runs import config_flags, training
 
         names = ["backend", *(field.name for field in config_flags.flag_fields(training.RunConfig))]
     else:
@@ -186,7 +186,7 @@ def test_help_documents_every_flag(app):
 
 
 @pytest.mark.slow
-@pytest.mark.backend_independent("torch")  # the recipe a flag picks: vit_keras.tools.recipes
+@pytest.mark.backend_independent("torch")  # the recipe a flag picks: vit_keras.tools.runs.recipes
 def test_train_app_uses_the_pretraining_recipe(tmp_path):
     result = _app("train.py", "--backend", BACKEND, *TINY, "--epochs", "1", "--dataset", "digits",
                   "--recipe", "pretrain", "--warmup_steps", "1", "--output_dir", str(tmp_path))
@@ -242,7 +242,7 @@ def test_model_parallel_shards_kernels_on_jax_and_is_refused_elsewhere(tmp_path)
     code = (
         "import sys; sys.path.insert(0, 'apps'); sys.argv = ['finetune.py', *sys.argv[1:]]\n"
         "import finetune, keras\n"
-        "from vit_keras.tools import recipes\n"
+        "from vit_keras.tools.runs import recipes\n"
         "original = recipes.compile_model\n"
         "def spy(model, *args, **kwargs):\n"
         "    kernel = model.get_layer('encoderblock_0').mlp.dense_0.kernel\n"

@@ -1,4 +1,4 @@
-"""vit_keras.tools.callbacks: atomic checkpoints and backups, the NaN guard, atomic JSON."""
+"""vit_keras.tools.runs.callbacks: atomic checkpoints and backups, the NaN guard, atomic JSON."""
 
 import json
 import math
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from vit_keras import errors
-from vit_keras.tools import callbacks, recipes, run_folder
+from vit_keras.tools.runs import callbacks, recipes, run_folder
 
 from conftest import tiny_data, tiny_model
 
@@ -304,7 +304,7 @@ def test_a_full_disk_at_a_sharded_backup_is_one_line_and_leaves_no_partial_check
     During: a write that fails (a quota, or another writer filling the disk meanwhile)."""
     from collections import namedtuple
 
-    from vit_keras.tools import sharded_checkpoint
+    from vit_keras.tools.distributed import sharded_checkpoint
 
     save = sharded_checkpoint.save
 
@@ -344,7 +344,7 @@ def test_a_failed_sharded_save_whose_orbax_thread_reraises_at_join_is_still_one_
 
     import orbax.checkpoint as ocp
 
-    from vit_keras.tools import sharded_checkpoint
+    from vit_keras.tools.distributed import sharded_checkpoint
 
     full = ValueError("Failed writing: No space left on device [os_error_code='28']")
 
@@ -376,7 +376,7 @@ def test_a_write_landing_after_a_failed_sharded_save_gave_up_is_removed_too(
 
     import orbax.checkpoint as ocp
 
-    from vit_keras.tools import sharded_checkpoint
+    from vit_keras.tools.distributed import sharded_checkpoint
 
     path = tmp_path / "epoch-1.orbax"
     temporary = tmp_path / "epoch-1.orbax.orbax-checkpoint-tmp-0"

@@ -1,4 +1,4 @@
-"""vit_keras.tools.config_flags: an app's flags from a dataclass, with fields left out, another
+"""vit_keras.tools.runs.config_flags: an app's flags from a dataclass, with fields left out, another
 help or choices, list flags, and the range of every number."""
 
 import dataclasses
@@ -11,8 +11,8 @@ import xml.etree.ElementTree as ElementTree
 from absl import flags
 import pytest
 
-from vit_keras.tools import config_flags, objectives, training
-from vit_keras.tools.config_flags import define_flags, from_flags, option
+from vit_keras.tools.runs import config_flags, objectives, training
+from vit_keras.tools.runs.config_flags import define_flags, from_flags, option
 
 from conftest import REPO_ROOT
 

@@ -1,10 +1,10 @@
-"""vit_keras.tools.distribution: the model-parallel layout and the engines per backend."""
+"""vit_keras.tools.distributed.distribution: the model-parallel layout and the engines per backend."""
 
 import keras
 import numpy as np
 import pytest
 
-from vit_keras.tools import distribution
+from vit_keras.tools.distributed import distribution
 
 
 def test_model_parallel_layout_shards_attention_heads_and_mlp_units():
@@ -84,7 +84,7 @@ def test_each_kind_sets_up_its_engine_in_scope_and_reset_leaves_none(kind):
         chosen.reset()
         assert not tf.distribute.has_strategy()
     else:
-        from vit_keras.tools import sharding
+        from vit_keras.tools.distributed import sharding
 
         engines = {"none": type(None), "data_parallel": keras.distribution.DataParallel,
                    "model_parallel": keras.distribution.ModelParallel,
@@ -170,7 +170,7 @@ def test_padded_evaluation_gives_the_means_over_the_real_examples(tiny_config):
     several processes evaluate them, equal those of the plain batches (4, 4, 2)."""
     import tensorflow as tf
 
-    from vit_keras.tools import recipes
+    from vit_keras.tools.runs import recipes
 
     from conftest import tiny_data, tiny_model
 

@@ -1,4 +1,4 @@
-"""vit_keras.tools.ema: Keras' weight average as the recipes configure it, its evaluation each
+"""vit_keras.tools.runs.ema: Keras' weight average as the recipes configure it, its evaluation each
 epoch, the choice of the run's weights, and its survival across a resume."""
 
 import json
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from vit_keras import errors
-from vit_keras.tools import callbacks, ema, recipes, training
+from vit_keras.tools.runs import callbacks, ema, recipes, training
 
 from conftest import randomize_weights, tiny_data, tiny_model
 

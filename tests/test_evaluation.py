@@ -1,9 +1,9 @@
-"""vit_keras.tools.evaluation: reports and top-k predictions from logits."""
+"""vit_keras.tools.runs.evaluation: reports and top-k predictions from logits."""
 
 import numpy as np
 import pytest
 
-from vit_keras.tools import evaluation, recipes
+from vit_keras.tools.runs import evaluation, recipes
 
 from conftest import TINY_CONFIG, tiny_model
 

@@ -16,7 +16,7 @@ import tensorflow as tf
 
 import vit_keras
 from vit_keras.tools import export as vit_export
-from vit_keras.tools import run_folder
+from vit_keras.tools.runs import run_folder
 
 from conftest import randomize_weights
 

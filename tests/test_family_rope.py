@@ -299,7 +299,8 @@ def _loaded(architecture, tmp_path, **kwargs):
 
 @pytest.mark.parametrize("architecture", EVERYTHING)
 def test_lora_layer_decay_int8_and_bfloat16_take_the_new_parts(architecture, tmp_path):
-    from vit_keras.tools import evaluation, finetuning  # pylint: disable=import-outside-toplevel
+    from vit_keras.tools import finetuning  # pylint: disable=import-outside-toplevel
+    from vit_keras.tools.runs import evaluation  # pylint: disable=import-outside-toplevel
     from vit_keras.training import layer_decay  # pylint: disable=import-outside-toplevel
 
     model, images = _loaded(architecture, tmp_path)

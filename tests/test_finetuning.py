@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from vit_keras import errors
-from vit_keras.tools import finetuning, objectives, run_parts
-from vit_keras.tools.training import RunConfig
+from vit_keras.tools import finetuning
+from vit_keras.tools.runs import objectives, run_parts
+from vit_keras.tools.runs.training import RunConfig
 
 from conftest import (
     NEXT_BACKEND,
@@ -255,7 +256,7 @@ def test_a_missing_or_unreadable_adapters_file_is_refused_in_one_line(adapters_f
 
 def test_per_epoch_checkpoint_of_a_lora_run_is_the_merged_plain_model(lora_run, tmp_path):
     model = _random_adapters(lora_run[2])
-    checkpoint = finetuning.MergedModelCheckpoint(str(tmp_path / "model.keras"))
+    checkpoint = run_parts.MergedModelCheckpoint(str(tmp_path / "model.keras"))
     checkpoint.set_model(model)
     checkpoint.on_epoch_end(0)
     saved = keras.saving.load_model(str(tmp_path / "model.keras"))

@@ -1,8 +1,8 @@
-"""Fully sharded data parallelism (`--distribution fsdp`, vit_keras.tools.sharding): the rule, the
-layouts on 8 XLA CPU devices, the step against one device's, sharded Orbax checkpoints
-(vit_keras.tools.sharded_checkpoint) read onto another mesh, and apps/finetune.py as two
-processes of four devices, killed and resumed from their sharded backup as one process
-(docs/distributed.md)."""
+"""Fully sharded data parallelism (`--distribution fsdp`, vit_keras.tools.distributed.sharding):
+the rule, the layouts on 8 XLA CPU devices, the step against one device's, sharded Orbax
+checkpoints (vit_keras.tools.distributed.sharded_checkpoint) read onto another mesh, and
+apps/finetune.py as two processes of four devices, killed and resumed from their sharded backup
+as one process (docs/distributed.md)."""
 
 import json
 import os
@@ -13,7 +13,7 @@ import sys
 import pytest
 import test_multiprocess as multiprocess
 
-from vit_keras.tools import sharding
+from vit_keras.tools.distributed import sharding
 
 from conftest import REPO_ROOT
 
@@ -57,7 +57,7 @@ import keras, numpy as np
 import sys
 import vit_keras
 from vit_keras import errors
-from vit_keras.tools import distribution, sharded_checkpoint, sharding
+from vit_keras.tools.distributed import distribution, sharded_checkpoint, sharding
 
 CHECKPOINT = sys.argv[1]
 CONFIG = dict(patch_size=4, hidden_size=64, mlp_dim=128, num_heads=4, num_layers=2)
@@ -171,7 +171,8 @@ import json, os, shutil, sys
 os.environ["KERAS_BACKEND"] = "jax"
 import keras, numpy as np
 import vit_keras
-from vit_keras.tools import memory, sharded_checkpoint, training
+from vit_keras.tools.distributed import memory, sharded_checkpoint
+from vit_keras.tools.runs import training
 
 output = sys.argv[1]
 run = os.path.join(output, "run")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from vit_keras import errors
-from vit_keras.tools import recipes
+from vit_keras.tools.runs import recipes
 from vit_keras.training import layer_decay
 
 from conftest import NEXT_BACKEND, randomize_weights, run_on_backend, tiny_data, tiny_model

@@ -222,13 +222,61 @@ def _fit_calls(path):
 
 def test_the_training_apps_share_one_training_loop():
     """Every objective (classification, masked patch prediction) trains through
-    `vit_keras.tools.training.run`: no other module of the application half, and no app, calls
-    `fit` (a few-shot probe in the core, `vit_keras.fewshot`, is not a training run)."""
+    `vit_keras.tools.runs.training.run`: no other module of the application half, and no app,
+    calls `fit` (a few-shot probe in the core, `vit_keras.fewshot`, is not a training run)."""
     apps = os.path.join(REPO_ROOT, "apps")
     paths = [path for name, path in MODULES.items() if name.startswith("vit_keras.tools")]
     paths += [os.path.join(apps, file) for file in os.listdir(apps) if file.endswith(".py")]
     callers = {os.path.relpath(path, REPO_ROOT) for path in paths if _fit_calls(path)}
-    assert callers == {os.path.join("vit_keras", "tools", "training.py")}
+    assert callers == {os.path.join("vit_keras", "tools", "runs", "training.py")}
+
+
+# The application half's concerns (`vit_keras/tools/`: a sub-package or a module each) and the
+# others each may import: a run uses the distribution, the data, fine-tuning and the figures; an
+# export reads a run folder. Nothing below a run imports it, and no concern imports its user.
+_TOOLS_CONCERNS = {
+    "runs": {"distributed", "data", "finetuning", "plots"},
+    "export": {"runs"},
+    "distributed": set(),
+    "data": set(),
+    "finetuning": set(),
+    "plots": set(),
+}
+
+
+def _tools_concern(name):
+    """`vit_keras.tools.runs.training` → `runs`; `vit_keras.tools.data` → `data`; the package's
+    own `__init__` → None."""
+    parts = name.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["vit_keras", "tools"] else None
+
+
+def test_each_tools_module_belongs_to_a_concern():
+    concerns = {_tools_concern(name) for name in MODULES} - {None}
+    assert concerns == set(_TOOLS_CONCERNS)
+
+
+def test_the_tools_concerns_import_one_way():
+    """`runs` may use `distributed`, `data`, `finetuning` and `plots`; `export` may read `runs`;
+    nothing else in `vit_keras/tools/` imports across concerns (imports inside functions count)."""
+    found = {}
+    for name in MODULES:
+        concern = _tools_concern(name)
+        if concern is None:
+            continue
+        crossed = {_tools_concern(i) for i in _imports(name) if i.startswith("vit_keras.tools.")}
+        crossed -= {concern, None}
+        if crossed - _TOOLS_CONCERNS[concern]:
+            found[name] = sorted(crossed - _TOOLS_CONCERNS[concern])
+    assert not found, f"imports across the application half's concerns: {found}"
+
+
+def test_the_tools_concerns_allow_no_circle():
+    def reaches(start, goal, seen=()):
+        return any(n == goal or (n not in seen and reaches(n, goal, (*seen, n)))
+                   for n in _TOOLS_CONCERNS[start])
+
+    assert not [concern for concern in _TOOLS_CONCERNS if reaches(concern, concern)]
 
 
 def _old_paths_used(source):
@@ -236,7 +284,6 @@ def _old_paths_used(source):
     `vit_keras.<old>` attributes."""
     from vit_keras import _moved  # pylint: disable=import-outside-toplevel
 
-    old_names = {old.split(".")[1] for old in _moved.MOVED}
     found = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -245,10 +292,22 @@ def _old_paths_used(source):
             found.update(f"{node.module}.{alias.name}" for alias in node.names
                          if f"{node.module}.{alias.name}" in _moved.MOVED)
             found.update({node.module} & set(_moved.MOVED))
-        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-              and node.value.id == "vit_keras" and node.attr in old_names):
-            found.add(f"vit_keras.{node.attr}")
+        elif isinstance(node, ast.Attribute) and _dotted(node) in _moved.MOVED:
+            found.add(_dotted(node))  # `vit_keras.releases`, `vit_keras.tools.training`
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            # a monkeypatch target or a module a subprocess runs: "vit_keras.tools.training.run"
+            found.update(old for old in _moved.MOVED
+                         if re.fullmatch(rf"{re.escape(old)}(\.\w+)*", node.value))
     return found
+
+
+def _dotted(node):
+    """`vit_keras.tools.training` for the attribute chain that spells it, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
 
 
 def test_the_library_apps_benchmarks_and_tests_use_no_old_module_path():
@@ -257,7 +316,9 @@ def test_the_library_apps_benchmarks_and_tests_use_no_old_module_path():
     for folder in ("vit_keras", "apps", "benchmarks", "tests"):
         for root, _, files in os.walk(os.path.join(REPO_ROOT, folder)):
             for file in files:
-                if file.endswith(".py") and file not in ("test_public_api.py", "_moved.py"):
+                # (the old paths' own module and the tests that name them as examples aside)
+                if file.endswith(".py") and file not in (
+                        "test_public_api.py", "_moved.py", "test_layout.py"):
                     with open(os.path.join(root, file)) as f:
                         found = _old_paths_used(f.read())
                     if found:
@@ -267,3 +328,8 @@ def test_the_library_apps_benchmarks_and_tests_use_no_old_module_path():
                            "vit_keras.releases.find_release('x')\n") == {
         "vit_keras.layers", "vit_keras.checkpoints", "vit_keras.checkpoints.timm",
         "vit_keras.releases"}
+    assert _old_paths_used("from vit_keras.tools import data, training\n"
+                           "import vit_keras.tools.sharding\nvit_keras.tools.memory.check(m)\n"
+                           "patch('vit_keras.tools.recipes.RECIPES', {})\n") == {
+        "vit_keras.tools.training", "vit_keras.tools.sharding", "vit_keras.tools.memory",
+        "vit_keras.tools.recipes"}

@@ -193,7 +193,7 @@ def test_pretraining_needs_the_models_own_preprocessing(tiny_config):
 
 def test_finetuning_from_a_pretrained_file_keeps_the_encoder_and_zeroes_a_new_head(tiny_config,
                                                                                    tmp_path):
-    from vit_keras.tools import recipes, training
+    from vit_keras.tools.runs import recipes, training
 
     model = randomize_weights(mpp.build_pretraining_model(
         build_model(tiny_config, image_size=8, num_classes=3, classifier="gap")))
@@ -348,7 +348,7 @@ LABEL_FLAGS = ("label_smoothing", "mixup", "cutmix", "representation_size")
 def test_pretrain_help_documents_the_flags_that_apply_with_pretrainings_defaults():
     import re
 
-    from vit_keras.tools import config_flags, training
+    from vit_keras.tools.runs import config_flags, training
 
     text = _app("pretrain.py", "--help", check=False).stdout
     names = ["backend", *(field.name for field in config_flags.flag_fields(training.RunConfig)

@@ -1,11 +1,11 @@
-"""vit_keras.tools.memory: the activation estimate and the check before the first step."""
+"""vit_keras.tools.distributed.memory: the activation estimate and the check before the first step."""
 
 import keras
 import numpy as np
 import pytest
 
 from vit_keras import build_model
-from vit_keras.tools import memory
+from vit_keras.tools.distributed import memory
 
 
 def test_activation_estimate_grows_with_batch_and_tokens(tiny_config):

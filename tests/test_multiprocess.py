@@ -93,7 +93,7 @@ def _wait_for_backup(processes, metadata, timeout=300):
 
 
 def _losses(run_dir):
-    from vit_keras.tools.run_folder import read_history
+    from vit_keras.tools.runs.run_folder import read_history
 
     history = read_history(run_dir / "history.csv")
     return {key: [row[key] for row in history] for key in ("loss", "val_loss", "val_accuracy")}

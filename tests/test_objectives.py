@@ -1,4 +1,4 @@
-"""vit_keras.tools.objectives: what classification and masked patch prediction each give the one
+"""vit_keras.tools.runs.objectives: what classification and masked patch prediction each give the one
 training loop (recipes, training images, model, loss, evaluation, summary)."""
 
 import keras
@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from vit_keras import build_model
-from vit_keras.tools import data, objectives, recipes
+from vit_keras.tools import data
+from vit_keras.tools.runs import objectives, recipes
 from vit_keras.training import masked_patch_prediction as mpp
 
 

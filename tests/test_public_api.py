@@ -86,3 +86,12 @@ def test_an_old_module_path_is_the_new_module_behind_a_dated_warning():
     finally:
         timm.matches = matches
     assert datetime.date.fromisoformat(_moved.REMOVAL) > datetime.date(2026, 11, 28)
+
+
+def test_an_old_tools_path_is_the_new_module_behind_a_dated_warning():
+    from vit_keras.tools.runs import training  # pylint: disable=import-outside-toplevel
+
+    old = importlib.import_module("vit_keras.tools.training")
+    with pytest.warns(DeprecationWarning, match=r"vit_keras\.tools\.training moved to "
+                      r"vit_keras\.tools\.runs\.training"):
+        assert old.run is training.run

@@ -3,7 +3,7 @@ apps/predict.py and apps/evaluate.py --quantize int8 apply it)."""
 
 import numpy as np
 
-from vit_keras.tools import evaluation
+from vit_keras.tools.runs import evaluation
 
 from conftest import randomize_weights, tiny_data, tiny_model
 

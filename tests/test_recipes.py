@@ -1,4 +1,4 @@
-"""vit_keras.tools.recipes: the recipes, the warm-up schedule, the optimizers, compilation."""
+"""vit_keras.tools.runs.recipes: the recipes, the warm-up schedule, the optimizers, compilation."""
 
 import dataclasses
 import math
@@ -7,7 +7,7 @@ import keras
 import numpy as np
 import pytest
 
-from vit_keras.tools import recipes
+from vit_keras.tools.runs import recipes
 
 from conftest import tiny_data, tiny_model
 

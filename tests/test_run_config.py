@@ -1,10 +1,10 @@
-"""vit_keras.tools.run_config: the training apps' flags, grouped by concern, set and read back by
+"""vit_keras.tools.runs.run_config: the training apps' flags, grouped by concern, set and read back by
 their flag names."""
 
 import pytest
 
-from vit_keras.tools import config_flags
-from vit_keras.tools.run_config import RunConfig
+from vit_keras.tools.runs import config_flags
+from vit_keras.tools.runs.run_config import RunConfig
 
 pytestmark = pytest.mark.backend_independent
 

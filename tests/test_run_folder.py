@@ -1,4 +1,4 @@
-"""vit_keras.tools.run_folder: the folder's lock, what a finished run is, clearing and the
+"""vit_keras.tools.runs.run_folder: the folder's lock, what a finished run is, clearing and the
 temporary files of interrupted writes."""
 
 import json
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from vit_keras.tools.run_folder import RunFolder, RunFolderBusyError, RunFolderError
+from vit_keras.tools.runs.run_folder import RunFolder, RunFolderBusyError, RunFolderError
 
 from conftest import REPO_ROOT
 
@@ -33,7 +33,7 @@ def test_a_held_folder_refuses_a_second_holder_naming_the_first(tmp_path):
 
 def test_the_lock_of_a_killed_process_does_not_hold_the_folder(tmp_path):
     code = ("import os, signal, sys\n"
-            "from vit_keras.tools.run_folder import RunFolder\n"
+            "from vit_keras.tools.runs.run_folder import RunFolder\n"
             "with RunFolder(sys.argv[1]).locked():\n"
             "    os.kill(os.getpid(), signal.SIGKILL)\n")
     killed = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], cwd=REPO_ROOT,
@@ -107,7 +107,7 @@ def test_history_rows_leave_out_the_values_csvlogger_could_not_fill(tmp_path):
 
 
 def test_overwrite_says_it_deletes_only_once_the_folder_passed_as_a_run_folder(tmp_path):
-    from vit_keras.tools import training
+    from vit_keras.tools.runs import training
 
     folder = RunFolder(tmp_path / "Documents").create()
     (tmp_path / "Documents" / "thesis.tex").write_text("years of work")

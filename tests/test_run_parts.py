@@ -1,10 +1,10 @@
-"""vit_keras.tools.run_parts: the parts a run's flags ask for, chosen once and checked then."""
+"""vit_keras.tools.runs.run_parts: the parts a run's flags ask for, chosen once and checked then."""
 
 import pytest
 
 from vit_keras import errors
-from vit_keras.tools import objectives, run_parts
-from vit_keras.tools.training import RunConfig
+from vit_keras.tools.runs import objectives, run_parts
+from vit_keras.tools.runs.training import RunConfig
 
 pytestmark = pytest.mark.backend_independent
 

@@ -1,4 +1,4 @@
-"""vit_keras.tools.training: recipe resolution (per objective), the run's model, `run`, the
+"""vit_keras.tools.runs.training: recipe resolution (per objective), the run's model, `run`, the
 run folder's finished-run rule."""
 
 import dataclasses
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from vit_keras import build_model
-from vit_keras.tools import callbacks, objectives, recipes, training
-from vit_keras.tools.run_folder import (
+from vit_keras.tools.runs import callbacks, objectives, recipes, training
+from vit_keras.tools.runs.run_folder import (
     RunFolder,
     RunFolderBusyError,
     RunFolderError,
@@ -204,7 +204,7 @@ def test_a_pretrained_digits_model_is_fine_tuned_at_its_own_size(tmp_path, tiny_
 
 
 def test_a_finished_run_is_returned_as_it_is_and_overwrite_clears_it(tmp_path):
-    from vit_keras.tools.run_folder import RunFolder
+    from vit_keras.tools.runs.run_folder import RunFolder
 
     folder = RunFolder(tmp_path / "run").create()
     folder.write_metrics({"test_accuracy": 0.5})
@@ -220,7 +220,7 @@ def test_a_finished_run_is_returned_as_it_is_and_overwrite_clears_it(tmp_path):
 
 
 def test_an_unfinished_run_loses_only_its_temporary_files(tmp_path):
-    from vit_keras.tools.run_folder import RunFolder
+    from vit_keras.tools.runs.run_folder import RunFolder
 
     folder = RunFolder(tmp_path / "run").create()
     for name in ("model.keras", "history.csv", "model.tmp-7.keras"):

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import vit_keras
-from vit_keras.tools.run_folder import RunFolder
+from vit_keras.tools.runs.run_folder import RunFolder
 
 from conftest import (
     BACKENDS,
@@ -232,7 +232,7 @@ def test_finetuning_a_pretrained_digits_model_keeps_its_size_and_the_digits_reci
     assert "masked patch prediction model" in finetune_run["stdout"]
 
 
-# The estimate and the check are vit_keras.tools.memory's, run before the first step on every
+# The estimate and the check are vit_keras.tools.distributed.memory's, run before the first step on every
 # backend by test_memory.py; what this adds is the app's one-line error: one pass.
 @pytest.mark.backend_independent("tensorflow")
 def test_a_configuration_too_large_for_memory_is_refused_before_the_first_step(pretrain_run,
@@ -249,7 +249,7 @@ def test_a_configuration_too_large_for_memory_is_refused_before_the_first_step(p
 
 # --- a finished run stays finished -----------------------------------------------------------
 
-# The run folder decides before any backend work (vit_keras.tools.run_folder): one pass suffices.
+# The run folder decides before any backend work (vit_keras.tools.runs.run_folder): one pass suffices.
 @pytest.mark.backend_independent("tensorflow")  # where an app starts fastest
 def test_rerunning_a_finished_run_says_it_is_complete_and_changes_nothing(finetune_run):
     before = _snapshot(finetune_run["folder"])
@@ -339,7 +339,7 @@ def test_a_flagfile_replays_its_backend_whatever_keras_backend_says(replayed_fro
 
 
 def test_flags_txt_holds_only_the_apps_flags(finetune_run):
-    from vit_keras.tools import config_flags, training
+    from vit_keras.tools.runs import config_flags, training
 
     with open(os.path.join(finetune_run["folder"], "flags.txt")) as f:
         lines = f.read().splitlines()
@@ -418,7 +418,7 @@ def test_a_full_disk_ends_a_run_with_one_line_naming_the_file(tmp_path):
 
 # --- one run per folder ----------------------------------------------------------------------
 
-# The lock and the folder checks are vit_keras.tools.run_folder's, the same on every backend.
+# The lock and the folder checks are vit_keras.tools.runs.run_folder's, the same on every backend.
 @pytest.mark.backend_independent("tensorflow")  # where an app starts fastest
 def test_a_second_process_into_a_busy_run_folder_stops_at_once_naming_the_first(tmp_path):
     command = _command("finetune.py", "--backend", BACKEND, *SHORT, "--output_dir",

@@ -1,9 +1,10 @@
-"""Where the core's modules lived before the sub-packages (the API page's names of 21b95ce).
+"""Where the modules lived before the sub-packages: the core's (the API page's names of 21b95ce)
+and the application half's (`vit_keras.tools.training`, before `tools/` was split by concern).
 
-`import vit_keras.layers` and `from vit_keras.checkpoints import timm` keep working until
-`REMOVAL`: each old path is a stand-in whose every attribute is the new module's, read through a
-`DeprecationWarning` that names the new path. No module is loaded for a stand-in; the library
-itself imports only the new paths.
+`import vit_keras.layers`, `from vit_keras.checkpoints import timm` and `from vit_keras.tools
+import training` keep working until `REMOVAL`: each old path is a stand-in whose every attribute
+is the new module's, read through a `DeprecationWarning` that names the new path. No module is
+loaded for a stand-in; the library itself imports only the new paths.
 """
 
 import importlib
@@ -26,6 +27,12 @@ MOVED = {
     **{f"vit_keras.{name}": f"vit_keras.inspection.{name}" for name in ("analysis", "features")},
     **{f"vit_keras.{name}": f"vit_keras.training.{name}" for name in (
         "fewshot", "layer_decay", "masked_patch_prediction", "schedules")},
+    # The application half by concern (registered when `vit_keras.tools` is imported).
+    **{f"vit_keras.tools.{name}": f"vit_keras.tools.runs.{name}" for name in (
+        "callbacks", "config_flags", "ema", "evaluation", "objectives", "recipes", "run_config",
+        "run_folder", "run_parts", "training")},
+    **{f"vit_keras.tools.{name}": f"vit_keras.tools.distributed.{name}" for name in (
+        "distribution", "memory", "sharded_checkpoint", "sharding")},
 }
 """Old module path → the module it is now."""
 
@@ -56,10 +63,24 @@ class MovedModule(types.ModuleType):
         delattr(self._module(), name)
 
 
+def _package_of(old):
+    """The package an old path lives in: its nearest parent that is no old path itself
+    (`vit_keras` for `vit_keras.checkpoints.timm`, `vit_keras.tools` for
+    `vit_keras.tools.training`)."""
+    parent = old.rpartition(".")[0]
+    while parent in MOVED:
+        parent = parent.rpartition(".")[0]
+    return parent
+
+
 def register(package):
-    """Puts a stand-in for each old path in `sys.modules` and on its parent (`package`, the
-    `vit_keras` module, or a parent stand-in) so that both `import` forms find it."""
-    for old, new in MOVED.items():
+    """Puts a stand-in for each old path in `package` (a module: `vit_keras`, `vit_keras.tools`)
+    in `sys.modules` and on its parent (`package` or a parent stand-in) so that both `import`
+    forms find it. Each package registers its own when it is imported: `import vit_keras`
+    imports no `vit_keras.tools`."""
+    for old, new in MOVED.items():  # a parent before its children
+        if _package_of(old) != package.__name__:
+            continue
         stand_in = sys.modules.setdefault(old, MovedModule(old, new))
         parent, _, name = old.rpartition(".")
         holder = package if parent == package.__name__ else sys.modules[parent]

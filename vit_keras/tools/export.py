@@ -25,7 +25,7 @@ and return NaN for an empty image.
 
 Class names travel as a `class_names.json` (a JSON list of strings, one per output class) beside the
 `.keras` file, or from any `.json` list or `.txt` file with one name per line
-(`vit_keras.tools.run_folder.load_class_names`).
+(`vit_keras.tools.runs.run_folder.load_class_names`).
 
 Exact GELU: TensorFlow computes it as `0.5 * x * erfc(-x / sqrt(2))`. The LiteRT converter fuses
 that pattern into its builtin `GELU` op (approximate=False), so no Flex op is needed and the
@@ -50,7 +50,7 @@ import numpy as np
 import tensorflow as tf
 
 from vit_keras.model import ViT
-from vit_keras.tools.run_folder import RunFolder, atomic_write_text
+from vit_keras.tools.runs.run_folder import RunFolder, atomic_write_text
 
 FORMATS = ("saved_model", "tflite", "onnx")
 QUANTIZATIONS = ("none", "dynamic_int8", "float16")

@@ -36,7 +36,6 @@ import numpy as np
 from vit_keras import errors
 from vit_keras.model import ViT
 from vit_keras.model.layers import HeadsProjection
-from vit_keras.tools import callbacks as callbacks_lib
 from vit_keras.weights.checkpoints import files
 
 # Keys of adapters.npz that are no weights.
@@ -59,8 +58,6 @@ def check_options(config, objective=None):
       objective: the run's `objectives.Objective`; LoRA and the linear probe fine-tune a
         classifier, so any other objective (masked patch prediction) refuses them.
     """
-    from vit_keras.tools import objectives  # objectives imports the recipes; kept off import
-
     settings = config.finetuning
     rank, alpha = settings.lora_rank, settings.lora_alpha
     if rank is not None and rank < 0:
@@ -84,8 +81,8 @@ def check_options(config, objective=None):
                 raise FinetuningOptionError(
                     f"--linear_probe runs the frozen encoder as at inference, without dropout: "
                     f"drop --{flag} {getattr(config.model, flag):g}.")
-    if (rank or settings.linear_probe) and objective is not None and not isinstance(
-            objective, objectives.Classification):
+    if (rank or settings.linear_probe) and objective is not None and not (
+            objective.trains_a_classifier):
         used = "--lora_rank" if rank else "--linear_probe"
         raise FinetuningOptionError(
             f"{used} fine-tunes a classifier (apps/finetune.py, apps/train.py); "
@@ -359,19 +356,6 @@ def _check_arrays_fit(headers, expected, path, model_name):
                 f"classes.")
         if dtype.kind != "f":
             raise AdaptersError(f"{path}: {name} holds {dtype} values, not floating point.")
-
-
-class MergedModelCheckpoint(callbacks_lib.AtomicModelCheckpoint):
-    """The run's per-epoch `model.keras` of a LoRA run: the merged plain model (built once)."""
-
-    _plain = None
-
-    def on_epoch_end(self, epoch, logs=None):
-        if self.guard and self.guard.bad_step:
-            return
-        if self._plain is None:
-            self._plain = ViT.from_config(self.model.get_config())
-        callbacks_lib.atomic_save_model(merge_lora(self.model, into=self._plain), self.path)
 
 
 # The linear probe --------------------------------------------------------------------------------

@@ -19,14 +19,16 @@ import keras
 
 from vit_keras import model as model_lib
 from vit_keras.model import configs as configs_lib
-from vit_keras.tools import callbacks as callbacks_lib
-from vit_keras.tools import config_flags, finetuning, memory, plots, run_parts
-from vit_keras.tools import distribution as distribution_lib
-from vit_keras.tools import objectives as objectives_lib
-from vit_keras.tools import recipes as recipes_lib
-from vit_keras.tools import run_folder as run_folder_lib
-from vit_keras.tools.run_config import RunConfig
-from vit_keras.tools.run_folder import (
+from vit_keras.tools import finetuning, plots
+from vit_keras.tools.distributed import distribution as distribution_lib
+from vit_keras.tools.distributed import memory
+from vit_keras.tools.runs import callbacks as callbacks_lib
+from vit_keras.tools.runs import config_flags, run_parts
+from vit_keras.tools.runs import objectives as objectives_lib
+from vit_keras.tools.runs import recipes as recipes_lib
+from vit_keras.tools.runs import run_folder as run_folder_lib
+from vit_keras.tools.runs.run_config import RunConfig
+from vit_keras.tools.runs.run_folder import (
     RunFolder,
     RunFolderError,
     RunFolderMismatchError,

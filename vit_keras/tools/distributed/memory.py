@@ -102,7 +102,7 @@ def check_host_memory_for_saving(whole_bytes, weight_bytes, checkpoint, availabl
         f"{checkpoint}: run the same command on hosts with at least {_binary_size(whole_bytes)} "
         f"of memory (it resumes at its final evaluation and writes model.keras), or load the "
         f"weights alone ({_binary_size(weight_bytes)}) into the model with "
-        f"vit_keras.tools.sharded_checkpoint.restore(model, path, with_optimizer=False) and "
+        f"vit_keras.tools.distributed.sharded_checkpoint.restore(model, path, with_optimizer=False) and "
         f"save or export it (docs/distributed.md).")
 
 

@@ -11,7 +11,7 @@ fsdp run (`callbacks.AtomicBackupAndRestore(sharded=True)`), and how to export i
 Variables are matched by position, as `model.load_weights` matches them, and not by path: paths
 carry per-process counters (a second model built in one process is `vi_t_1`). Orbax writes into a
 temporary folder beside PATH and renames it when every process has written
-(`run_folder.ORBAX_TEMPORARY_MARK`): PATH is always a whole checkpoint. A disk without the room
+(`ORBAX_TEMPORARY_MARK`): PATH is always a whole checkpoint. A disk without the room
 for a checkpoint is refused before it is written, and a write that fails removes that folder.
 """
 
@@ -24,9 +24,10 @@ import time
 
 import keras
 
-from vit_keras.tools.run_folder import ORBAX_TEMPORARY_MARK
-
 SUFFIX = ".orbax"
+# Orbax writes a checkpoint into a folder named with this, renamed once every process has written
+# (a run folder's `temporary_files` lists what an interrupted write left).
+ORBAX_TEMPORARY_MARK = ".orbax-checkpoint-tmp"
 # TensorStore reports a failed write as a ValueError whose message ends with the errno.
 _OS_ERROR_CODE = re.compile(r"\[os_error_code='(\d+)'\]")
 

@@ -8,7 +8,7 @@ import dataclasses
 
 import keras
 
-from vit_keras.tools import evaluation
+from vit_keras.tools.runs import evaluation
 
 # In the core, which `import vit_keras` registers: a saved optimizer finds them there.
 from vit_keras.training import layer_decay
@@ -141,7 +141,7 @@ def make_optimizer(recipe, total_steps=None, accum_steps=1, layer_scales=None, e
     `layer_scales` (`layer_decay.layer_decay_scales`: layer name → learning-rate scale) gives
     the layer-decay SGD or AdamW (`vit_keras.layer_decay`). `ema_decay` keeps an exponential
     moving average of the weights in the optimizer (Keras' `use_ema`, `ema_momentum`; never
-    written into the weights during training: `tools.ema`).
+    written into the weights during training: `tools.runs.ema`).
     """
     total_steps = int(total_steps or recipe.total_steps)
     warmup = min(recipe.warmup_steps, max(0, total_steps - 1))

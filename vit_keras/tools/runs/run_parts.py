@@ -24,8 +24,10 @@ does it.
 
 import dataclasses
 
-from vit_keras.tools import ema as ema_lib
+from vit_keras.model import ViT
 from vit_keras.tools import finetuning
+from vit_keras.tools.runs import callbacks as callbacks_lib
+from vit_keras.tools.runs import ema as ema_lib
 from vit_keras.training import layer_decay
 
 
@@ -94,6 +96,19 @@ class Remat(Part):
         return vit
 
 
+class MergedModelCheckpoint(callbacks_lib.AtomicModelCheckpoint):
+    """The run's per-epoch `model.keras` of a LoRA run: the merged plain model (built once)."""
+
+    _plain = None
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.guard and self.guard.bad_step:
+            return
+        if self._plain is None:
+            self._plain = ViT.from_config(self.model.get_config())
+        callbacks_lib.atomic_save_model(finetuning.merge_lora(self.model, into=self._plain), self.path)
+
+
 @dataclasses.dataclass
 class Lora(Part):
     """`--lora_rank`: LoRA adapters on every block, all else frozen but the head
@@ -105,7 +120,7 @@ class Lora(Part):
     train_norms: bool = False
     pretrained: bool = True  # whether the run has --weights
 
-    checkpoint = finetuning.MergedModelCheckpoint
+    checkpoint = MergedModelCheckpoint
 
     @property
     def run_name(self):
@@ -153,7 +168,7 @@ class LayerDecay(Part):
 @dataclasses.dataclass
 class Ema(Part):
     """`--ema_decay`: an exponential moving average of the weights in the optimizer, validated
-    each epoch (val_ema_*), and the run's model when it validates better (`tools.ema`)."""
+    each epoch (val_ema_*), and the run's model when it validates better (`tools.runs.ema`)."""
 
     decay: float
     validation_split: str = "val"  # the objective's: the average needs one to be chosen

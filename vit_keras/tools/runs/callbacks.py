@@ -11,8 +11,8 @@ import keras
 import numpy as np
 
 from vit_keras import errors
-from vit_keras.tools import sharded_checkpoint
-from vit_keras.tools.run_folder import atomic_save_model, atomic_write_json, read_json, writing
+from vit_keras.tools.distributed import sharded_checkpoint
+from vit_keras.tools.runs.run_folder import atomic_save_model, atomic_write_json, read_json, writing
 
 # The backups a run writes (`epoch-N.weights.h5` and Keras' `latest.weights.h5`: earlier
 # versions'). A training_metadata.json naming anything else is refused: the run would load that

@@ -9,10 +9,10 @@ apps' flags (`config_flags.define_flags`), its fields grouped by concern: `data`
 
 import dataclasses
 
-from vit_keras.tools import config_flags
-from vit_keras.tools import distribution as distribution_lib
-from vit_keras.tools import recipes as recipes_lib
-from vit_keras.tools.config_flags import option
+from vit_keras.tools.distributed import distribution as distribution_lib
+from vit_keras.tools.runs import config_flags
+from vit_keras.tools.runs import recipes as recipes_lib
+from vit_keras.tools.runs.config_flags import option
 
 
 @dataclasses.dataclass

@@ -248,7 +248,7 @@ class Distribution:
         holds all of it. Call after `scope`."""
         if not self.shards_weights:
             return None
-        from vit_keras.tools import sharding
+        from vit_keras.tools.distributed import sharding
 
         if model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
@@ -351,7 +351,7 @@ class _FullyShardedDataParallel(_Parallel):
     sharded_backup = True
 
     def _keras_distribution(self, devices):
-        from vit_keras.tools import sharding
+        from vit_keras.tools.distributed import sharding
 
         model_size = int(self.model_parallel_size or 1)
         mesh = _mesh(devices, model_size, self.processes, spanning_allowed=True)

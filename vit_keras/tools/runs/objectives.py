@@ -16,8 +16,8 @@ options are `config_flags.option` fields: the flags of the app that runs it.
 import dataclasses
 
 from vit_keras import errors
-from vit_keras.tools import recipes as recipes_lib
-from vit_keras.tools.config_flags import option
+from vit_keras.tools.runs import recipes as recipes_lib
+from vit_keras.tools.runs.config_flags import option
 from vit_keras.training import fewshot
 from vit_keras.training import masked_patch_prediction as mpp
 
@@ -31,6 +31,7 @@ class Objective:
 
     recipes = {}                # --recipe name → recipes.Recipe
     validation_split = None     # the split `fit` validates on after each epoch, or None
+    trains_a_classifier = False  # LoRA and the linear probe fine-tune a classifier alone
     evaluation = "the final evaluation"   # what a run resumed after its training does (the log)
     left_out_flags = ()         # RunConfig fields that are no flags of this objective's app
     flag_overrides = {}         # RunConfig field → {"help": ..., "choices": ...} for its app
@@ -91,6 +92,7 @@ class Classification(Objective):
 
     recipes = recipes_lib.RECIPES
     validation_split = "val"
+    trains_a_classifier = True
 
     def auto_recipe(self, config):
         dataset, weights = config.data.dataset, config.model.weights

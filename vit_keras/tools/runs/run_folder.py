@@ -37,8 +37,6 @@ from vit_keras import errors
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # POSIX; Windows has no symbolic links to refuse here
 # The entries a run writes in its folder (beside the temporary files of its atomic writes):
 # `--overwrite` deletes a folder's contents only when it holds nothing else.
-# Orbax writes a checkpoint into a folder named with this, renamed once every process has written.
-ORBAX_TEMPORARY_MARK = ".orbax-checkpoint-tmp"
 RUN_FILES = ("model.keras", "adapters.npz", "metrics.json", "flags.txt", "class_names.json",
              "history.csv", "training_curves.png", "logs", "backup", "skipped_files.txt", "lock")
 
@@ -65,7 +63,7 @@ def atomic_save_model(model, path):
     Keras writes a `.keras` file through Python's `zipfile` (the weights' HDF5 is built in
     memory), so a full disk is an `OSError` here; h5py writing a `.weights.h5` file itself
     crashes the process when the disk fills (a segmentation fault inside `File.close`)."""
-    from vit_keras.tools import sharding
+    from vit_keras.tools.distributed import sharding
 
     temporary = f"{path[:-len('.keras')]}.tmp-{os.getpid()}.keras"
     with writing(path, temporary):
@@ -444,6 +442,8 @@ class RunFolder:
         folder: `NAME.tmp-PID[.keras]` beside the outputs, `*.tmp-PID[.keras]`, an Orbax
         checkpoint not yet committed (`epoch-N.orbax.orbax-checkpoint-tmp-*`, a folder) and
         (from earlier versions' backups) `saving-PID.weights.h5` in `backup/`."""
+        from vit_keras.tools.distributed.sharded_checkpoint import ORBAX_TEMPORARY_MARK
+
         found = [name for name in os.listdir(self.path) if ".tmp-" in name and (
             os.path.isfile(self._file(name)) or os.path.islink(self._file(name)))]
         if os.path.isdir(self.backup):
