@@ -178,9 +178,9 @@ output = sys.argv[1]
 run = os.path.join(output, "run")
 config = training.RunConfig.of(image_size=8, batch_size=16, epochs=2, steps_per_epoch=2,
                                distribution="fsdp", output_dir=output, run_name="run", verbose=0)
-report, logs, host_memory = {}, [], memory.host_memory
-memory.device_memory = lambda ram=host_memory(): (ram, "host memory (RAM)")  # as it is
-memory.host_memory = lambda: 2 ** 16
+report, logs, host_ram_bytes = {}, [], memory.host_ram_bytes
+memory.device_memory = lambda ram=host_ram_bytes(): (ram, "host memory (RAM)")  # as it is
+memory.host_ram_bytes = lambda: 2 ** 16
 try:
     training.run(config, log=logs.append)
 except memory.HostMemoryError as error:
@@ -189,7 +189,7 @@ report["warnings"] = [line for line in logs if line.startswith("Warning")]
 report["files"] = sorted(os.listdir(run))
 report["backup"] = sorted(os.listdir(os.path.join(run, "backup")))
 shutil.copytree(os.path.join(run, "backup", "epoch-2.orbax"), os.path.join(output, "kept.orbax"))
-memory.host_memory, logs = host_memory, []
+memory.host_ram_bytes, logs = host_ram_bytes, []
 metrics = training.run(config, log=logs.append)
 report["resumed"] = [line for line in logs if "evaluating the backed-up model" in line]
 report["resumed_from_epoch"] = metrics["resumed_from_epoch"]

@@ -48,7 +48,7 @@ def test_the_check_counts_what_a_device_keeps_between_steps(tiny_config):
 def test_an_fsdp_model_too_big_to_gather_names_its_sharded_checkpoint_and_the_ways_out():
     """fsdp trains and backs up without gathering; only model.keras gathers the weights and
     optimizer state whole on each host."""
-    assert memory.host_memory() > 2 ** 30
+    assert memory.host_ram_bytes() > 2 ** 30
     assert memory.saving_shortfall(2 ** 30, available=2 ** 31) is None
     memory.check_host_memory_for_saving(2 ** 30, 2 ** 28, "ckpt", available=2 ** 31)
     with pytest.raises(memory.HostMemoryError) as error:  # ViT-g/14 with AdamW

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import vit_keras
-from vit_keras.model import normalization
+from vit_keras.model import pixel_normalization as normalization
 from vit_keras.weights import families as family_records
 from vit_keras.weights import releases
 from vit_keras.weights.checkpoints import huggingface

@@ -39,7 +39,7 @@ from vit_keras.model.layers import (
     TransformerBlock,
 )
 from vit_keras.model.mlp import GeGLUBlock, SiLUMlpBlock, SwiGLUBlock
-from vit_keras.model.normalization import NORMALIZATIONS, Normalization, PixelNormalization
+from vit_keras.model.pixel_normalization import NORMALIZATIONS, Normalization, PixelNormalization
 from vit_keras.model.position_embeddings import RotaryEmbedding, RotaryPositions, RotaryRotation
 from vit_keras.model.resnet import ResidualUnit, ResNetStage, ResNetStem, StdConv2D
 from vit_keras.model.vit import ViT, attention_scores, with_dynamic_image_size

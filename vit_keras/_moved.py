@@ -17,8 +17,13 @@ REMOVAL = "2027-06-01"
 
 MOVED = {
     **{f"vit_keras.{name}": f"vit_keras.model.{name}" for name in (
-        "attention", "configs", "geometry", "heads", "interpolation_ops", "kernels", "layers",
-        "normalization", "resnet", "xla_cpu")},
+        "attention", "configs", "geometry", "heads", "interpolation_ops", "layers", "resnet",
+        "xla_cpu")},
+    # Renamed to say what they hold (registered when `vit_keras.model` is imported).
+    **{f"{package}.kernels": "vit_keras.model.backend_ops"
+       for package in ("vit_keras", "vit_keras.model")},
+    **{f"{package}.normalization": "vit_keras.model.pixel_normalization"
+       for package in ("vit_keras", "vit_keras.model")},
     **{f"vit_keras.{name}": f"vit_keras.weights.{name}" for name in (
         "checkpoints", "download", "download_http", "keras_files", "labels", "patch_resize",
         "posemb", "pretrained", "release_files", "releases")},

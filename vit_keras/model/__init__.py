@@ -7,13 +7,16 @@ JAX or torch at import), so one model runs on every backend.
 - `layers.py`: the token layers and the encoder block; the block's slots, each a table of
   implementations: `attention.py` (and its kernels per device), `mlp.py`, `norms.py`,
   `position_embeddings.py`; the poolings and heads in `heads.py`.
-- `resnet.py`: the hybrids' BiT ResNet; `normalization.py`: input pixel normalisation.
-- `geometry.py`, `initializers.py`, `interpolation_ops.py`; `kernels.py` and `xla_cpu.py`: how
-  the layers compute on each backend and device.
+- `resnet.py`: the hybrids' BiT ResNet; `pixel_normalization.py`: input pixel normalisation.
+- `geometry.py`, `initializers.py`, `interpolation_ops.py`; `backend_ops.py` and `xla_cpu.py`:
+  how the layers compute on each backend and device.
 """
 
-# The model's names, imported from vit.py when first asked for: `vit_keras.model.geometry` and
-# `.configs` (plain Python, which the NumPy-only weights code uses) load no Keras.
+import sys as _sys
+
+from vit_keras import _moved
+
+# The model's names, imported from vit.py when first asked for.
 _FROM_VIT = ("CLASSIFIERS", "ViT", "attention_scores", "transformer_blocks",
              "with_dynamic_image_size")
 
@@ -28,3 +31,6 @@ def __getattr__(name):
 
 def __dir__():
     return sorted([*globals(), *_FROM_VIT])
+
+
+_moved.register(_sys.modules[__name__])  # kernels.py and normalization.py, renamed

@@ -46,7 +46,7 @@ import keras
 from keras import ops
 
 from vit_keras.model import initializers, legacy, position_embeddings, specs, xla_cpu
-from vit_keras.model.kernels import adapted, torch_linear
+from vit_keras.model.backend_ops import adapted, torch_linear
 
 _PACKAGE = "vit_keras"
 

@@ -14,7 +14,7 @@ import keras
 from keras import ops
 
 from vit_keras.model import attention as attention_lib
-from vit_keras.model import kernels, legacy, norms, position_embeddings, xla_cpu
+from vit_keras.model import backend_ops, legacy, norms, position_embeddings, xla_cpu
 from vit_keras.model import mlp as mlp_lib
 
 # Where they were defined before their slot modules; `vit_keras.model.layers.X` keeps importing them.
@@ -69,7 +69,7 @@ class PatchEmbedding(keras.layers.Layer):
         self.bias = self.add_weight(
             name="bias", shape=(self.hidden_size,), initializer=self.bias_initializer
         ) if self.use_bias else None
-        self._linear = kernels.choose_linear()  # torch's linear; bfloat16 products on XLA:CPU
+        self._linear = backend_ops.choose_linear()  # torch's linear; bfloat16 products on XLA:CPU
 
     def call(self, images):
         _, height, width, channels = images.shape
@@ -290,7 +290,7 @@ class TransformerBlock(position_embeddings.TakesRotary, keras.layers.Layer):
         # An identity; on XLA:CPU one whose gradient XLA computes once per block instead of fusing
         # it into every consumer (see vit_keras.model.xla_cpu).
         self._block_boundary = xla_cpu.choose_block_boundary()
-        self._norm = kernels.choose_layer_norm()  # torch's own kernel on torch
+        self._norm = backend_ops.choose_layer_norm()  # torch's own kernel on torch
 
     def _drop_path(self, branch, training):
         if not (training and self.drop_path_rate > 0):
@@ -305,7 +305,7 @@ class TransformerBlock(position_embeddings.TakesRotary, keras.layers.Layer):
                            return_attention_scores=return_attention_scores)
         if return_attention_scores:
             y, scores = y
-        y = kernels.dropped(self._dropout, y, training)
+        y = backend_ops.dropped(self._dropout, y, training)
         if self.scale_1 is not None:
             y = self.scale_1(y)
         x = x + self._drop_path(y, training)

@@ -24,7 +24,7 @@ import dataclasses
 import keras
 from keras import ops
 
-from vit_keras.model import initializers, kernels, legacy, norms, specs
+from vit_keras.model import backend_ops, initializers, legacy, norms, specs
 from vit_keras.model.configs import GELUS
 
 _PACKAGE = "vit_keras"
@@ -46,7 +46,7 @@ def _quick_gelu(x):
 
 def _choose_gelu(gelu):
     """The GELU function of a layer built now (exact and tanh in each backend's fastest form)."""
-    return _quick_gelu if gelu == "quick" else kernels.choose_gelu(gelu == "tanh")
+    return _quick_gelu if gelu == "quick" else backend_ops.choose_gelu(gelu == "tanh")
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
@@ -90,9 +90,9 @@ class MlpBlock(keras.layers.Layer):
         self.dense_1.build(inner)
         if self.norm is not None:
             self.norm.build(inner)
-        # Chosen once for this backend and device (see vit_keras.model.kernels): `dense(x)`, torch's
+        # Chosen once for this backend and device (see vit_keras.model.backend_ops): `dense(x)`, torch's
         # linear, or on XLA:CPU an einsum with bfloat16 products; GELU in its fastest form.
-        self._project = kernels.choose_projection()
+        self._project = backend_ops.choose_projection()
         self._activation = ops.silu if self.activation == "silu" else _choose_gelu(self.gelu)
 
     activation = "gelu"
@@ -103,10 +103,10 @@ class MlpBlock(keras.layers.Layer):
         return self._activation(self._project(self.dense_0, x))
 
     def call(self, x, training=None):
-        x = kernels.dropped(self._dropout, self._hidden(x), training)
+        x = backend_ops.dropped(self._dropout, self._hidden(x), training)
         if self.norm is not None:
             x = self.norm(x)
-        return kernels.dropped(self._dropout, self._project(self.dense_1, x), training)
+        return backend_ops.dropped(self._dropout, self._project(self.dense_1, x), training)
 
     def activation_values(self, tokens):
         """Values per image that a training step keeps for the backward pass: the two layers'

@@ -18,7 +18,7 @@ import numpy as np
 from vit_keras.model import attention as attention_lib
 from vit_keras.model import configs, geometry, heads, layers, norms, position_embeddings, resnet
 from vit_keras.model import mlp as mlp_lib
-from vit_keras.model import normalization as normalization_lib
+from vit_keras.model import pixel_normalization as normalization_lib
 
 CLASSIFIERS = heads.CLASSIFIERS
 """Poolings: the class token, the mean of the patch tokens, SigLIP's attention pooling (MAP)."""
@@ -42,8 +42,8 @@ class ViT(keras.Model):
       include_top: with `False` the model ends at the pooled `(batch, features)` representation
         (after the final LayerNorm and the representation layer, if any) and has no head.
       include_preprocessing: `True`: inputs are RGB pixels in [0, 255], normalised in the graph
-        as `normalization` says (`vit_keras.model.normalization.PixelNormalization`, the layer named
-        `rescale`); `False`: inputs are already normalised.
+        as `normalization` says (`vit_keras.model.pixel_normalization.PixelNormalization`, the
+        layer named `rescale`); `False`: inputs are already normalised.
       normalization: how the graph normalises pixels, `(x / 255 - mean) / std` per channel: a
         name (`"inception"`: the original weights' `(x - 127.5) / 127.5`; `"imagenet"`: DeiT,
         DINOv2, MAE; `"clip"`), a `(mean, std)` pair in the [0, 1] scale, or None: `"inception"`

@@ -1,7 +1,7 @@
 """The workarounds that let XLA:CPU train a ViT as fast as PyTorch does, and their switch.
 
 Layers choose how they compute once, when they are built (`vit_keras.model.attention` for attention,
-`vit_keras.model.kernels` for projections, LayerNorms and GELU); on XLA:CPU those tables take the
+`vit_keras.model.backend_ops` for projections, LayerNorms and GELU); on XLA:CPU those tables take the
 pieces here:
 
 - `choose_einsum`: the encoder's matrix products (item 2 below).

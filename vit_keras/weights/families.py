@@ -45,7 +45,7 @@ class Family:
       gelu: the GELU of its releases (`"exact"`, `"tanh"`, `"quick"`).
       rope: its rotary embeddings (`RopeSpec`), None without.
       normalization: the input normalisation of its published weights (a key of
-        `vit_keras.model.normalization.NORMALIZATIONS`), None where they differ.
+        `vit_keras.model.pixel_normalization.NORMALIZATIONS`), None where they differ.
       normalization_by_name: whether the family's name alone says `normalization`: False for
         the paper's ViT, whose `vit` folders and untagged timm names are also DINO's (ImageNet's
         mean and std); its releases and tags say it.

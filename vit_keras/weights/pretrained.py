@@ -13,7 +13,7 @@ import os
 from vit_keras import errors
 from vit_keras import model as model_lib
 from vit_keras.model import configs, geometry
-from vit_keras.model import normalization as normalization_lib
+from vit_keras.model import pixel_normalization as normalization_lib
 from vit_keras.weights import download, release_files, releases
 from vit_keras.weights.checkpoints import loader
 

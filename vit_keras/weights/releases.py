@@ -15,7 +15,7 @@ Face hub ids are listed where the hub holds the same weights with the same head.
 import dataclasses
 
 from vit_keras import errors
-from vit_keras.model import configs, normalization
+from vit_keras.model import configs, pixel_normalization
 from vit_keras.weights import families
 
 OFFICIAL_BASE_URL = "https://storage.googleapis.com/"
@@ -71,11 +71,12 @@ class Release:
 
     @property
     def normalization(self):
-        """How the release's pixels were normalised in training (a `vit_keras.model.normalization.
-        Normalization`): the model built from it normalises its input the same way. Its family's
-        (`vit_keras.weights.families`); a release of no family's has the paper's."""
+        """How the release's pixels were normalised in training (a
+        `vit_keras.model.pixel_normalization.Normalization`): the model built from it normalises
+        its input the same way. Its family's (`vit_keras.weights.families`); a release of no
+        family's has the paper's."""
         family = families.by_release(self.name) or families.VIT
-        return normalization.NORMALIZATIONS[family.normalization]
+        return pixel_normalization.NORMALIZATIONS[family.normalization]
 
     @property
     def url(self):

@@ -64,10 +64,10 @@ def device_memory():
 
         if tf.config.list_physical_devices("GPU"):
             return None, "GPU"
-    return host_memory(), "host memory (RAM)"
+    return host_ram_bytes(), "host memory (RAM)"
 
 
-def host_memory():
+def host_ram_bytes():
     """Bytes of this host's RAM, within a cgroup's limit."""
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
@@ -81,8 +81,8 @@ def host_memory():
 
 def saving_shortfall(whole_bytes, available=None):
     """`None` when a sharded run's weights and optimizer state, `whole_bytes` gathered whole,
-    fit in this host's RAM (`host_memory()` unless `available`); else a sentence saying so."""
-    available = host_memory() if available is None else available
+    fit in this host's RAM (`host_ram_bytes()` unless `available`); else a sentence saying so."""
+    available = host_ram_bytes() if available is None else available
     if whole_bytes <= available:
         return None
     return (f"writing model.keras gathers this run's weights and optimizer state whole on each "

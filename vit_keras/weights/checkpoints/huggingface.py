@@ -20,7 +20,7 @@ import os
 import re
 
 from vit_keras import errors
-from vit_keras.model import normalization as normalization_lib
+from vit_keras.model import pixel_normalization as normalization_lib
 from vit_keras.weights import families
 from vit_keras.weights.checkpoints import files, names, timm
 

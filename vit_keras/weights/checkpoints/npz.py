@@ -3,7 +3,7 @@
 import numpy as np
 
 from vit_keras import errors
-from vit_keras.model import normalization
+from vit_keras.model import pixel_normalization
 from vit_keras.weights.checkpoints import files, names
 
 NORMALIZATION = "vit_keras/input_normalization/"
@@ -25,14 +25,14 @@ def read(path):
     info = {"format": fmt, "interpolation": "vit_jax", "antialias": False}
     if stored["mean"] is not None and stored["std"] is not None:
         try:
-            stored = normalization.get_normalization((stored["mean"], stored["std"]))
+            stored = pixel_normalization.get_normalization((stored["mean"], stored["std"]))
         except ValueError as error:
             raise errors.CheckpointError(f"{path!r}: its {NORMALIZATION}* arrays: {error}") \
                 from None
         info.update(normalization=stored,
                     normalization_source=f"the {NORMALIZATION}* arrays of the .npz")
     else:  # vit_jax's and big_vision's files: the original weights' convention
-        info.update(normalization=normalization.PAPER,
+        info.update(normalization=pixel_normalization.PAPER,
                     normalization_source="the .npz format (the original weights' convention)")
     return params, info
 
@@ -42,7 +42,7 @@ def write(path, params, input_normalization=None):
     with the model's input normalisation as two extra arrays where it is not the original
     weights' (vit_jax and timm read the arrays they know and leave these)."""
     arrays = {key: np.asarray(value) for key, value in params.items()}
-    if input_normalization is not None and not input_normalization.matches(normalization.PAPER):
+    if input_normalization is not None and not input_normalization.matches(pixel_normalization.PAPER):
         arrays[NORMALIZATION + "mean"] = np.asarray(input_normalization.mean, np.float64)
         arrays[NORMALIZATION + "std"] = np.asarray(input_normalization.std, np.float64)
     with open(path, "wb") as f:

@@ -37,7 +37,7 @@ import re
 
 from vit_keras import errors
 from vit_keras.model import configs, geometry
-from vit_keras.model import normalization as normalization_lib
+from vit_keras.model import pixel_normalization as normalization_lib
 from vit_keras.weights import families
 from vit_keras.weights.checkpoints import files, names
 
@@ -127,9 +127,9 @@ def architecture_hints(timm_architecture):
 
 
 def normalization_for_name(timm_name):
-    """The name of the normalisation (a key of `vit_keras.model.normalization.NORMALIZATIONS`) that a
-    timm model name with or without its pretrained tag says (its family's `timm_normalization`,
-    else the family's where its name says it), or None."""
+    """The name of the normalisation (a key of `vit_keras.model.pixel_normalization.NORMALIZATIONS`)
+    that a timm model name with or without its pretrained tag says (its family's
+    `timm_normalization`, else the family's where its name says it), or None."""
     family = families.by_timm_name(timm_name)
     found, normalization = families.first_match(family.timm_normalization, timm_name)
     if found:
