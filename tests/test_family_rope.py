@@ -361,7 +361,7 @@ def test_finetune_app_starts_from_a_local_rotary_timm_file(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     model = keras.models.load_model(tmp_path / "runs" / "dinov3" / "model.keras", compile=False)
     vit = vit_keras.ViT.of(model)
-    assert vit.vit_config.rope == "dinov3" and vit.vit_config.num_registers == 4
+    assert vit.vit_config.rope.kind == "dinov3" and vit.vit_config.num_registers == 4
     assert model.output_shape == (None, 10)
 
 
@@ -386,7 +386,7 @@ def test_a_rotary_release_loads_by_name_from_a_mirror_of_timms_repository(tmp_pa
     monkeypatch.setenv(download.HOME_VARIABLE, str(tmp_path / "cache"))
     monkeypatch.setenv(download.MIRROR_VARIABLE, str(tmp_path / "mirror"))
     model = vit_keras.build_model("ViT-S/16", weights="dinov3", image_size=64, include_top=False)
-    assert vit_keras.ViT.of(model).vit_config.rope == "dinov3"
+    assert vit_keras.ViT.of(model).vit_config.rope.kind == "dinov3"
     assert model.normalization.name == "imagenet"
     pixels = np.random.default_rng(0).integers(0, 256, (1, 64, 64, 3)).astype("float32")
     normalized = (pixels / 255 - np.array([0.485, 0.456, 0.406])) / np.array([0.229, 0.224, 0.225])

@@ -213,11 +213,11 @@ class TorchAttention(_Kernel):
         batch, tokens, hidden = x.shape
         q_k_v = []
         for projection in projections:
-            kernel = ops.convert_to_tensor(projection.kernel)  # (hidden, heads, head_dim)
-            heads, head_dim = kernel.shape[1], kernel.shape[2]
+            weight = ops.convert_to_tensor(projection.kernel)  # (hidden, heads, head_dim)
+            heads, head_dim = weight.shape[1], weight.shape[2]
             bias = None if projection.bias is None else ops.convert_to_tensor(
                 projection.bias).reshape(heads * head_dim)
-            y = torch_linear(x, kernel.reshape(hidden, heads * head_dim), bias)
+            y = torch_linear(x, weight.reshape(hidden, heads * head_dim), bias)
             q_k_v.append(y.view(batch, tokens, heads, head_dim).transpose(1, 2))
         return q_k_v
 
@@ -234,9 +234,9 @@ class TorchAttention(_Kernel):
         batch, heads, tokens, head_dim = attended.shape
         if adapted(layer.query, layer.key, layer.value, layer.out):
             return layer.out(ops.transpose(attended, (0, 2, 1, 3)))
-        kernel = ops.convert_to_tensor(layer.out.kernel)  # (heads, head_dim, hidden)
+        weight = ops.convert_to_tensor(layer.out.kernel)  # (heads, head_dim, hidden)
         merged = attended.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
-        return torch_linear(merged, kernel.reshape(heads * head_dim, -1), layer.out.bias)
+        return torch_linear(merged, weight.reshape(heads * head_dim, -1), layer.out.bias)
 
 
 class ExplicitAttention(_Kernel):
@@ -264,8 +264,8 @@ class ExplicitAttention(_Kernel):
         projections = (layer.query, layer.key, layer.value)
         if adapted(*projections, layer.out):
             return [ops.transpose(projection(x), (0, 2, 1, 3)) for projection in projections]
-        kernel = ops.concatenate([projection.kernel for projection in projections], axis=1)
-        qkv = self.einsum("btd,dhk->bhtk", x, kernel)
+        weight = ops.concatenate([projection.kernel for projection in projections], axis=1)
+        qkv = self.einsum("btd,dhk->bhtk", x, weight)
         if any(projection.bias is not None for projection in projections):
             # A projection without a bias (EVA's key) adds zeros.
             bias = ops.concatenate([
