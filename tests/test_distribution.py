@@ -103,7 +103,8 @@ def test_the_model_and_optimizer_placement_is_reported_where_weights_are_split(t
     """What each device holds, asked of the distribution after compiling in its scope: the
     optimizer's slots are laid out first, so they are counted."""
     if keras.backend.backend() != "jax":
-        pytest.skip("model_parallel and fsdp run on JAX only")
+        pytest.skip("Keras implements ModelParallel and the layouts FSDP shards by for JAX only "
+                    "(keras.distribution has no TensorFlow or torch engine for them)")
     from conftest import tiny_model
 
     for kind in distribution.DISTRIBUTIONS:
