@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import vit_keras
-from vit_keras.model import configs, heads, layers, mlp
+from vit_keras.model import configs, heads, layers, mlp, norms
 from vit_keras.weights.checkpoints import timm as timm_format
 
 from conftest import NEXT_BACKEND, run_app, run_on_backend
@@ -272,12 +272,23 @@ def test_a_block_config_of_before_gelu_existed_still_loads():
     assert mlp.gelu == "tanh" and "approximate_gelu" not in mlp.get_config()
 
 
+def test_a_map_head_config_of_before_specs_still_loads():
+    # .keras files written before the specs carry the MAP head's epsilon and GELU flat.
+    head = heads.MAPHead.from_config({"name": "MAPHead_0", "num_heads": 2, "mlp_dim": 8,
+                                      "layer_norm_epsilon": 1e-5, "gelu": "quick",
+                                      "num_prefix_tokens": 1})
+    assert head.norm.epsilon == pytest.approx(1e-5) and head.mlp.gelu == "quick"
+    assert head.get_config()["norm_spec"] == {"kind": "layer_norm", "epsilon": 1e-5}
+    assert "gelu" not in head.get_config() and head.num_prefix_tokens == 1
+
+
 @pytest.mark.parametrize("layer, shape", [
     (layers.LayerScale(1e-6), (2, 5, 8)),
     (layers.RegisterTokens(3, insert_at=1), (2, 5, 8)),
     (layers.DistillationToken(), (2, 5, 8)),
     (heads.TokenPooling("gap", num_prefix_tokens=2), (2, 5, 8)),
-    (heads.MAPHead(2, 16, layer_norm_epsilon=1e-5, gelu="quick", num_prefix_tokens=1), (2, 5, 8)),
+    (heads.MAPHead(2, 16, num_prefix_tokens=1, norm_spec=norms.NormSpec(epsilon=1e-5),
+                   mlp_spec=mlp.MlpSpec(gelu="quick")), (2, 5, 8)),
     (layers.TransformerBlock(2, 16, layer_scale_init=0.1, mlp_spec=mlp.MlpSpec(gelu="quick")),
      (2, 5, 8)),
 ])

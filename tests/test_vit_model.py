@@ -163,3 +163,59 @@ def test_an_unknown_slot_value_is_refused_by_name():
         ViT({**TINY, "position_embedding": "rope"}, image_size=32)
     with pytest.raises(ValueError, match="Unknown rotary embedding 'spiral'"):
         ViT({**TINY, "rope": "spiral"}, image_size=32)
+
+
+class _Reading:
+    """A `ViTConfig` that records which of its fields are read (its methods' reads included)."""
+
+    def __init__(self, config):
+        self._config, self.read = config, set()
+
+    def __getattr__(self, name):
+        value = getattr(type(self._config), name, None)
+        if callable(value):  # a method: bound to this recorder, so its reads count too
+            return value.__get__(self)
+        self.read.add(name)
+        return getattr(self._config, name)
+
+
+def test_every_switch_of_the_config_is_read_by_a_slots_spec_or_the_model_itself():
+    # A new ViTConfig switch is a slot's option unless the model's own embedding stage reads it;
+    # one read by nobody would be saved and loaded and never change the model.
+    from vit_keras.model import attention, configs, mlp, norms, position_embeddings
+    config = _Reading(configs.get_config(TINY))
+    for reader in (norms.norm_spec, mlp.mlp_spec, attention.attention_spec,
+                   position_embeddings.position_spec):
+        reader(config)
+    layers.token_spec(config, "token")
+    heads.head_spec(config, "token")
+    by_the_model = {"layer_scale_init", "pre_norm", "patch_bias", "patch_norm"}
+    assert set(configs.SWITCHES) - config.read == by_the_model
+    source = open(os.path.join(os.path.dirname(vit_keras.__file__), "model", "vit.py")).read()
+    assert all(f"config.{name}" in source for name in by_the_model)
+
+
+@pytest.mark.parametrize("spec", [
+    layers.TokenSpec(class_token=True, distillation=True, registers=4),
+    heads.HeadSpec("map", map_num_heads=8, map_prefix=True),
+    heads.HeadSpec("token", distilled=True, fc_norm=False),
+])
+def test_the_new_specs_round_trip_their_config(spec):
+    assert type(spec).of(spec.get_config()) == spec
+
+
+def test_a_spec_refuses_what_its_slot_cannot_build():
+    from vit_keras.model import position_embeddings
+    with pytest.raises(ValueError, match="Unknown classifier 'cls'"):
+        heads.HeadSpec("cls")
+    with pytest.raises(ValueError, match="distillation token needs a class token"):
+        layers.TokenSpec(class_token=False, distillation=True)
+    with pytest.raises(ValueError, match="Unknown position embedding 'sincos'"):
+        position_embeddings.PositionSpec("sincos")
+
+
+def test_the_token_spec_orders_the_prefix_as_the_model_does():
+    model = ViT({**TINY, "num_registers": 2, "distillation": True}, image_size=32)
+    assert model.prefix_tokens == ["class", "distillation", "register", "register"]
+    assert [layer.name for layer in model.prefix_layers] == ["dist", "cls", "reg"]
+    assert model.get_layer("reg").insert_at == 2

@@ -2,18 +2,22 @@
 
 Poolings (`classifier=`): the class token (`"token"`), the mean of the patch tokens (`"gap"`),
 SigLIP's attention pooling (`"map"`, `MAPHead`), and DeiT's distilled pair (the class and the
-distillation token, each read by its own head, the two heads' logits averaged). `pooling_for`
-builds a model's pooling, `classifier_heads` its Dense heads and `classify` joins them.
+distillation token, each read by its own head, the two heads' logits averaged). A `HeadSpec`
+(`head_spec(config, classifier)`) makes a model's pooling (`pooling`) and its Dense heads
+(`heads`); `classify` joins them.
 
 `MAPHead`'s weight names are big_vision's, so checkpoints map by name:
 `MAPHead_0/probe`, `MAPHead_0/MultiHeadDotProductAttention_0/{query,key,value,out}/...`,
 `MAPHead_0/LayerNorm_0/...`, `MAPHead_0/MlpBlock_0/Dense_{0,1}/...`.
 """
 
+import dataclasses
+
 import keras
 from keras import ops
 
 from vit_keras.model import attention as attention_lib
+from vit_keras.model import legacy, norms, specs
 from vit_keras.model import mlp as mlp_lib
 
 _PACKAGE = "vit_keras"
@@ -30,23 +34,23 @@ class MAPHead(keras.layers.Layer):
     tokens) are left out, as timm does. Output: `(batch, hidden)`.
     Weights: `probe` `(1, 1, hidden)`; the attention's projections in the encoder blocks' layout
     (`query|key|value/kernel` `(hidden, heads, head_dim)`, `out/kernel` `(heads, head_dim,
-    hidden)`); `LayerNorm_0`; `MlpBlock_0` `(hidden, mlp_dim)`, `(mlp_dim, hidden)`.
+    hidden)`); `LayerNorm_0` (`norm_spec`'s); `MlpBlock_0` (`mlp_spec`'s) `(hidden, mlp_dim)`,
+    `(mlp_dim, hidden)`. Default specs: big_vision's LayerNorm and exact-GELU MLP.
     """
 
-    def __init__(self, num_heads, mlp_dim, layer_norm_epsilon=1e-6, gelu="exact",
-                 num_prefix_tokens=0, **kwargs):
+    def __init__(self, num_heads, mlp_dim, num_prefix_tokens=0, norm_spec=None, mlp_spec=None,
+                 **kwargs):
         super().__init__(**kwargs)
         self.num_heads = int(num_heads)
         self.mlp_dim = int(mlp_dim)
-        self.layer_norm_epsilon = float(layer_norm_epsilon)
-        self.gelu = mlp_lib.gelu_variant(gelu)
         self.num_prefix_tokens = int(num_prefix_tokens)
+        self.norm_spec = norms.NormSpec.of(norm_spec) or norms.NormSpec()
+        self.mlp_spec = mlp_lib.MlpSpec.of(mlp_spec) or mlp_lib.MlpSpec()
         policy = self.dtype_policy
         self.attention = attention_lib.MultiHeadDotProductAttention(
             self.num_heads, dtype=policy, name="MultiHeadDotProductAttention_0")
-        self.norm = keras.layers.LayerNormalization(
-            epsilon=self.layer_norm_epsilon, dtype=policy, name="LayerNorm_0")
-        self.mlp = mlp_lib.MlpBlock(self.mlp_dim, gelu=self.gelu, dtype=policy, name="MlpBlock_0")
+        self.norm = self.norm_spec.make(dtype=policy, name="LayerNorm_0")
+        self.mlp = self.mlp_spec.make(self.mlp_dim, dtype=policy, name="MlpBlock_0")
 
     def build(self, input_shape):
         hidden = input_shape[-1]
@@ -74,8 +78,12 @@ class MAPHead(keras.layers.Layer):
 
     def get_config(self):
         return {**super().get_config(), "num_heads": self.num_heads, "mlp_dim": self.mlp_dim,
-                "layer_norm_epsilon": self.layer_norm_epsilon, "gelu": self.gelu,
-                "num_prefix_tokens": self.num_prefix_tokens}
+                "num_prefix_tokens": self.num_prefix_tokens,
+                "norm_spec": self.norm_spec.get_config(), "mlp_spec": self.mlp_spec.get_config()}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**legacy.map_head_config(config))
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
@@ -139,28 +147,54 @@ class Pooling:
         return keras.layers.Average(dtype=pair[0].dtype, name=name)(pair)
 
 
-def pooling_for(config, classifier, dtype=None):
-    """The `Pooling` of a model of `config` pooling with `classifier` (one of `CLASSIFIERS`)."""
-    num_prefix = config.num_prefix_tokens(classifier)
-    if classifier == "map":
-        # SigLIP's head reads the patch tokens; PE's (map_prefix) every token.
-        return Pooling(MAPHead(config.map_num_heads or config.num_heads, config.mlp_dim,
-                               layer_norm_epsilon=config.layer_norm_epsilon, gelu=config.gelu,
-                               num_prefix_tokens=0 if config.map_prefix else num_prefix,
-                               dtype=dtype, name="MAPHead_0"))
-    if config.distillation:
-        return Pooling(TokenPooling("token", dtype=dtype, name="pooling"),
-                       TokenPooling("distillation", dtype=dtype, name="pooling_dist"))
-    return Pooling(TokenPooling(classifier, num_prefix_tokens=num_prefix, dtype=dtype,
-                                name="pooling"))
+@dataclasses.dataclass(frozen=True)
+class HeadSpec(specs.Spec):
+    """The head slot's options: the pooling (`classifier`, one of `CLASSIFIERS`), DeiT's two
+    heads (`distilled`: the class and the distillation token, each read by its own head), a norm
+    after the pooling instead of before it (`fc_norm`: MAE's, BEiT's), and the MAP head's heads
+    (`map_num_heads`, None: the blocks') and whether it reads the prefix tokens too
+    (`map_prefix`: PE's)."""
+
+    classifier: str = "token"
+    distilled: bool = False
+    fc_norm: bool = False
+    map_num_heads: int | None = None
+    map_prefix: bool = False
+
+    def __post_init__(self):
+        if self.classifier not in CLASSIFIERS:
+            raise ValueError(f"Unknown classifier {self.classifier!r}; expected one of "
+                             f"{CLASSIFIERS}.")
+
+    def pooling(self, num_heads, mlp_dim, num_prefix_tokens, norm_spec, mlp_spec, dtype=None):
+        """The `Pooling` of a model of `num_heads` heads and `num_prefix_tokens` tokens before
+        the patches. The MAP head is big_vision's (a LayerNorm and a GELU MLP) with the epsilon
+        and GELU of the blocks' `norm_spec` and `mlp_spec`."""
+        if self.classifier == "map":
+            return Pooling(MAPHead(
+                self.map_num_heads or num_heads, mlp_dim,
+                num_prefix_tokens=0 if self.map_prefix else num_prefix_tokens,
+                norm_spec=norms.NormSpec("layer_norm", norm_spec.epsilon),
+                mlp_spec=mlp_lib.MlpSpec("gelu", mlp_spec.gelu), dtype=dtype, name="MAPHead_0"))
+        if self.distilled:
+            return Pooling(TokenPooling("token", dtype=dtype, name="pooling"),
+                           TokenPooling("distillation", dtype=dtype, name="pooling_dist"))
+        return Pooling(TokenPooling(self.classifier, num_prefix_tokens=num_prefix_tokens,
+                                    dtype=dtype, name="pooling"))
+
+    def heads(self, num_classes, dtype=None):
+        """The Dense heads, zero-initialised: `head`, and DeiT's `head_dist` for the
+        distillation token."""
+        names = ("head", "head_dist") if self.distilled else ("head",)
+        return [keras.layers.Dense(num_classes, kernel_initializer="zeros", dtype=dtype,
+                                   name=name) for name in names]
 
 
-def classifier_heads(config, num_classes, dtype=None):
-    """The Dense heads, zero-initialised: `head`, and DeiT's `head_dist` for the distillation
-    token."""
-    names = ("head", "head_dist") if config.distillation else ("head",)
-    return [keras.layers.Dense(num_classes, kernel_initializer="zeros", dtype=dtype, name=name)
-            for name in names]
+def head_spec(config, classifier):
+    """The `HeadSpec` of a `ViTConfig` pooled with `classifier` (`distillation`, `fc_norm`,
+    `map_num_heads`, `map_prefix`)."""
+    return HeadSpec(classifier, config.distillation, config.fc_norm, config.map_num_heads,
+                    config.map_prefix)
 
 
 def classify(heads, pooled, dtype=None):

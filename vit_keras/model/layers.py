@@ -8,13 +8,14 @@ Layer and weight names follow the original vit_jax modules (`embedding`, `cls`, 
 original checkpoint layout, so a checkpoint maps onto a model by name (see `checkpoints/`).
 """
 
+import dataclasses
 import functools
 
 import keras
 from keras import ops
 
 from vit_keras.model import attention as attention_lib
-from vit_keras.model import backend_ops, legacy, norms, position_embeddings, xla_cpu
+from vit_keras.model import backend_ops, legacy, norms, position_embeddings, specs, xla_cpu
 from vit_keras.model import mlp as mlp_lib
 
 # Where they were defined before their slot modules; `vit_keras.model.layers.X` keeps importing them.
@@ -190,6 +191,55 @@ class RegisterTokens(keras.layers.Layer):
 
     def get_config(self):
         return {**super().get_config(), "num_tokens": self.num_tokens, "insert_at": self.insert_at}
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenSpec(specs.Spec):
+    """The tokens before the patches, in the order they stand: a class token, DeiT's distillation
+    token (after the class token), `registers` register tokens (DINOv2-reg's, after both)."""
+
+    class_token: bool = True
+    distillation: bool = False
+    registers: int = 0
+
+    def __post_init__(self):
+        if self.registers < 0:
+            raise ValueError(f"registers must be 0 or more; got {self.registers}.")
+        if self.distillation and not self.class_token:
+            raise ValueError("A distillation token needs a class token (DeiT reads both).")
+
+    @property
+    def count(self):
+        """Tokens before the patches."""
+        return int(self.class_token) + int(self.distillation) + self.registers
+
+    @property
+    def named(self):
+        """The class and distillation tokens: those an absolute position embedding may cover."""
+        return int(self.class_token) + int(self.distillation)
+
+    @property
+    def kinds(self):
+        """`"class"`, `"distillation"`, one `"register"` per register token, in order."""
+        return (["class"] * self.class_token + ["distillation"] * self.distillation
+                + ["register"] * self.registers)
+
+    def make(self, dtype=None):
+        """`(named, registers)`: the layers that prepend the class and distillation tokens, in
+        the order they are applied (each prepends, so the distillation token's first), and the
+        `RegisterTokens` layer that inserts the registers after them, or None."""
+        named = ([DistillationToken(dtype=dtype, name="dist")] if self.distillation else []) + (
+            [ClassToken(dtype=dtype, name="cls")] if self.class_token else [])
+        registers = (RegisterTokens(self.registers, insert_at=self.named, dtype=dtype, name="reg")
+                     if self.registers else None)
+        return named, registers
+
+
+def token_spec(config, classifier):
+    """The `TokenSpec` of a `ViTConfig` pooled with `classifier` (`class_token`, which None
+    leaves to the classifier, `distillation`, `num_registers`)."""
+    return TokenSpec(config.has_class_token(classifier), config.distillation,
+                     config.num_registers)
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)

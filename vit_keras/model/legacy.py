@@ -82,3 +82,14 @@ def block_config(config):
                          "gelu": _gelu(options["gelu"], options["approximate_gelu"]),
                          "bias": bool(options["mlp_bias"]),
                          "inner_norm": norm if options["mlp_norm"] else None}}
+
+
+def map_head_config(config):
+    """A `MAPHead` config of today from one of any version (before specs: `layer_norm_epsilon`
+    and `gelu`)."""
+    if "norm_spec" in config:
+        return dict(config)
+    rest, options = _split(config, {"layer_norm_epsilon": 1e-6, "gelu": "exact"})
+    return {**rest, "norm_spec": {"kind": "layer_norm",
+                                  "epsilon": float(options["layer_norm_epsilon"])},
+            "mlp_spec": {"kind": "gelu", "gelu": options["gelu"]}}

@@ -1,7 +1,7 @@
 """The position-encoding slot: how a ViT tells its tokens where they are.
 
-`POSITION_EMBEDDINGS` names each absolute embedding (`ViTConfig.position_embedding`);
-`make_position_embedding` builds the one a config names.
+`POSITION_EMBEDDINGS` names each absolute embedding (`ViTConfig.position_embedding`); a
+`PositionSpec` (`position_spec(config)`) makes the one a config names.
 
 - `"learned"`: `AddPositionEmbs`, the paper's learned absolute embedding added to the tokens.
 - `"none"`: no absolute embedding (the model has rotary embeddings alone).
@@ -402,16 +402,34 @@ POSITION_EMBEDDINGS = {"learned": AddPositionEmbs}
 """The position encodings by the name a `ViTConfig.position_embedding` gives."""
 
 
-def make_position_embedding(kind, grid_size=None, num_prefix_tokens=1, dtype=None,
-                            name="posembed_input"):
-    """The model's absolute position embedding of `kind` (one of `POSITION_EMBEDDINGS`; None for
-    `"none"`); `grid_size` for a model of dynamic image size (see `AddPositionEmbs`)."""
-    if kind == "none":
-        return None
-    if kind not in POSITION_EMBEDDINGS:
-        raise ValueError(f"Unknown position embedding {kind!r}; expected one of "
-                         f"{sorted(POSITION_EMBEDDINGS) + ['none']}.")
-    if grid_size is None:
-        return POSITION_EMBEDDINGS[kind](dtype=dtype, name=name)
-    return POSITION_EMBEDDINGS[kind](grid_size=grid_size, num_prefix_tokens=num_prefix_tokens,
-                                     dtype=dtype, name=name)
+@dataclasses.dataclass(frozen=True)
+class PositionSpec(specs.Spec):
+    """The absolute position embedding's options: which (`"learned"`, one of
+    `POSITION_EMBEDDINGS`, or `"none"`: rotary embeddings alone), and whether it covers the class
+    and distillation tokens (`covers_prefix`, the paper's) or the patches alone (register tokens
+    never take one)."""
+
+    kind: str = "learned"
+    covers_prefix: bool = True
+
+    def __post_init__(self):
+        if self.kind != "none" and self.kind not in POSITION_EMBEDDINGS:
+            raise ValueError(f"Unknown position embedding {self.kind!r}; expected one of "
+                             f"{sorted(POSITION_EMBEDDINGS) + ['none']}.")
+
+    def make(self, grid_size=None, num_prefix_tokens=0, dtype=None, name="posembed_input"):
+        """The layer (None for `"none"`); `grid_size` for a model of dynamic image size, which
+        resamples to each input's grid, with `num_prefix_tokens` the tokens it covers before the
+        patches (see `AddPositionEmbs`)."""
+        if self.kind == "none":
+            return None
+        if grid_size is None:
+            return POSITION_EMBEDDINGS[self.kind](dtype=dtype, name=name)
+        return POSITION_EMBEDDINGS[self.kind](
+            grid_size=grid_size, num_prefix_tokens=num_prefix_tokens if self.covers_prefix else 0,
+            dtype=dtype, name=name)
+
+
+def position_spec(config):
+    """The `PositionSpec` of a `ViTConfig` (`position_embedding`, `posemb_prefix`)."""
+    return PositionSpec(config.position_embedding, config.posemb_prefix)

@@ -124,6 +124,10 @@ class ViT(keras.Model):
         head_policy = "float32" if policy.startswith("mixed") else policy
         # The slots' specs, each read from the config by its own module.
         norm_spec, mlp_spec = norms.norm_spec(config), mlp_lib.mlp_spec(config)
+        attention_spec = attention_lib.attention_spec(config)
+        tokens = layers.token_spec(config, classifier)
+        position_spec = position_embeddings.position_spec(config)
+        head_spec = heads.head_spec(config, classifier)
 
         images = keras.Input((*((None, None) if dynamic_image_size else (height, width)),
                               channels), name="images")
@@ -155,30 +159,23 @@ class ViT(keras.Model):
             x = keras.layers.Reshape((-1, config.hidden_size), dtype=policy,
                                      name="patch_tokens")(x)
         # Token order [cls, dist, registers..., patches]. Position embeddings cover the class and
-        # distillation tokens (posemb_prefix) or only the patches; registers take none.
-        class_token = config.has_class_token(classifier)
-        covered = int(class_token) + int(config.distillation)
-        prefix = ([layers.DistillationToken(dtype=policy, name="dist")] if config.distillation
-                  else []) + ([layers.ClassToken(dtype=policy, name="cls")] if class_token else [])
+        # distillation tokens (`covers_prefix`) or only the patches; registers take none.
+        prefix, registers = tokens.make(dtype=policy)
         grid = tuple(side // config.patch_size for side in feature_map)
-        position = position_embeddings.make_position_embedding(
-            config.position_embedding, grid_size=grid if dynamic_image_size else None,
-            num_prefix_tokens=covered if config.posemb_prefix else 0, dtype=policy)
-        for token in prefix if config.posemb_prefix else ():
+        position = position_spec.make(grid if dynamic_image_size else None, tokens.named,
+                                      dtype=policy)
+        for token in prefix if position_spec.covers_prefix else ():
             x = token(x)
         if position is not None:
             x = position(x, patches) if dynamic_image_size else position(x)
-        for token in () if config.posemb_prefix else prefix:
+        for token in () if position_spec.covers_prefix else prefix:
             x = token(x)
-        if config.num_registers:
-            registers = layers.RegisterTokens(config.num_registers, insert_at=covered,
-                                              dtype=policy, name="reg")
+        if registers is not None:
             prefix.append(registers)
             x = registers(x)
         rotary_positions = rotation = rotary = None
-        attention_spec = attention_lib.attention_spec(config)
         if attention_spec.rope is not None:  # the blocks' rotary input, computed once
-            rotary_positions = attention_spec.rope.positions(grid, covered + config.num_registers)
+            rotary_positions = attention_spec.rope.positions(grid, tokens.count)
             rotary = rotary_positions(patches)
             if not attention_spec.rope.learned:
                 rotation = attention_spec.rope.rotation(config.hidden_size // config.num_heads)
@@ -198,20 +195,20 @@ class ViT(keras.Model):
                 dtype=policy, name=f"encoderblock_{index}"))
             x = blocks[-1](x) if rotary is None else blocks[-1](x, rotary)
         encoder_norm = fc_norm = pre_logits = None
-        if not config.fc_norm:
+        if not head_spec.fc_norm:  # the norm after the pooling replaces it
             encoder_norm = norm_spec.make(dtype=head_policy, name="encoder_norm")
             x = encoder_norm(x)
-        pooling = heads.pooling_for(config, classifier, dtype=head_policy)
+        pooling = head_spec.pooling(config.num_heads, config.mlp_dim, tokens.count, norm_spec,
+                                    mlp_spec, dtype=head_policy)
         x = pooling(x)
-        if config.fc_norm:
+        if head_spec.fc_norm:
             fc_norm = norm_spec.make(dtype=head_policy, name="fc_norm")
             x = fc_norm(x)
         if representation_size:
             pre_logits = keras.layers.Dense(representation_size, activation="tanh",
                                             dtype=head_policy, name="pre_logits")
             x = pre_logits(x)
-        classifier_heads = (heads.classifier_heads(config, num_classes, dtype=head_policy)
-                            if include_top else [])
+        classifier_heads = head_spec.heads(num_classes, dtype=head_policy) if include_top else []
         x = heads.classify(classifier_heads, x, dtype=head_policy)
         super().__init__(images, x, name=name or re.sub(r"[/+]", "_", config.name), **kwargs)
 
@@ -321,12 +318,7 @@ class ViT(keras.Model):
     def prefix_tokens(self):
         """The kinds of the tokens before the patch tokens, in order: `"class"`,
         `"distillation"`, one `"register"` per register token (`[]` for GAP and MAP models)."""
-        config, kinds = self.vit_config, []
-        if config.has_class_token(self._arguments["classifier"]):
-            kinds.append("class")
-        if config.distillation:
-            kinds.append("distillation")
-        return kinds + ["register"] * config.num_registers
+        return layers.token_spec(self.vit_config, self._arguments["classifier"]).kinds
 
     @property
     def num_prefix_tokens(self):
