@@ -93,7 +93,8 @@ def _explicit_and_padded(tokens, dtype, heads=2, head_dim=8, batch=2):
     def padded_attention(q, k, v):  # padded here as the kernel pads the layer's input
         padded = -(-tokens // attention.PAD_MULTIPLE) * attention.PAD_MULTIPLE
         q, k, v = (jnp.pad(t, ((0, 0), (0, padded - tokens), (0, 0), (0, 0))) for t in (q, k, v))
-        return attention.PaddedAttention("xla").attend(q, k, v, valid_tokens=tokens)[:, :tokens]
+        lengths = jnp.full((batch,), tokens, jnp.int32)
+        return attention.PaddedAttention("xla").attend(q, k, v, lengths=lengths)[:, :tokens]
 
     results = []
     for function in (explicit_attention, padded_attention):

@@ -37,10 +37,17 @@ from vit_keras.model.layers import (
     PatchEmbedding,
     RegisterTokens,
     TransformerBlock,
+    ValidTokens,
 )
 from vit_keras.model.mlp import GeGLUBlock, SiLUMlpBlock, SwiGLUBlock
+from vit_keras.model.naflex_patches import naflex_patches, naflex_size
 from vit_keras.model.pixel_normalization import NORMALIZATIONS, Normalization, PixelNormalization
-from vit_keras.model.position_embeddings import RotaryEmbedding, RotaryPositions, RotaryRotation
+from vit_keras.model.position_embeddings import (
+    NaFlexPositionEmbs,
+    RotaryEmbedding,
+    RotaryPositions,
+    RotaryRotation,
+)
 from vit_keras.model.resnet import ResidualUnit, ResNetStage, ResNetStem, StdConv2D
 from vit_keras.model.vit import ViT, attention_scores, with_dynamic_image_size
 
@@ -79,6 +86,10 @@ __all__ = [
     "PatchEmbedding",
     "ClassToken",
     "AddPositionEmbs",
+    "NaFlexPositionEmbs",
+    "naflex_patches",
+    "naflex_size",
+    "ValidTokens",
     "MultiHeadDotProductAttention",
     "MlpBlock",
     "SwiGLUBlock",

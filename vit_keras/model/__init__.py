@@ -7,7 +7,8 @@ JAX or torch at import), so one model runs on every backend.
 - `layers.py`: the token layers and the encoder block; the block's slots, each a table of
   implementations: `attention.py` (and its kernels per device), `mlp.py`, `norms.py`,
   `position_embeddings.py`; the poolings and heads in `heads.py`.
-- `resnet.py`: the hybrids' BiT ResNet; `pixel_normalization.py`: input pixel normalisation.
+- `resnet.py`: the hybrids' BiT ResNet; `pixel_normalization.py`: input pixel normalisation;
+  `naflex_patches.py`: images of any sizes as NaFlex inputs (padded sequences of patches).
 - `geometry.py`, `initializers.py`, `interpolation_ops.py`; `backend_ops.py` and `xla_cpu.py`:
   how the layers compute on each backend and device.
 """

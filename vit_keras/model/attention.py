@@ -27,13 +27,16 @@ the layer is built from what is known then, never by trying a kernel and catchin
   attention dropout and float16 (whose fused kernels accumulate float16 products in float32,
   which XLA:CPU cannot do: jax: "precision F16_F16_F32 is not supported").
 
-A kernel is called as `kernel(layer, x, dropout, rotary)` → `(batch, tokens, hidden)` and the
-float32 probabilities (None for a fused kernel), given the attention layer (its `query`, `key`,
-`value` and `out` projections, and `rope` with rotary embeddings). Most are three steps:
+A kernel is called as `kernel(layer, x, dropout, rotary, valid)` → `(batch, tokens, hidden)` and
+the float32 probabilities (None for a fused kernel), given the attention layer (its `query`,
+`key`, `value` and `out` projections, and `rope` with rotary embeddings). `valid`, `(batch,
+tokens)` bool or None, marks the real tokens of a padded NaFlex batch: every kernel masks the
+other keys, so padding never reaches a real token (the padded queries compute what they
+compute; nothing reads them). Most are three steps:
 `project(layer, x)` → q, k, v in the kernel's layout (`head_major` or token-major), q and k then
 turned by `layer.rope` where there is a `rotary` input (the tokens' coordinates or their
 rotation, see `vit_keras.model.position_embeddings`);
-`attend(q, k, v)` → the attended values in that layout and the probabilities;
+`attend(q, k, v, valid=...)` → the attended values in that layout and the probabilities;
 `out(layer, attended)` → `(batch, tokens, hidden)`. Quantized or LoRA-enabled projections are
 called as layers by every kernel, so their own arithmetic applies.
 """
@@ -118,9 +121,9 @@ class _Kernel:
 
     head_major = False  # q, k, v `(batch, heads, tokens, head_dim)`, else `(batch, tokens, ...)`
 
-    def __call__(self, layer, x, dropout=None, rotary=None):
+    def __call__(self, layer, x, dropout=None, rotary=None, valid=None):
         q, k, v = self.rotated(layer, *self.project(layer, x), rotary)
-        attended, probabilities = self.attend(q, k, v, dropout=dropout)
+        attended, probabilities = self.attend(q, k, v, dropout=dropout, valid=valid)
         return self.out(layer, attended), probabilities
 
     def rotated(self, layer, q, k, v, rotary):
@@ -141,13 +144,14 @@ class FusedAttention(_Kernel):
         """`(batch, tokens, hidden)` → q, k, v, each `(batch, tokens, heads, head_dim)`."""
         return layer.query(x), layer.key(x), layer.value(x)
 
-    def attend(self, q, k, v, dropout=None):
+    def attend(self, q, k, v, dropout=None, valid=None):
         """`(batch, tokens, heads, head_dim)` each → the attended values in the same layout, and
         None. No probabilities to drop: the layer takes `explicit` for that."""
         _no_dropout(self, dropout)
         # On a GPU Keras would try cuDNN first and log its refusal with a traceback.
         flash = False if _gpu_compute_capability() is not None else None
-        return ops.dot_product_attention(q, k, v, flash_attention=flash), None
+        mask = None if valid is None else _key_mask(valid)
+        return ops.dot_product_attention(q, k, v, mask=mask, flash_attention=flash), None
 
     def out(self, layer, attended):
         """`(batch, tokens, heads, head_dim)` → `(batch, tokens, hidden)`."""
@@ -172,24 +176,28 @@ class PaddedAttention(FusedAttention):
     def __init__(self, implementation="cudnn"):
         self.implementation = implementation
 
-    def __call__(self, layer, x, dropout=None, rotary=None):
+    def __call__(self, layer, x, dropout=None, rotary=None, valid=None):
+        import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
         _no_dropout(self, dropout)
         tokens = x.shape[1]
         padded = -(-tokens // PAD_MULTIPLE) * PAD_MULTIPLE
         if padded != tokens:
             x = ops.pad(x, ((0, 0), (0, padded - tokens), (0, 0)))
         q, k, v = self.rotated(layer, *self.project(layer, x), rotary)
-        attended = self.attend(q, k, v, valid_tokens=tokens)
+        # NaFlex's real tokens come first in each sequence (the prefix, then its valid patches;
+        # `naflex_patches` and timm's collator pad at the end), so their count is the length.
+        lengths = (jnp.full((x.shape[0],), tokens, jnp.int32) if valid is None
+                   else jnp.sum(valid, axis=1, dtype=jnp.int32))
+        attended = self.attend(q, k, v, lengths=lengths)
         return self.out(layer, attended)[:, :tokens], None
 
-    def attend(self, q, k, v, dropout=None, *, valid_tokens):
-        """`(batch, padded tokens, heads, head_dim)` each, of which the first `valid_tokens` are
-        the sequence → the attended values in the same layout."""
+    def attend(self, q, k, v, dropout=None, *, lengths):
+        """`(batch, padded tokens, heads, head_dim)` each, of which the first `lengths[i]` are
+        the sequence of image i → the attended values in the same layout."""
         import jax  # pylint: disable=import-outside-toplevel
-        import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
         _no_dropout(self, dropout)
-        lengths = jnp.full((q.shape[0],), valid_tokens, jnp.int32)
         return jax.nn.dot_product_attention(
             q, k, v, query_seq_lengths=lengths, key_value_seq_lengths=lengths,
             implementation=self.implementation)
@@ -221,13 +229,14 @@ class TorchAttention(_Kernel):
             q_k_v.append(y.view(batch, tokens, heads, head_dim).transpose(1, 2))
         return q_k_v
 
-    def attend(self, q, k, v, dropout=None):
+    def attend(self, q, k, v, dropout=None, valid=None):
         """`(batch, heads, tokens, head_dim)` each → the attended values in the same layout, and
         None."""
         import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
 
         _no_dropout(self, dropout)
-        return F.scaled_dot_product_attention(q, k, v), None
+        mask = None if valid is None else _key_mask(valid)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask), None
 
     def out(self, layer, attended):
         """`(batch, heads, tokens, head_dim)` → `(batch, tokens, hidden)`."""
@@ -274,13 +283,16 @@ class ExplicitAttention(_Kernel):
             qkv = qkv + ops.expand_dims(bias, 1)
         return ops.split(qkv, 3, axis=1)
 
-    def attend(self, q, k, v, dropout=None):
+    def attend(self, q, k, v, dropout=None, valid=None):
         """`(batch, heads, tokens, head_dim)` each → the attended values in the same layout, and
         the probabilities `(batch, heads, tokens, tokens)` in float32. `dropout`, a Dropout layer,
         drops probabilities (called with `training=True`)."""
         # Scaling q before the product keeps float16 logits in range; softmax runs in float32.
         logits = self.einsum("bhqd,bhkd->bhqk", q * (1.0 / math.sqrt(q.shape[-1])), k)
-        probabilities = ops.softmax(ops.cast(logits, "float32"), axis=-1)
+        logits = ops.cast(logits, "float32")
+        if valid is not None:  # finite: a row of padding alone gets uniform weights, not NaN
+            logits = ops.where(_key_mask(valid), logits, -1e9)
+        probabilities = ops.softmax(logits, axis=-1)
         weights = ops.cast(probabilities, q.dtype)
         if dropout is not None:
             weights = dropout(weights, training=True)
@@ -292,6 +304,11 @@ class ExplicitAttention(_Kernel):
             return layer.out(ops.transpose(attended, (0, 2, 1, 3)))
         y = self.einsum("bhtk,hkd->btd", attended, layer.out.kernel)
         return y if layer.out.bias is None else y + layer.out.bias
+
+
+def _key_mask(valid):
+    """`(batch, tokens)` bool → `(batch, 1, 1, tokens)`: each query attends to the real keys."""
+    return ops.expand_dims(ops.expand_dims(ops.cast(valid, "bool"), 1), 1)
 
 
 def _no_dropout(kernel, dropout):
@@ -465,7 +482,7 @@ class MultiHeadDotProductAttention(position_embeddings.TakesRotary, keras.layers
         (chosen when the layer was built; False before)."""
         return self.attention_kernel not in (None, "explicit")
 
-    def call(self, x, rotary=None, training=None, return_attention_scores=False):
+    def call(self, x, rotary=None, training=None, return_attention_scores=False, valid=None):
         if (rotary is None) != (self.rope is None):
             raise ValueError(f"{self.name}: " + (
                 "a layer with rotary embeddings is called with the tokens' coordinates or "
@@ -477,11 +494,11 @@ class MultiHeadDotProductAttention(position_embeddings.TakesRotary, keras.layers
         if return_attention_scores or dropout:  # probabilities to return or to drop
             kernel = self._probabilities_kernel
         y, probabilities = kernel(self, x, dropout=self._dropout if dropout else None,
-                                  rotary=rotary)
+                                  rotary=rotary, valid=valid)
         return (y, probabilities) if return_attention_scores else y
 
     def compute_output_spec(self, x, rotary=None, training=None,
-                            return_attention_scores=False):
+                            return_attention_scores=False, valid=None):
         y = keras.KerasTensor(x.shape, dtype=self.compute_dtype)
         if not return_attention_scores:
             return y

@@ -44,6 +44,9 @@ class ViTConfig:
     mlp: str = "gelu"
     norm: str = "layer_norm"
     position_embedding: str = "learned"  # or "none": no absolute embedding (RoPE alone)
+    # How the forward pass resizes the learned grid (dynamic image size, NaFlex): antialiased
+    # "bicubic" (timm's) or "bilinear" (SigLIP 2's, as big_vision and transformers resize it).
+    posemb_interpolation: str = "bicubic"
     # The rotary and gated families' switches (EVA-02, DINOv3, PE, AIMv2, RoPE-ViT, DINOv2
     # giant); see docs/checkpoints.md.
     qkv_bias: str = "qkv"  # which of the query, key and value projections have biases: "qv", "none"
@@ -102,7 +105,8 @@ class ViTConfig:
 
 
 GELUS = ("exact", "tanh", "quick")
-_CHOICES = {"qkv_bias": ("qkv", "qv", "none"), "position_embedding": ("learned", "none")}
+_CHOICES = {"qkv_bias": ("qkv", "qv", "none"), "position_embedding": ("learned", "none"),
+            "posemb_interpolation": ("bicubic", "bilinear")}
 _SIZES = ("name", "patch_size", "hidden_size", "mlp_dim", "num_heads", "num_layers",
           "resnet_layers", "resnet_width")
 SWITCHES = tuple(field.name for field in dataclasses.fields(ViTConfig) if field.name not in _SIZES)

@@ -31,7 +31,8 @@ class MAPHead(keras.layers.Layer):
     """Multi-head attention pooling: `probe' = attn(probe, tokens)`, then `y + mlp(LN(y))`.
 
     Input: `(batch, tokens, hidden)`; the first `num_prefix_tokens` (class, distillation, register
-    tokens) are left out, as timm does. Output: `(batch, hidden)`.
+    tokens) are left out, as timm does; `valid` `(batch, tokens)` bool (NaFlex: False for
+    padding) masks the keys. Output: `(batch, hidden)`.
     Weights: `probe` `(1, 1, hidden)`; the attention's projections in the encoder blocks' layout
     (`query|key|value/kernel` `(hidden, heads, head_dim)`, `out/kernel` `(heads, head_dim,
     hidden)`); `LayerNorm_0` (`norm_spec`'s); `MlpBlock_0` (`mlp_spec`'s) `(hidden, mlp_dim)`,
@@ -61,15 +62,18 @@ class MAPHead(keras.layers.Layer):
         self.norm.build((input_shape[0], 1, hidden))
         self.mlp.build((input_shape[0], 1, hidden))
 
-    def call(self, x):
+    def call(self, x, valid=None):
         if self.num_prefix_tokens:
             x = x[:, self.num_prefix_tokens:]
+            valid = None if valid is None else valid[:, self.num_prefix_tokens:]
         probe = ops.broadcast_to(ops.cast(self.probe, x.dtype), (ops.shape(x)[0], 1, x.shape[-1]))
         attention = self.attention
         # Cross-attention through the projections as layers (quantized or LoRA ones included):
         # the probe queries, the tokens are keys and values; (batch, tokens, heads, head_dim).
         q, k, v = attention.query(probe), attention.key(x), attention.value(x)
-        y = attention.out(ops.dot_product_attention(q, k, v))
+        mask = None if valid is None else ops.expand_dims(ops.expand_dims(
+            ops.cast(valid, "bool"), 1), 1)  # (batch, 1, 1, tokens): NaFlex padding left out
+        y = attention.out(ops.dot_product_attention(q, k, v, mask=mask))
         y = y + self.mlp(self.norm(y))
         return y[:, 0]
 
@@ -90,10 +94,10 @@ class MAPHead(keras.layers.Layer):
 class TokenPooling(keras.layers.Layer):
     """Reduces the token sequence to one vector per image.
 
-    Input: `(batch, tokens, hidden)`. Output: `(batch, hidden)`: the class token (`mode="token"`),
-    the mean over the patch tokens after the `num_prefix_tokens` class, distillation and register
-    tokens (`mode="gap"`, computed in float32), or DeiT's distillation token, token 1
-    (`mode="distillation"`).
+    Input: `(batch, tokens, hidden)`, and for NaFlex `valid` `(batch, tokens)` bool. Output:
+    `(batch, hidden)`: the class token (`mode="token"`), the mean over the patch tokens after the
+    `num_prefix_tokens` class, distillation and register tokens (`mode="gap"`, computed in
+    float32; over the valid ones), or DeiT's distillation token, token 1 (`mode="distillation"`).
     """
 
     MODES = ("token", "gap", "distillation")
@@ -105,13 +109,18 @@ class TokenPooling(keras.layers.Layer):
         self.mode = mode
         self.num_prefix_tokens = int(num_prefix_tokens)
 
-    def call(self, x):
+    def call(self, x, valid=None):
         if self.mode == "token":
             return x[:, 0]
         if self.mode == "distillation":
             return x[:, 1]
-        patches = x[:, self.num_prefix_tokens:] if self.num_prefix_tokens else x
-        return ops.cast(ops.mean(ops.cast(patches, "float32"), axis=1), x.dtype)
+        patches = ops.cast(x[:, self.num_prefix_tokens:] if self.num_prefix_tokens else x,
+                           "float32")
+        if valid is None:
+            return ops.cast(ops.mean(patches, axis=1), x.dtype)
+        weights = ops.cast(valid[:, self.num_prefix_tokens:], "float32")[..., None]
+        total = ops.sum(patches * weights, axis=1)
+        return ops.cast(total / ops.maximum(ops.sum(weights, axis=1), 1.0), x.dtype)
 
     def compute_output_shape(self, input_shape):
         return (input_shape[0], input_shape[-1])
@@ -135,10 +144,10 @@ class Pooling:
     def distilled(self):
         return len(self.layers) == 2
 
-    def __call__(self, tokens):
+    def __call__(self, tokens, valid=None):
         if self.distilled:
             return [layer(tokens) for layer in self.layers]
-        return self.layers[0](tokens)
+        return self.layers[0](tokens) if valid is None else self.layers[0](tokens, valid=valid)
 
     def pooled(self, tokens, name=None):
         if not self.distilled:

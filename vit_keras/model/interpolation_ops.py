@@ -26,6 +26,44 @@ def _cubic(x):
     return ops.where(x < 1.0, near, ops.where(x < 2.0, far, ops.zeros_like(x)))
 
 
+def _triangle(x):
+    """The linear interpolation kernel at `x`: 1 - |x|, zero beyond |x| >= 1."""
+    return ops.maximum(1.0 - ops.abs(x), 0.0)
+
+
+# PyTorch's antialiased filters: the kernel and its half-width in input cells (at scale 1).
+_FILTERS = {"bicubic": (_cubic, 2.0), "bilinear": (_triangle, 1.0)}
+INTERPOLATIONS = tuple(_FILTERS)
+
+
+def antialiased_weights(in_size, out_size, index, interpolation="bicubic"):
+    """The weights `(..., in_size)` float32 by which output cell `index` of an axis resized from
+    `in_size` to `out_size` cells reads the input cells, as PyTorch's `F.interpolate(mode=...,
+    align_corners=False, antialias=True)` computes them (`"bicubic"`: PIL's filter, a = -0.5;
+    `"bilinear"`: the triangle, as transformers and big_vision resize SigLIP 2's grid).
+
+    Args:
+      in_size: the axis' length before resizing, a Python int.
+      out_size: its length after: an int, or an integer tensor broadcasting against `index`
+        (NaFlex: each image's own, `(batch, 1)`).
+      index: the output cells, an integer tensor (`(out,)`, or NaFlex's `(batch, tokens)`).
+    """
+    kernel, half_width = _FILTERS[interpolation]
+    in_size = int(in_size)
+    scale = in_size / ops.cast(out_size, "float32")  # input cells per output cell
+    downsampling = scale >= 1.0
+    support = ops.where(downsampling, half_width * scale, half_width)[..., None]
+    inverse_scale = ops.where(downsampling, 1.0 / scale, 1.0)[..., None]
+    center = (scale * (ops.cast(index, "float32") + 0.5))[..., None]  # (..., 1)
+    # PyTorch's window of taps [first, last): C++ truncation, which equals floor after the clamp.
+    first = ops.maximum(ops.floor(center - support + 0.5), 0.0)
+    last = ops.minimum(ops.floor(center + support + 0.5), float(in_size))
+    source = ops.cast(ops.arange(in_size), "float32")  # (in,)
+    in_window = ops.logical_and(source >= first, source < last)
+    weights = ops.where(in_window, kernel((source - center + 0.5) * inverse_scale), 0.0)
+    return weights / ops.sum(weights, axis=-1, keepdims=True)
+
+
 def antialiased_bicubic_weights(in_size, out_size):
     """The `(out_size, in_size)` float32 matrix that resizes one axis as PyTorch's antialiased
     bicubic does (`vit_keras.weights.posemb._torch_antialias_weights` in NumPy, which the tests hold to
@@ -35,26 +73,13 @@ def antialiased_bicubic_weights(in_size, out_size):
       in_size: the axis' length before resizing, a Python int.
       out_size: its length after, a Python int or a scalar integer tensor.
     """
-    in_size = int(in_size)
-    out_float = ops.cast(out_size, "float32")
-    scale = in_size / out_float  # input cells per output cell
-    downsampling = scale >= 1.0
-    support = ops.where(downsampling, 2.0 * scale, 2.0)
-    inverse_scale = ops.where(downsampling, 1.0 / scale, 1.0)
-    center = scale * (ops.cast(ops.arange(out_size), "float32")[:, None] + 0.5)  # (out, 1)
-    # PyTorch's window of taps [first, last): C++ truncation, which equals floor after the clamp.
-    first = ops.maximum(ops.floor(center - support + 0.5), 0.0)
-    last = ops.minimum(ops.floor(center + support + 0.5), float(in_size))
-    source = ops.cast(ops.arange(in_size), "float32")[None, :]  # (1, in)
-    in_window = ops.logical_and(source >= first, source < last)
-    weights = ops.where(in_window, _cubic((source - center + 0.5) * inverse_scale), 0.0)
-    return weights / ops.sum(weights, axis=1, keepdims=True)
+    return antialiased_weights(in_size, out_size, ops.arange(out_size))
 
 
-def resize_grid(grid, new_grid):
+def resize_grid(grid, new_grid, interpolation="bicubic"):
     """Resizes a `(rows, cols, hidden)` float32 grid of static shape to `new_grid` `(rows, cols)`
     (ints or scalar tensors), separably: `rows' x cols' x hidden`."""
     rows, cols = new_grid
-    row_weights = antialiased_bicubic_weights(grid.shape[0], rows)
-    col_weights = antialiased_bicubic_weights(grid.shape[1], cols)
+    row_weights = antialiased_weights(grid.shape[0], rows, ops.arange(rows), interpolation)
+    col_weights = antialiased_weights(grid.shape[1], cols, ops.arange(cols), interpolation)
     return ops.einsum("ar,rcd,bc->abd", row_weights, grid, col_weights)

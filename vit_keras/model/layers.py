@@ -36,6 +36,8 @@ class PatchEmbedding(keras.layers.Layer):
     Input: `(batch, height, width, channels)`; height and width multiples of `patch_size`.
     Output: `(batch, (height // patch_size) * (width // patch_size), hidden_size)`, patches row-major;
     with `flatten=False` the grid `(batch, height // patch_size, width // patch_size, hidden_size)`.
+    Or NaFlex's patches already cut, `(batch, tokens, patch_size * patch_size * channels)`, each
+    flattened (row, column, channel) → `(batch, tokens, hidden_size)`.
     Weights: `kernel` `(patch_size, patch_size, channels, hidden_size)` (HWIO), `bias` `(hidden_size,)`
     (none with `use_bias=False`, as CLIP's).
     """
@@ -51,10 +53,13 @@ class PatchEmbedding(keras.layers.Layer):
         self.bias_initializer = keras.initializers.get(bias_initializer)
 
     def build(self, input_shape):
+        p = self.patch_size
+        if len(input_shape) == 3 and input_shape[-1] and input_shape[-1] % (p * p) == 0:
+            input_shape = (input_shape[0], p, p, input_shape[-1] // (p * p))  # NaFlex patches
         if len(input_shape) != 4:
             raise ValueError(
-                f"{self.name} expects images of shape (batch, height, width, channels); "
-                f"got shape {tuple(input_shape)}.")
+                f"{self.name} expects images of shape (batch, height, width, channels) or NaFlex "
+                f"patches (batch, tokens, {p}*{p}*channels); got shape {tuple(input_shape)}.")
         _, height, width, channels = input_shape
         for side, size in (("height", height), ("width", width)):
             if size is not None and size % self.patch_size:
@@ -63,7 +68,6 @@ class PatchEmbedding(keras.layers.Layer):
                     f"use an image size that is a multiple of {self.patch_size}.")
         if channels is None:
             raise ValueError(f"{self.name} needs a known number of channels; got {tuple(input_shape)}.")
-        p = self.patch_size
         self.kernel = self.add_weight(
             name="kernel", shape=(p, p, channels, self.hidden_size),
             initializer=self.kernel_initializer)
@@ -73,8 +77,11 @@ class PatchEmbedding(keras.layers.Layer):
         self._linear = backend_ops.choose_linear()  # torch's linear; bfloat16 products on XLA:CPU
 
     def call(self, images):
-        _, height, width, channels = images.shape
         p = self.patch_size
+        if len(images.shape) == 3:  # NaFlex patches, flattened in the kernel's (row, col, in) order
+            kernel = ops.reshape(self.kernel, (-1, self.hidden_size))
+            return self._linear(images, kernel, self.bias)
+        _, height, width, channels = images.shape
         for side, size in (("height", height), ("width", width)):
             # Checked here too for models of dynamic image size, whenever the size is known while
             # tracing (always on JAX and torch); a VALID convolution would crop silently.
@@ -100,6 +107,8 @@ class PatchEmbedding(keras.layers.Layer):
         return patches if self.bias is None else patches + self.bias
 
     def compute_output_shape(self, input_shape):
+        if len(input_shape) == 3:
+            return (*input_shape[:2], self.hidden_size)
         batch, height, width, _ = input_shape
         rows = None if height is None else height // self.patch_size
         cols = None if width is None else width // self.patch_size
@@ -243,6 +252,35 @@ def token_spec(config, classifier):
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
+class ValidTokens(keras.layers.Layer):
+    """Which tokens of a NaFlex batch are real: `(batch, tokens)` bool, the patches' own validity
+    after `num_prefix_tokens` prefix tokens (class, distillation, registers), always real.
+
+    Input: `patch_valid` `(batch, patches)` bool. Output: `(batch, num_prefix_tokens + patches)`
+    bool.
+    """
+
+    def __init__(self, num_prefix_tokens=0, **kwargs):
+        super().__init__(**kwargs)
+        self.num_prefix_tokens = int(num_prefix_tokens)
+
+    def call(self, patch_valid):
+        valid = ops.cast(patch_valid, "bool")
+        if not self.num_prefix_tokens:
+            return valid
+        prefix = ops.ones((ops.shape(valid)[0], self.num_prefix_tokens), "bool")
+        return ops.concatenate([prefix, valid], axis=1)
+
+    def compute_output_spec(self, patch_valid):
+        batch, patches = patch_valid.shape
+        tokens = None if patches is None else patches + self.num_prefix_tokens
+        return keras.KerasTensor((batch, tokens), dtype="bool")
+
+    def get_config(self):
+        return {**super().get_config(), "num_prefix_tokens": self.num_prefix_tokens}
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
 class LayerScale(keras.layers.Layer):
     """Scales each channel by a learned factor (CaiT's LayerScale, in DeiT III and DINOv2).
 
@@ -349,10 +387,10 @@ class TransformerBlock(position_embeddings.TakesRotary, keras.layers.Layer):
                                     noise_shape=(ops.shape(branch)[0], 1, 1),
                                     seed=self._seed_generator)
 
-    def call(self, x, rotary=None, training=None, return_attention_scores=False):
+    def call(self, x, rotary=None, training=None, return_attention_scores=False, valid=None):
         x = self._block_boundary(ops.cast(x, self.compute_dtype))
         y = self.attention(self._norm(self.norm_0, x), rotary, training=training,
-                           return_attention_scores=return_attention_scores)
+                           return_attention_scores=return_attention_scores, valid=valid)
         if return_attention_scores:
             y, scores = y
         y = backend_ops.dropped(self._dropout, y, training)
@@ -365,7 +403,8 @@ class TransformerBlock(position_embeddings.TakesRotary, keras.layers.Layer):
         x = x + self._drop_path(y, training)
         return (x, scores) if return_attention_scores else x
 
-    def compute_output_spec(self, x, rotary=None, training=None, return_attention_scores=False):
+    def compute_output_spec(self, x, rotary=None, training=None, return_attention_scores=False,
+                            valid=None):
         return self.attention.compute_output_spec(x, return_attention_scores=return_attention_scores)
 
     def get_config(self):
@@ -435,17 +474,20 @@ def _rematerialized_call(block, call):
     weights = {id(weight) for weight in block.weights}
     generators = [variable for variable in block.variables if id(variable) not in weights]
 
-    def forward(x, states, rotary, training):
+    def forward(x, states, rotary, training, valid):
         for variable, state in zip(generators, states):
             variable.assign(state)
-        return call(x, rotary, training=training), [variable.value for variable in generators]
+        return (call(x, rotary, training=training, valid=valid),
+                [variable.value for variable in generators])
 
-    def rematerialized_call(x, rotary=None, training=None, return_attention_scores=False):
+    def rematerialized_call(x, rotary=None, training=None, return_attention_scores=False,
+                            valid=None):
         if return_attention_scores:
-            return call(x, rotary, training=training, return_attention_scores=True)
-        # The rotary input is bound, not passed: constants of the image size, with no gradient
-        # (the learned frequencies that turn the coordinates are the block's weights).
-        y, states = keras.remat(functools.partial(forward, rotary=rotary, training=training))(
+            return call(x, rotary, training=training, return_attention_scores=True, valid=valid)
+        # The rotary input and the valid tokens are bound, not passed: constants of the input's
+        # geometry, with no gradient (learned frequencies are the block's weights).
+        y, states = keras.remat(functools.partial(forward, rotary=rotary, training=training,
+                                                  valid=valid))(
             x, [variable.value for variable in generators])
         for variable, state in zip(generators, states):
             variable.assign(state)

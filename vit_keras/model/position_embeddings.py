@@ -45,12 +45,17 @@ class AddPositionEmbs(keras.layers.Layer):
     embeddings are added unchanged.
     """
 
-    def __init__(self, initializer=None, grid_size=None, num_prefix_tokens=1, **kwargs):
+    def __init__(self, initializer=None, grid_size=None, num_prefix_tokens=1,
+                 interpolation="bicubic", **kwargs):
         super().__init__(**kwargs)
         self.initializer = keras.initializers.get(
             initializer or keras.initializers.RandomNormal(stddev=0.02))
         self.grid_size = None if grid_size is None else tuple(int(side) for side in grid_size)
         self.num_prefix_tokens = int(num_prefix_tokens)
+        if interpolation not in interpolation_ops.INTERPOLATIONS:
+            raise ValueError(f"Unknown interpolation {interpolation!r}; expected one of "
+                             f"{interpolation_ops.INTERPOLATIONS}.")
+        self.interpolation = interpolation
 
     def build(self, x_shape, patch_grid_shape=None):
         tokens = x_shape[1]
@@ -89,7 +94,7 @@ class AddPositionEmbs(keras.layers.Layer):
         prefix = embeddings[:, :self.num_prefix_tokens]
         hidden = embeddings.shape[-1]
         built = ops.reshape(embeddings[0, self.num_prefix_tokens:], (*self.grid_size, hidden))
-        resized = interpolation_ops.resize_grid(built, grid)
+        resized = interpolation_ops.resize_grid(built, grid, self.interpolation)
         return ops.concatenate([prefix, ops.reshape(resized, (1, -1, hidden))], axis=1)
 
     def compute_output_shape(self, x_shape, patch_grid_shape=None):
@@ -99,8 +104,72 @@ class AddPositionEmbs(keras.layers.Layer):
         config = {**super().get_config(),
                   "initializer": keras.initializers.serialize(self.initializer)}
         if self.grid_size is not None:
-            config.update(grid_size=list(self.grid_size), num_prefix_tokens=self.num_prefix_tokens)
+            config.update(grid_size=list(self.grid_size), num_prefix_tokens=self.num_prefix_tokens,
+                          interpolation=self.interpolation)
         return config
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class NaFlexPositionEmbs(AddPositionEmbs):
+    """`AddPositionEmbs` for NaFlex inputs: each image's patches at their own coordinates on a
+    grid of their own size.
+
+    The weight is `AddPositionEmbs`'s at `grid_size` (the same checkpoint loads into either).
+    Each image's grid, `(rows, cols)` = its largest valid coordinate + 1, is resized from
+    `grid_size` with `interpolation` (antialiased, as PyTorch's: `"bilinear"` for SigLIP 2 as
+    big_vision and transformers resize it, `"bicubic"` as timm's NaFlex does), and each patch
+    takes the embedding at its coordinate: one `(tokens, rows_built * cols_built)` weight matrix
+    per image, applied as a product, so no image's grid is ever materialised.
+
+    Call: `layer(x, patch_coord, valid)`: `x` `(batch, num_prefix_tokens + tokens, hidden)`,
+    `patch_coord` `(batch, tokens, 2)` integer (row, column), `valid` `(batch, tokens)` bool or
+    None (all valid). Output: as `x`, its padded tokens zeros.
+    """
+
+    def __init__(self, grid_size, num_prefix_tokens=1, interpolation="bicubic", **kwargs):
+        super().__init__(grid_size=grid_size, num_prefix_tokens=num_prefix_tokens,
+                         interpolation=interpolation, **kwargs)
+
+    def build(self, x_shape, patch_coord_shape=None, valid_shape=None):
+        super().build(x_shape)
+
+    def call(self, x, patch_coord, valid=None):
+        x = x + ops.cast(self.at(patch_coord, valid), x.dtype)
+        if valid is None:
+            return x
+        # Padding leaves as zeros whatever it held, so no value of it (or of its coordinates)
+        # can reach a real token through a masked attention's zero weights (0 * inf is NaN).
+        valid = ops.cast(valid, "bool")
+        if self.num_prefix_tokens:
+            valid = ops.concatenate(
+                [ops.ones((ops.shape(valid)[0], self.num_prefix_tokens), "bool"), valid], axis=1)
+        return ops.where(ops.expand_dims(valid, -1), x, ops.zeros_like(x))
+
+    def at(self, patch_coord, valid=None):
+        """The float32 embeddings `(batch, num_prefix_tokens + tokens, hidden)` of the prefix
+        and of patches at `patch_coord` (see the class; padding counts as coordinate (0, 0))."""
+        embeddings = ops.convert_to_tensor(self.pos_embedding)
+        coord = ops.cast(patch_coord, "int32")
+        if valid is not None:
+            coord = ops.where(ops.expand_dims(ops.cast(valid, "bool"), -1), coord, 0)
+        sizes = ops.max(coord, axis=1, keepdims=True) + 1  # (batch, 1, 2): each image's grid
+        rows, cols = self.grid_size
+        row_weights = interpolation_ops.antialiased_weights(
+            rows, sizes[..., 0], coord[..., 0], self.interpolation)  # (batch, tokens, rows)
+        col_weights = interpolation_ops.antialiased_weights(
+            cols, sizes[..., 1], coord[..., 1], self.interpolation)  # (batch, tokens, cols)
+        weights = ops.reshape(ops.expand_dims(row_weights, -1) * ops.expand_dims(col_weights, -2),
+                              (ops.shape(coord)[0], ops.shape(coord)[1], rows * cols))
+        patches = ops.matmul(weights, embeddings[0, self.num_prefix_tokens:])
+        if not self.num_prefix_tokens:
+            return patches
+        prefix = ops.broadcast_to(embeddings[:, :self.num_prefix_tokens],
+                                  (ops.shape(coord)[0], self.num_prefix_tokens,
+                                   embeddings.shape[-1]))
+        return ops.concatenate([prefix, patches], axis=1)
+
+    def compute_output_shape(self, x_shape, patch_coord_shape=None, valid_shape=None):
+        return x_shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -405,31 +474,41 @@ POSITION_EMBEDDINGS = {"learned": AddPositionEmbs}
 @dataclasses.dataclass(frozen=True)
 class PositionSpec(specs.Spec):
     """The absolute position embedding's options: which (`"learned"`, one of
-    `POSITION_EMBEDDINGS`, or `"none"`: rotary embeddings alone), and whether it covers the class
+    `POSITION_EMBEDDINGS`, or `"none"`: rotary embeddings alone), whether it covers the class
     and distillation tokens (`covers_prefix`, the paper's) or the patches alone (register tokens
-    never take one)."""
+    never take one), and how the forward pass resizes its grid (`interpolation`, antialiased
+    `"bicubic"` or `"bilinear"`) for a dynamic image size or NaFlex inputs."""
 
     kind: str = "learned"
     covers_prefix: bool = True
+    interpolation: str = "bicubic"
 
     def __post_init__(self):
         if self.kind != "none" and self.kind not in POSITION_EMBEDDINGS:
             raise ValueError(f"Unknown position embedding {self.kind!r}; expected one of "
                              f"{sorted(POSITION_EMBEDDINGS) + ['none']}.")
+        if self.interpolation not in interpolation_ops.INTERPOLATIONS:
+            raise ValueError(f"Unknown interpolation {self.interpolation!r}; expected one of "
+                             f"{interpolation_ops.INTERPOLATIONS}.")
 
-    def make(self, grid_size=None, num_prefix_tokens=0, dtype=None, name="posembed_input"):
+    def make(self, grid_size=None, num_prefix_tokens=0, dtype=None, name="posembed_input",
+             naflex=False):
         """The layer (None for `"none"`); `grid_size` for a model of dynamic image size, which
-        resamples to each input's grid, with `num_prefix_tokens` the tokens it covers before the
-        patches (see `AddPositionEmbs`)."""
+        resamples to each input's grid, or of NaFlex inputs (`naflex=True`,
+        `NaFlexPositionEmbs`), with `num_prefix_tokens` the tokens it covers before the patches
+        (see `AddPositionEmbs`)."""
         if self.kind == "none":
             return None
         if grid_size is None:
             return POSITION_EMBEDDINGS[self.kind](dtype=dtype, name=name)
-        return POSITION_EMBEDDINGS[self.kind](
-            grid_size=grid_size, num_prefix_tokens=num_prefix_tokens if self.covers_prefix else 0,
-            dtype=dtype, name=name)
+        layer = NaFlexPositionEmbs if naflex else POSITION_EMBEDDINGS[self.kind]
+        return layer(grid_size=grid_size,
+                     num_prefix_tokens=num_prefix_tokens if self.covers_prefix else 0,
+                     interpolation=self.interpolation, dtype=dtype, name=name)
 
 
 def position_spec(config):
-    """The `PositionSpec` of a `ViTConfig` (`position_embedding`, `posemb_prefix`)."""
-    return PositionSpec(config.position_embedding, config.posemb_prefix)
+    """The `PositionSpec` of a `ViTConfig` (`position_embedding`, `posemb_prefix`,
+    `posemb_interpolation`)."""
+    return PositionSpec(config.position_embedding, config.posemb_prefix,
+                        config.posemb_interpolation)

@@ -96,8 +96,8 @@ class ViT(keras.Model):
     ARGUMENTS = ("image_size", "num_classes", "include_top", "include_preprocessing",
                  "normalization", "classifier", "representation_size", "dropout",
                  "attention_dropout", "drop_path_rate", "channels", "layer_norm_epsilon", "gelu",
-                 "approximate_gelu", "hybrid_numerics", "dynamic_image_size", "attention", "dtype",
-                 "eval_crop", "name")
+                 "approximate_gelu", "hybrid_numerics", "dynamic_image_size", "naflex",
+                 "attention", "dtype", "eval_crop", "name")
     """The keyword arguments beside `variant` (those `build_model` passes on)."""
 
     def __init__(self, variant="ViT-B/16", *, image_size=None, num_classes=None,
@@ -105,13 +105,15 @@ class ViT(keras.Model):
                  classifier="token", representation_size=None, dropout=0.0,
                  attention_dropout=0.0, drop_path_rate=0.0, channels=3, layer_norm_epsilon=None,
                  gelu=None, approximate_gelu=None, hybrid_numerics="vit_jax",
-                 dynamic_image_size=False, attention=None, dtype=None, eval_crop=None, name=None,
-                 **kwargs):
+                 dynamic_image_size=False, naflex=False, attention=None, dtype=None,
+                 eval_crop=None, name=None, **kwargs):
         gelu = _gelu_argument(gelu, approximate_gelu)
         config = _with_overrides(configs.get_config(variant), layer_norm_epsilon, gelu)
         height, width = geometry.pair(224 if image_size is None else image_size, "image size")
         num_classes = 1000 if num_classes is None else int(num_classes)
         _check_switches(config, classifier, representation_size)
+        if naflex:
+            _check_naflex(config, dynamic_image_size)
         if hybrid_numerics not in resnet.NUMERICS:
             raise ValueError(f"Unknown hybrid_numerics {hybrid_numerics!r}; expected one of "
                              f"{list(resnet.NUMERICS)}.")
@@ -129,16 +131,27 @@ class ViT(keras.Model):
         position_spec = position_embeddings.position_spec(config)
         head_spec = heads.head_spec(config, classifier)
 
-        images = keras.Input((*((None, None) if dynamic_image_size else (height, width)),
-                              channels), name="images")
-        x = images
+        p = config.patch_size
+        if naflex:  # timm's names and layouts: patches flattened (row, column, channel)
+            inputs = {"patches": keras.Input((None, p * p * channels), name="patches"),
+                      "patch_coord": keras.Input((None, 2), dtype="int32", name="patch_coord"),
+                      "patch_valid": keras.Input((None,), dtype="bool", name="patch_valid")}
+            x = inputs["patches"]
+        else:
+            inputs = x = keras.Input(
+                (*((None, None) if dynamic_image_size else (height, width)), channels),
+                name="images")
         rescale = stem = None
         if include_preprocessing:
             pixels = normalization_lib.get_normalization(
                 normalization_lib.PAPER if normalization is None else normalization)
             rescale = normalization_lib.PixelNormalization(
                 *pixels.for_channels(channels), dtype="float32", name="rescale")
-            x = rescale(x)
+            if naflex:  # the pixels of each patch, channels last, normalised as an image's
+                x = keras.layers.Reshape((-1, p * p, channels), name="patch_pixels")(x)
+                x = keras.layers.Reshape((-1, p * p * channels), name="patch_values")(rescale(x))
+            else:
+                x = rescale(x)
         feature_map = (height, width)  # what the patch embedding sees at the built size
         if config.is_hybrid:
             stem = resnet.ResNetStem(config.resnet_layers, config.resnet_width, dtype=policy,
@@ -162,11 +175,13 @@ class ViT(keras.Model):
         # distillation tokens (`covers_prefix`) or only the patches; registers take none.
         prefix, registers = tokens.make(dtype=policy)
         grid = tuple(side // config.patch_size for side in feature_map)
-        position = position_spec.make(grid if dynamic_image_size else None, tokens.named,
-                                      dtype=policy)
+        position = position_spec.make(grid if dynamic_image_size or naflex else None,
+                                      tokens.named, dtype=policy, naflex=naflex)
         for token in prefix if position_spec.covers_prefix else ():
             x = token(x)
-        if position is not None:
+        if naflex and position is not None:
+            x = position(x, inputs["patch_coord"], inputs["patch_valid"])
+        elif position is not None:
             x = position(x, patches) if dynamic_image_size else position(x)
         for token in () if position_spec.covers_prefix else prefix:
             x = token(x)
@@ -180,6 +195,9 @@ class ViT(keras.Model):
             if not attention_spec.rope.learned:
                 rotation = attention_spec.rope.rotation(config.hidden_size // config.num_heads)
                 rotary = rotation(rotary)
+        # NaFlex: the real tokens, whose keys every attention and the pooling read alone.
+        valid = (layers.ValidTokens(tokens.count, name="valid_tokens")(inputs["patch_valid"])
+                 if naflex else None)
         x = keras.layers.Dropout(dropout, dtype=policy, name="dropout")(x)
         pre_norm = None
         if config.pre_norm:
@@ -193,14 +211,15 @@ class ViT(keras.Model):
                 layer_scale_init=config.layer_scale_init, attention=attention,
                 attention_spec=attention_spec, mlp_spec=mlp_spec, norm_spec=norm_spec,
                 dtype=policy, name=f"encoderblock_{index}"))
-            x = blocks[-1](x) if rotary is None else blocks[-1](x, rotary)
+            rotary_input = () if rotary is None else (rotary,)
+            x = blocks[-1](x, *rotary_input, **({} if valid is None else {"valid": valid}))
         encoder_norm = fc_norm = pre_logits = None
         if not head_spec.fc_norm:  # the norm after the pooling replaces it
             encoder_norm = norm_spec.make(dtype=head_policy, name="encoder_norm")
             x = encoder_norm(x)
         pooling = head_spec.pooling(config.num_heads, config.mlp_dim, tokens.count, norm_spec,
                                     mlp_spec, dtype=head_policy)
-        x = pooling(x)
+        x = pooling(x, valid)
         if head_spec.fc_norm:
             fc_norm = norm_spec.make(dtype=head_policy, name="fc_norm")
             x = fc_norm(x)
@@ -210,7 +229,7 @@ class ViT(keras.Model):
             x = pre_logits(x)
         classifier_heads = head_spec.heads(num_classes, dtype=head_policy) if include_top else []
         x = heads.classify(classifier_heads, x, dtype=head_policy)
-        super().__init__(images, x, name=name or re.sub(r"[/+]", "_", config.name), **kwargs)
+        super().__init__(inputs, x, name=name or re.sub(r"[/+]", "_", config.name), **kwargs)
 
         # The constructor's arguments, for get_config (the overrides are folded into the config).
         self.vit_config = config
@@ -223,6 +242,7 @@ class ViT(keras.Model):
             "attention_dropout": float(attention_dropout),
             "drop_path_rate": float(drop_path_rate), "channels": int(channels),
             "hybrid_numerics": hybrid_numerics, "dynamic_image_size": bool(dynamic_image_size),
+            "naflex": bool(naflex),
             "attention": attention, "dtype": policy, "eval_crop": geometry.eval_crop(eval_crop)}
         # The parts (the layers above, tracked once: Keras saves each layer under the graph's).
         self.rescale, self.stem, self.patch_embedding = rescale, stem, embedding
@@ -237,7 +257,7 @@ class ViT(keras.Model):
         # Keras checks the input's shape in `__call__`, which JAX's `predict` and `fit` skip (they
         # trace `call`): a model without absolute position embeddings would run on images of
         # another size there, silently unlike what it was built and loaded for.
-        if not self.dynamic_image_size:
+        if not (self.dynamic_image_size or self.naflex):
             found = tuple(keras.ops.shape(inputs)[1:3]) if hasattr(inputs, "shape") else ()
             if len(found) == 2 and all(isinstance(side, int) for side in found) and (
                     found != self.image_size):
@@ -284,6 +304,12 @@ class ViT(keras.Model):
     def dynamic_image_size(self):
         """Whether the model takes images of any size (position embeddings resampled per call)."""
         return self._arguments["dynamic_image_size"]
+
+    @property
+    def naflex(self):
+        """Whether the model takes NaFlex inputs: `{"patches", "patch_coord", "patch_valid"}`
+        (`vit_keras.naflex_patches` makes them) instead of images."""
+        return self._arguments.get("naflex", False)
 
     @property
     def image_size(self):
@@ -438,6 +464,20 @@ def _check_switches(config, classifier, representation_size):
                          f"representation layer or fc_norm is not supported with distillation.")
     if config.is_hybrid and (config.num_registers or config.distillation):
         raise ValueError(f"{config.name}: hybrids take no register or distillation tokens.")
+
+
+def _check_naflex(config, dynamic_image_size):
+    """Refuses what NaFlex inputs cannot feed: a hybrid's ResNet (it needs whole images) and,
+    for now, rotary embeddings, whose coordinates come from a square grid."""
+    if config.is_hybrid:
+        raise ValueError(f"{config.name}: a hybrid's ResNet reads whole images, so it takes no "
+                         f"NaFlex patches; build it without naflex.")
+    if config.rope is not None:
+        raise ValueError(f"{config.name}: NaFlex inputs for rotary embeddings are not built yet; "
+                         f"build it without naflex (or with dynamic_image_size=True).")
+    if dynamic_image_size:
+        raise ValueError("naflex=True already takes any size and aspect ratio; pass it without "
+                         "dynamic_image_size.")
 
 
 def _check_divisible(config, image_size, feature_map):

@@ -167,7 +167,7 @@ FAMILIES = (
         transformers_defaults={"layer_norm_eps": 1e-12, "hidden_act": "gelu"},
         timm_eval_crops=(_IN1K_224, _IN1K_384)),
     Family(
-        "SigLIP", release_names=("siglip_webli",), timm_pattern=r"_siglip",
+        "SigLIP", release_names=("siglip_webli",), timm_pattern=r"^(?!naflexvit_)\w*_siglip",
         model_types=("siglip_vision_model",), gelu="tanh", normalization="inception",
         transformers_defaults={"layer_norm_eps": 1e-6, "hidden_act": "gelu_pytorch_tanh"},
         timm_eval_crops=(
@@ -175,6 +175,14 @@ FAMILIES = (
              _CROP_100),
             (r"_siglip_(?:gap_)?\d+\.(?:v2_webli|webli|webli_i18n|pali_mix|pali_pt|pali2_3b_pt|"
              r"pali2_10b_pt)$", _CROP_90))),
+    Family(
+        # SigLIP 2's NaFlex towers (google/siglip2-*-naflex): a model read from one takes NaFlex
+        # inputs, its grid resized bilinearly with antialiasing as transformers and big_vision do.
+        "SigLIP2", timm_pattern=r"^naflexvit_\w+_siglip", model_types=("siglip2_vision_model",),
+        gelu="tanh", normalization="inception",
+        transformers={"naflex": True, "posemb_interpolation": "bilinear"},
+        transformers_defaults={"layer_norm_eps": 1e-6, "hidden_act": "gelu_pytorch_tanh",
+                               "patch_size": 16, "num_patches": 256}),
     Family(
         "CLIP", release_names=("clip_openai",), timm_pattern=r"_clip_",
         model_types=("clip_vision_model",), layer_norm_epsilon=1e-5, gelu="quick",

@@ -302,6 +302,8 @@ def build_model_from_checkpoint(path, *, variant=None, image_size=None, num_clas
         kwargs.get("normalization"), checkpoint, kwargs.get("include_preprocessing", True),
         release)
     kwargs.setdefault("eval_crop", checkpoint.hints.get("eval_crop"))
+    if checkpoint.hints.get("naflex"):  # SigLIP 2's NaFlex towers: NaFlex, unless told otherwise
+        kwargs.setdefault("naflex", True)
     model = model_lib.ViT(config, **kwargs)
     return loader.load_pretrained(model, checkpoint, strict=strict, interpolation=interpolation,
                                   antialias=antialias, allow_non_finite=allow_non_finite,

@@ -5,6 +5,8 @@ The families (`config.json`'s `model_type`): `vit` (`ViTModel`, `ViTForImageClas
 `deit` (`DeiTModel`, `DeiTForImageClassification[WithTeacher]`), `dinov2` (`Dinov2Model`),
 `dinov2_with_registers`, `clip_vision_model` (`CLIPVisionModel`; a full `clip` folder gives its
 image tower), `siglip_vision_model` (`SiglipVisionModel`; a full `siglip` folder likewise),
+`siglip2_vision_model` (`Siglip2VisionModel`, SigLIP 2's NaFlex tower: a NaFlex model, see
+`vit_keras.ViT(naflex=True)`; a full `siglip2` folder likewise),
 `vit_mae` (`ViTMAEModel`), and with rotary embeddings or gated MLPs `dinov3_vit`
 (`DINOv3ViTModel`) and `aimv2_vision_model` (`Aimv2VisionModel` without its attention-pooling
 `head`, `use_head=false`). The key names are `names.from_huggingface`'s; this module reads what
@@ -41,7 +43,8 @@ _MLPS = {(False, False): "gelu", (False, True): "silu", (True, False): "geglu",
 FAMILIES = families.model_types()
 """The `model_type`s vit_keras reads (`clip` and `siglip` folders: their `vision_config`), each
 claimed by a family's record (`vit_keras.weights.families`)."""
-_VISION_TOWERS = {"clip": "clip_vision_model", "siglip": "siglip_vision_model"}
+_VISION_TOWERS = {"clip": "clip_vision_model", "siglip": "siglip_vision_model",
+                  "siglip2": "siglip2_vision_model"}
 
 
 def read_json(path):
@@ -236,6 +239,10 @@ def family(state_dict, config=None):
     `model_type` when there is one, else told from the keys."""
     if config and "model_type" in config:
         return vision_config(config)["model_type"]
+    patches = next((value for key, value in state_dict.items()
+                    if key.endswith("embeddings.patch_embedding.weight")), None)
+    if patches is not None and patches.ndim == 2:  # a Linear over NaFlex's flattened patches
+        return "siglip2_vision_model"
     keys = "\n".join(state_dict)
     for pattern, found in ((r"embeddings\.rms_norm\.weight$", "aimv2_vision_model"),
                            (r"^(?:model\.)?layer\.\d+\.attention\.q_proj", "dinov3_vit"),
@@ -288,6 +295,11 @@ def hints(config, model_type="vit"):
         size = config["image_size"]
         rows, cols = (size, size) if isinstance(size, int) else size
         out["grid"] = (rows // config["patch_size"], cols // config["patch_size"])
+    elif _positive_int(config.get("num_patches")):  # SigLIP 2: a square grid of num_patches
+        side = math.isqrt(config["num_patches"])
+        out["grid"] = (side, side)
+    if _positive_int(config.get("patch_size")):
+        out["patch_size"] = config["patch_size"]
     return out
 
 
@@ -337,7 +349,7 @@ def convert(state_dict, config=None, num_heads=None, folder=None):
     if "num_heads" not in info:
         hidden = next(v for k, v in state_dict.items() if _ANCHOR.search(k)).shape[0]
         info["num_heads"] = timm.default_num_heads(hidden)
-    params = names.from_huggingface(state_dict, info["num_heads"])
+    params = names.from_huggingface(state_dict, info["num_heads"], info.pop("patch_size", None))
     gated = names.MLP.format(0) + "gate/kernel" in params
     if info.pop("gated", gated) != gated:
         raise errors.CheckpointError(

@@ -507,6 +507,7 @@ def _switches(checkpoint):
         "norm": ("rms_norm" if names.BLOCK.format(0) + "LayerNorm_0/scale" in params
                  and names.BLOCK.format(0) + "LayerNorm_0/bias" not in params else "layer_norm"),
         "position_embedding": "learned" if names.POSEMB in params else "none",
+        "posemb_interpolation": "bicubic",  # timm's; SigLIP 2's bilinear comes with the hints
         "qkv_bias": biases or "none",
         "proj_bias": attention + "out/bias" in params,
         "mlp_bias": mlp + "Dense_1/bias" in params,

@@ -45,6 +45,7 @@ Keys a converter does not recognise are passed through under their own name, so 
 reports them as unexpected.
 """
 
+import functools
 import re
 
 import numpy as np
@@ -188,6 +189,20 @@ def _check_heads(hidden, num_heads):
 def _conv(weight):
     """torch Conv2d weight (out, in, h, w) → HWIO."""
     return np.ascontiguousarray(weight.transpose(2, 3, 1, 0))
+
+
+def _patch_kernel(weight, patch_size):
+    """A patch embedding's weight → HWIO: a Conv2d's `(out, in, h, w)`, or a `Linear` over
+    flattened (row, column, channel) patches, `(out, patch_size * patch_size * in)` (SigLIP 2)."""
+    if weight.ndim == 4:
+        return _conv(weight)
+    hidden, values = weight.shape
+    if not patch_size or values % (patch_size * patch_size):
+        raise errors.CheckpointError(
+            f"The patch embedding is a linear map of {values} values per patch, which is not "
+            f"patch_size x patch_size x channels for patch_size {patch_size}; the checkpoint's "
+            f"config.json must give its patch_size.")
+    return np.ascontiguousarray(weight.T.reshape(patch_size, patch_size, -1, hidden))
 
 
 def _convert(state_dict, rules):
@@ -358,7 +373,7 @@ _HF_TRAINING_ONLY = {"embeddings.mask_token"}
 _HF_PATCHES = r"embeddings\.patch_embed(?:dings?)?\.(?:projection\.)?"
 
 
-def from_huggingface(state_dict, num_heads):
+def from_huggingface(state_dict, num_heads, patch_size=None):
     """A Hugging Face ViT-family state dict → canonical dict.
 
     The families: `ViTModel` / `ViTForImageClassification`, `ViTMAEModel` (ViT's names),
@@ -367,9 +382,11 @@ def from_huggingface(state_dict, num_heads):
     `Dinov2WithRegistersModel` (`norm1|2`, `mlp.fc1|2`, `layer_scale{1,2}.lambda1` → LayerScale,
     `register_tokens` → `reg`), `CLIPVisionModel` (`class_embedding` (hidden,), bias-free
     `patch_embedding`, `position_embedding.weight` (tokens, hidden), `pre_layrnorm` → pre_norm,
-    `post_layernorm` → encoder_norm) and `SiglipVisionModel` (no class token; its `head` is the
-    MAP head, a `torch.nn.MultiheadAttention` with fused `in_proj`). The names `save_pretrained`
-    writes (`encoder.layer.{i}.attention.attention.query`) and the in-memory names of
+    `post_layernorm` → encoder_norm), `SiglipVisionModel` (no class token; its `head` is the
+    MAP head, a `torch.nn.MultiheadAttention` with fused `in_proj`) and `Siglip2VisionModel`
+    (SigLIP's names, its patch embedding a `Linear` over NaFlex's flattened patches, `(hidden,
+    patch_size * patch_size * channels)`, whose `patch_size` the caller gives). The names
+    `save_pretrained` writes (`encoder.layer.{i}.attention.attention.query`) and the in-memory names of
     transformers >= 5 (`layers.{i}.attention.q_proj`) are accepted, with or without the model's
     prefix (`vit.`, `deit.`, `vision_model.`). `ViTModel`'s and `DeiTModel`'s pooler (Dense + tanh
     on the class token after the final LayerNorm) is the representation layer `pre_logits`. A full
@@ -402,7 +419,8 @@ def from_huggingface(state_dict, num_heads):
         return _out_projection(map_attention, match.group(1), value, num_heads)
 
     return _convert(state_dict, [
-        (_HF_PATCHES + "weight", _to(EMBEDDING_KERNEL, _conv)),
+        (_HF_PATCHES + "weight", _to(EMBEDDING_KERNEL,
+                                     functools.partial(_patch_kernel, patch_size=patch_size))),
         (_HF_PATCHES + "bias", _to("embedding/bias")),
         (r"embeddings\.rms_norm\.weight", _to(PATCH_NORM + "scale")),
         (r"embeddings\.cls_token", _to(CLS)),

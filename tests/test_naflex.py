@@ -1,0 +1,181 @@
+"""NaFlex inputs (`ViT(naflex=True)`): images at their native aspect ratio as a padded batch of
+patches `{"patches", "patch_coord", "patch_valid"}`, the position grid resized per image, the
+padding masked in every attention kernel and pooling; and SigLIP 2's NaFlex tower from a
+transformers folder, against transformers on a batch that mixes aspect ratios."""
+
+import keras
+import numpy as np
+import pytest
+
+import vit_keras
+from vit_keras.model import ViT, attention
+
+from conftest import NEXT_BACKEND, run_on_backend
+
+BACKEND = keras.backend.backend()
+PATCH = 4
+TINY = dict(name="tiny", patch_size=PATCH, hidden_size=32, mlp_dim=64, num_heads=2, num_layers=2)
+# Each image's grid (rows, cols) against the model's 4x4: wider, taller, the same, larger.
+GRIDS = ((2, 7), (5, 3), (4, 4), (6, 5))
+LENGTH = 30  # the padded batch's tokens: every grid above fits
+
+
+def _randomized(model, seed=0):
+    rng = np.random.default_rng(seed)
+    for weight in model.weights:
+        weight.assign(rng.normal(0, 0.2, weight.shape).astype("float32"))
+    return model
+
+
+def _image_patches(rows, cols, length, seed):
+    """One image's NaFlex dict (batch 1) at `length` tokens: its patches row-major, then zeros."""
+    rng = np.random.default_rng(seed)
+    count = rows * cols
+    patches = np.zeros((1, length, PATCH * PATCH * 3), "float32")
+    coord = np.zeros((1, length, 2), "int32")
+    valid = np.zeros((1, length), bool)
+    patches[0, :count] = rng.uniform(0, 255, (count, PATCH * PATCH * 3))
+    coord[0, :count] = [(row, col) for row in range(rows) for col in range(cols)]
+    valid[0, :count] = True
+    return {"patches": patches, "patch_coord": coord, "patch_valid": valid}
+
+
+def _batch(grids=GRIDS, length=LENGTH):
+    images = [_image_patches(rows, cols, length, seed) for seed, (rows, cols) in enumerate(grids)]
+    return {key: np.concatenate([image[key] for image in images]) for key in images[0]}, images
+
+
+def _numpy(x):
+    return keras.ops.convert_to_numpy(x)
+
+
+def _alone(model, images):
+    """Each image through the model by itself, cut to its own patches (no padding at all)."""
+    outputs = []
+    for image in images:
+        count = int(image["patch_valid"].sum())
+        outputs.append(_numpy(model({key: value[:, :count] for key, value in image.items()})))
+    return np.concatenate(outputs)
+
+
+@pytest.mark.parametrize("classifier, switches", [
+    ("token", {}), ("gap", {}), ("map", {}),
+    ("token", {"num_registers": 2, "posemb_prefix": False}),
+    ("gap", {"class_token": True, "posemb_interpolation": "bilinear"}),
+])
+def test_a_padded_batch_gives_each_image_what_it_gives_alone(classifier, switches):
+    model = _randomized(ViT({**TINY, **switches}, image_size=16, num_classes=5, naflex=True,
+                            classifier=classifier))
+    batch, images = _batch()
+    padded = _numpy(model(batch))
+    assert padded.shape == (len(GRIDS), 5) and np.std(padded) > 0.05
+    np.testing.assert_allclose(padded, _alone(model, images), rtol=1e-5, atol=1e-5)
+
+
+def _kernels():
+    names = {"tensorflow": ["explicit", "fused"], "jax": ["explicit", "fused", "padded"],
+             "torch": ["explicit", "torch"]}[BACKEND]
+    return names
+
+
+@pytest.mark.parametrize("kernel", _kernels())
+def test_every_attention_kernel_masks_the_padding(kernel, monkeypatch):
+    """Padding that changes must change no image's output, and each kernel gives the explicit
+    one's outputs; `padded` is the cuDNN kernel's padded, length-masked function, run by XLA."""
+    chosen = (attention.PaddedAttention("xla") if kernel == "padded"
+              else attention.kernel_named(kernel))
+    monkeypatch.setattr(attention, "choose_attention", lambda *a, probabilities=False, **k: (
+        attention.kernel_named("explicit") if probabilities else chosen))
+    model = _randomized(ViT(TINY, image_size=16, num_classes=5, naflex=True, classifier="map"))
+    assert {block.attention.attention_kernel for block in model.blocks} == {chosen.name}
+    batch, images = _batch()
+    noisy = {**batch, "patches": np.where(batch["patch_valid"][..., None], batch["patches"],
+                                          np.float32(1e4))}
+    # The padding's coordinates too: a coordinate beyond an image's grid must not count.
+    noisy["patch_coord"] = np.where(batch["patch_valid"][..., None], batch["patch_coord"], 9)
+    out = _numpy(model(batch))
+    np.testing.assert_allclose(_numpy(model(noisy)), out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, _alone(model, images), rtol=1e-4, atol=1e-4)
+
+
+def test_a_square_models_checkpoint_runs_in_naflex_mode_as_the_square_model(tmp_path):
+    """A NaFlex model takes the square model's checkpoint as it is: an image of the built grid,
+    cut into patches, gives what the square model gives for the image."""
+    square = _randomized(ViT(TINY, image_size=16, num_classes=5))
+    path = str(tmp_path / "square.npz")
+    vit_keras.save_npz(square, path)
+    naflex = vit_keras.build_model(TINY, weights=path, image_size=16, num_classes=5, naflex=True)
+    assert naflex.naflex
+    image = np.random.default_rng(3).uniform(0, 255, (1, 16, 16, 3)).astype("float32")
+    patches = image.reshape(1, 4, PATCH, 4, PATCH, 3).transpose(0, 1, 3, 2, 4, 5).reshape(1, 16, -1)
+    coord = np.array([[(row, col) for row in range(4) for col in range(4)]], "int32")
+    inputs = {"patches": patches, "patch_coord": coord, "patch_valid": np.ones((1, 16), bool)}
+    np.testing.assert_allclose(_numpy(naflex(inputs)), _numpy(square(image)), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_a_naflex_model_saves_and_loads_on_another_backend(tmp_path):
+    model = _randomized(ViT(TINY, image_size=16, num_classes=5, naflex=True, classifier="map"))
+    path = str(tmp_path / "naflex.keras")
+    model.save(path)
+    batch, _ = _batch()
+    np.savez(tmp_path / "batch.npz", **batch)
+    found = run_on_backend(NEXT_BACKEND, """
+        import keras, numpy as np
+        import vit_keras
+        model = keras.models.load_model(ARGS["path"])
+        batch = dict(np.load(ARGS["batch"]))
+        out = np.asarray(model.predict(batch, verbose=0))
+        print(json.dumps({"naflex": model.naflex, "out": out.tolist()}))
+    """, path=path, batch=str(tmp_path / "batch.npz"))
+    assert found["naflex"]
+    np.testing.assert_allclose(np.array(found["out"]), _numpy(model(batch)), rtol=1e-4, atol=1e-5)
+
+
+def test_what_naflex_inputs_cannot_feed_is_refused_by_name():
+    with pytest.raises(ValueError, match="hybrid's ResNet reads whole images"):
+        ViT("R+ViT-Ti/16", image_size=32, naflex=True)
+    with pytest.raises(ValueError, match="NaFlex inputs for rotary embeddings"):
+        ViT({**TINY, "rope": "axial"}, image_size=16, naflex=True)
+    with pytest.raises(ValueError, match="without dynamic_image_size"):
+        ViT(TINY, image_size=16, naflex=True, dynamic_image_size=True)
+
+
+# SigLIP 2's NaFlex tower from transformers --------------------------------------------------------
+
+def _siglip2_folder(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from test_family_hf import _randomize  # pylint: disable=import-outside-toplevel
+
+    model = _randomize(transformers.Siglip2VisionModel(transformers.Siglip2VisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        patch_size=PATCH, num_patches=16)))
+    folder = str(tmp_path / "siglip2")
+    model.save_pretrained(folder)
+    return torch, model, folder
+
+
+def test_siglip2_naflex_from_transformers_gives_its_pooled_features(tmp_path):
+    torch, reference, folder = _siglip2_folder(tmp_path)
+    batch, _ = _batch()
+    with torch.no_grad():
+        expected = reference(
+            pixel_values=torch.from_numpy(batch["patches"] / 127.5 - 1.0),
+            pixel_attention_mask=torch.from_numpy(batch["patch_valid"].astype("int64")),
+            spatial_shapes=torch.tensor(GRIDS)).pooler_output.numpy()
+    model = vit_keras.build_model_from_checkpoint(folder, include_top=False)
+    assert model.naflex and model.vit_config.posemb_interpolation == "bilinear"
+    found = np.asarray(model.predict(batch, verbose=0))
+    assert np.std(expected) > 0.05
+    assert float(np.max(np.abs(found - expected)) / np.max(np.abs(expected))) < 1e-4
+    square = vit_keras.build_model_from_checkpoint(folder, include_top=False, naflex=False)
+    assert not square.naflex and square.image_size == (16, 16)
+
+
+def test_a_siglip2_patch_embedding_without_its_patch_size_is_refused():
+    from vit_keras.weights.checkpoints import names  # pylint: disable=import-outside-toplevel
+
+    with pytest.raises(vit_keras.errors.CheckpointError, match="must give its patch_size"):
+        names.from_huggingface({"embeddings.patch_embedding.weight": np.zeros((32, 50))}, 2,
+                               patch_size=4)
