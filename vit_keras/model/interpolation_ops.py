@@ -52,9 +52,11 @@ def antialiased_weights(in_size, out_size, index, interpolation="bicubic"):
     in_size = int(in_size)
     scale = in_size / ops.cast(out_size, "float32")  # input cells per output cell
     downsampling = scale >= 1.0
-    support = ops.where(downsampling, half_width * scale, half_width)[..., None]
-    inverse_scale = ops.where(downsampling, 1.0 / scale, 1.0)[..., None]
-    center = (scale * (ops.cast(index, "float32") + 0.5))[..., None]  # (..., 1)
+    # expand_dims, not `[..., None]`: tf2onnx has no StridedSlice with an ellipsis and a new axis
+    # (ONNX exports of dynamic-size models resize with these weights).
+    support = ops.expand_dims(ops.where(downsampling, half_width * scale, half_width), -1)
+    inverse_scale = ops.expand_dims(ops.where(downsampling, 1.0 / scale, 1.0), -1)
+    center = ops.expand_dims(scale * (ops.cast(index, "float32") + 0.5), -1)  # (..., 1)
     # PyTorch's window of taps [first, last): C++ truncation, which equals floor after the clamp.
     first = ops.maximum(ops.floor(center - support + 0.5), 0.0)
     last = ops.minimum(ops.floor(center + support + 0.5), float(in_size))
