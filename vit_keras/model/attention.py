@@ -150,7 +150,7 @@ class FusedAttention(_Kernel):
         _no_dropout(self, dropout)
         # On a GPU Keras would try cuDNN first and log its refusal with a traceback.
         flash = False if _gpu_compute_capability() is not None else None
-        mask = None if valid is None else _key_mask(valid)
+        mask = None if valid is None else key_mask(valid)
         return ops.dot_product_attention(q, k, v, mask=mask, flash_attention=flash), None
 
     def out(self, layer, attended):
@@ -235,7 +235,7 @@ class TorchAttention(_Kernel):
         import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
 
         _no_dropout(self, dropout)
-        mask = None if valid is None else _key_mask(valid)
+        mask = None if valid is None else key_mask(valid)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask), None
 
     def out(self, layer, attended):
@@ -291,7 +291,7 @@ class ExplicitAttention(_Kernel):
         logits = self.einsum("bhqd,bhkd->bhqk", q * (1.0 / math.sqrt(q.shape[-1])), k)
         logits = ops.cast(logits, "float32")
         if valid is not None:  # finite: a row of padding alone gets uniform weights, not NaN
-            logits = ops.where(_key_mask(valid), logits, -1e9)
+            logits = ops.where(key_mask(valid), logits, -1e9)
         probabilities = ops.softmax(logits, axis=-1)
         weights = ops.cast(probabilities, q.dtype)
         if dropout is not None:
@@ -306,7 +306,7 @@ class ExplicitAttention(_Kernel):
         return y if layer.out.bias is None else y + layer.out.bias
 
 
-def _key_mask(valid):
+def key_mask(valid):
     """`(batch, tokens)` bool → `(batch, 1, 1, tokens)`: each query attends to the real keys."""
     return ops.expand_dims(ops.expand_dims(ops.cast(valid, "bool"), 1), 1)
 

@@ -71,8 +71,7 @@ class MAPHead(keras.layers.Layer):
         # Cross-attention through the projections as layers (quantized or LoRA ones included):
         # the probe queries, the tokens are keys and values; (batch, tokens, heads, head_dim).
         q, k, v = attention.query(probe), attention.key(x), attention.value(x)
-        mask = None if valid is None else ops.expand_dims(ops.expand_dims(
-            ops.cast(valid, "bool"), 1), 1)  # (batch, 1, 1, tokens): NaFlex padding left out
+        mask = None if valid is None else attention_lib.key_mask(valid)  # NaFlex padding out
         y = attention.out(ops.dot_product_attention(q, k, v, mask=mask))
         y = y + self.mlp(self.norm(y))
         return y[:, 0]
