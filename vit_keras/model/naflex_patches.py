@@ -23,7 +23,7 @@ import numbers
 import keras
 import numpy as np
 
-_EPS = 1e-5  # transformers' and big_vision's end of the binary search on the scale
+SCALE_SEARCH_END = 1e-5  # transformers' and big_vision's end of the binary search on the scale
 
 
 def naflex_size(height, width, patch_size, max_num_patches):
@@ -41,8 +41,8 @@ def naflex_size(height, width, patch_size, max_num_patches):
         # The same float operations as transformers', so that ties round the same way.
         return max(patch_size, math.ceil(size * scale / patch_size) * patch_size)
 
-    scale_min, scale_max = _EPS / 10, 100.0
-    while scale_max - scale_min >= _EPS:
+    scale_min, scale_max = SCALE_SEARCH_END / 10, 100.0
+    while scale_max - scale_min >= SCALE_SEARCH_END:
         scale = (scale_min + scale_max) / 2
         count = (scaled(scale, height) / patch_size) * (scaled(scale, width) / patch_size)
         if count <= max_num_patches:

@@ -675,11 +675,18 @@ def inception_crop(image, image_size, *, seed, area_range=(0.05, 1.0),
     ratio in `aspect_ratio_range`, resized (bilinear) to `image_size`. Returns float32 [0, 255].
 
     `seed`: int `(2,)`; the box is a stateless draw, the same for the same seed."""
+    return resize(inception_box(image, seed=seed, area_range=area_range,
+                                aspect_ratio_range=aspect_ratio_range), image_size)
+
+
+def inception_box(image, *, seed, area_range=(0.05, 1.0), aspect_ratio_range=(3 / 4, 4 / 3)):
+    """The part of `image` `(height, width, channels)` that `inception_crop` resizes, at its own
+    size: NaFlex pipelines resize it to a patch budget instead of a square."""
     begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
         tf.shape(image), bounding_boxes=tf.zeros([0, 0, 4]), seed=seed, area_range=area_range,
         aspect_ratio_range=aspect_ratio_range, min_object_covered=0.0,
         use_image_if_no_bounding_boxes=True)
-    return resize(tf.slice(image, begin, size), image_size)
+    return tf.slice(image, begin, size)
 
 
 def resize(image, image_size):
