@@ -379,11 +379,45 @@ def training_app(name, started, recipe="auto", recipe_help=None, objective=None)
 
 
 def run_settings(model_path):
-    """dataset, data_dir, seed and val_fraction of the run that wrote `model_path`, if known."""
+    """dataset, data_dir, seed, val_fraction and max_num_patches of the run that wrote
+    `model_path`, if known."""
     from vit_keras.tools.runs.run_folder import RunFolder
 
     run = ((RunFolder.of_model(model_path).read_metrics() or {}).get("config") or {}).get("run")
-    return {key: run.get(key) for key in ("dataset", "data_dir", "seed", "val_fraction")} if run else {}
+    keys = ("dataset", "data_dir", "seed", "val_fraction", "max_num_patches")
+    return {key: run.get(key) for key in keys} if run else {}
+
+
+def define_max_num_patches_flag():
+    """`--max_num_patches`, for the apps that feed a NaFlex model images (predict, evaluate)."""
+    from vit_keras.tools.runs import config_flags
+
+    config_flags.define_number(
+        "max_num_patches", None, "For a NaFlex model (ViT(naflex=True), apps/finetune.py "
+        "--max_num_patches): the most patches each image is resized to at its own aspect ratio "
+        "(vit_keras.naflex_size). Default: the training run's, from metrics.json beside the "
+        "model, else the patches of the model's position grid.", bounds="[1, inf)", kind=int)
+
+
+def naflex_batching(model, model_path=None):
+    """`vit_keras.tools.data.naflex.NaFlexBatching` of a NaFlex `model` (None for a model of
+    square images, where --max_num_patches is refused), at --max_num_patches, else the budget
+    `define_max_num_patches_flag` names."""
+    from vit_keras import model as model_lib
+
+    given = FLAGS.max_num_patches
+    if not getattr(model, "naflex", False):
+        if given is not None:
+            raise app.UsageError(f"--max_num_patches is for NaFlex models; {model.name} takes "
+                                 f"square images of its own size.")
+        return None
+    from vit_keras.tools.data import naflex
+
+    vit = model_lib.ViT.of(model)
+    rows, cols = vit.token_grid
+    budget = (given or (model_path and run_settings(model_path).get("max_num_patches"))
+              or rows * cols)
+    return naflex.NaFlexBatching(int(budget), patch_size=vit.token_pixels)
 
 
 def load_run_splits(model_path, dataset=None, data_dir=None, seed=None, val_fraction=None):

@@ -44,6 +44,8 @@ flags.DEFINE_enum("quantize", "none", ["none", "int8"],
                   "images, and print its accuracy next to float's (JSON: quantized).")
 _common.define_resize_only_flag()
 flags.declare_key_flag("resize_only")  # listed by --help with the app's own
+_common.define_max_num_patches_flag()
+flags.declare_key_flag("max_num_patches")
 FLAGS = flags.FLAGS
 
 
@@ -61,14 +63,20 @@ def main(argv):
     dataset, splits = _common.load_run_splits(FLAGS.model, FLAGS.dataset, FLAGS.data_dir,
                                               FLAGS.seed, FLAGS.val_fraction)
     model = _common.load_keras_model(FLAGS.model)
-    image_size = _common.model_image_size(model)
     if model.output_shape[-1] != splits.num_classes:
         raise app.UsageError(f"{FLAGS.model} predicts {model.output_shape[-1]} classes but "
                              f"{dataset} has {splits.num_classes}; evaluate on the dataset the "
                              f"model was trained for.")
-    pipeline = data.make_pipeline(splits, FLAGS.split, image_size=image_size,
-                                  batch_size=FLAGS.batch_size,
-                                  eval_crop=_common.eval_crop(model))
+    batching = _common.naflex_batching(model, FLAGS.model)
+    if batching is not None:  # each image at its own aspect ratio, as patches
+        from vit_keras.tools.data import naflex
+
+        pipeline = naflex.make_naflex_pipeline(splits, FLAGS.split, batching,
+                                               batch_size=FLAGS.batch_size)
+    else:
+        pipeline = data.make_pipeline(splits, FLAGS.split, image_size=_common.model_image_size(model),
+                                      batch_size=FLAGS.batch_size,
+                                      eval_crop=_common.eval_crop(model))
     logits, labels = evaluation.evaluate_model(model, pipeline)
     if splits.skipped_files:
         print(splits.unreadable.summary())

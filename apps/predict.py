@@ -45,6 +45,8 @@ config_flags.define_number("image_size", None, "With --weights: the input size (
 _common.define_checkpoint_flags()
 _common.define_resize_only_flag()
 flags.declare_key_flag("resize_only")  # listed by --help with the app's own
+_common.define_max_num_patches_flag()
+flags.declare_key_flag("max_num_patches")
 config_flags.define_number("top_k", 5, "Classes listed per image.", bounds="[1, inf)", kind=int)
 flags.DEFINE_string("class_names", None,
                     "A JSON list or a text file with one class name per line (default: the "
@@ -102,8 +104,14 @@ def main(argv):
         class_names = _common.read_class_names(FLAGS.class_names, None) if FLAGS.class_names \
             else (vit_keras.class_names(release) if release is not None else [])
     model = evaluation.quantized_copy(model, FLAGS.quantize)
-    images = data.load_image_files(files, _common.model_image_size(model),  # names bad files
-                                   _common.eval_crop(model))
+    batching = _common.naflex_batching(model, FLAGS.model if is_keras_file else None)
+    if batching is not None:  # each image at its own aspect ratio, as patches
+        from vit_keras.tools.data import naflex
+
+        images = naflex.load_image_files(files, batching)
+    else:
+        images = data.load_image_files(files, _common.model_image_size(model),  # names bad files
+                                       _common.eval_crop(model))
     logits = keras.ops.convert_to_numpy(model.predict(images, verbose=0))
     predictions = evaluation.top_k_predictions(logits, class_names, FLAGS.top_k)
     for file, ranked in zip(files, predictions):

@@ -111,10 +111,10 @@ def test_bad_batching_and_square_image_augmentations_are_refused():
     with pytest.raises(ValueError, match="longer than max_num_patches=16"):
         naflex.NaFlexBatching(patch_size=4, max_num_patches=16, seq_lens=(8, 32))
     with pytest.raises(ValueError, match="needs tokens_per_batch"):
-        naflex.make_naflex_pipeline(splits, "train", naflex.NaFlexBatching(4, 16), training=True)
+        naflex.make_naflex_pipeline(splits, "train", naflex.NaFlexBatching(16, 4), training=True)
     with pytest.raises(ValueError, match="MixUp"):
         naflex.make_naflex_pipeline(
-            splits, "train", naflex.NaFlexBatching(4, 16, tokens_per_batch=64), training=True,
+            splits, "train", naflex.NaFlexBatching(16, 4, tokens_per_batch=64), training=True,
             augmentation=data.Augmentation(mixup=0.2))
 
 

@@ -891,6 +891,14 @@ def load_image_files(paths, image_size, eval_crop=None):
     naming every file that does not decode (a name that is not UTF-8 is named with `\\xNN`
     escapes, and refused as in image folders).
     """
+    return tf.stack([eval_resize(image, image_size, eval_crop)
+                     for image in decode_image_files(paths)]).numpy()
+
+
+def decode_image_files(paths):
+    """Each of `paths` decoded by `decode_image_file`: uint8 `(height, width, 3)` tensors at
+    their own sizes. Raises `ValueError` naming every file that does not decode (a name that is
+    not UTF-8 is named with `\\xNN` escapes, and refused as in image folders)."""
     images, bad = [], []
     for path in paths:
         if not _is_utf8(path):
@@ -898,10 +906,10 @@ def load_image_files(paths, image_size, eval_crop=None):
                        f"are; rename it)")
             continue
         try:
-            images.append(eval_resize(decode_image_file(path), image_size, eval_crop))
+            images.append(decode_image_file(path))
         except tf.errors.OpError as error:
             bad.append(f"{_shown(path)} ({_op_error_message(error)})")
     if bad:
         raise ValueError(f"Cannot read {len(bad)} of the {len(paths)} image files: "
                          + "; ".join(bad) + ".")
-    return tf.stack(images).numpy()
+    return images

@@ -14,7 +14,7 @@ at every length and a compiled backend compiles one program per bucket. The buck
 cycles, each bucket once per cycle in an order drawn from `(seed, cycle)`; the stream stays a
 pure function of the seed and the example index, so `start_batch` resumes it exactly.
 
-    batching = NaFlexBatching(patch_size=4, max_num_patches=16, tokens_per_batch=64 * 16)
+    batching = NaFlexBatching(max_num_patches=16, patch_size=4, tokens_per_batch=64 * 16)
     train = make_naflex_pipeline(splits, "train", batching, training=True)
     test = make_naflex_pipeline(splits, "test", batching, batch_size=256)
 """
@@ -42,22 +42,24 @@ class NaFlexBatching:
     """How a NaFlex pipeline sizes its batches.
 
     Attributes:
-      patch_size: the model's patch size in pixels.
       max_num_patches: the evaluation budget and sequence length, and the longest bucket.
+      patch_size: the model's patch size in pixels (a pipeline needs it; a run's schedule
+        does not).
       seq_lens: the training buckets' sequence lengths (default `default_seq_lens`), each at
         most `max_num_patches`.
       tokens_per_batch: the training token budget per batch (patches, padding included); a
         bucket of length `L` has `tokens_per_batch // L` images (at least one).
     """
 
-    patch_size: int
     max_num_patches: int
+    patch_size: int = None
     seq_lens: tuple = None
     tokens_per_batch: int = None
 
     def __post_init__(self):
-        for name in ("patch_size", "max_num_patches"):
-            _positive(getattr(self, name), name)
+        _positive(self.max_num_patches, "max_num_patches")
+        if self.patch_size is not None:
+            _positive(self.patch_size, "patch_size")
         seq_lens = self.seq_lens or default_seq_lens(self.max_num_patches)
         seq_lens = tuple(sorted({_positive(length, "seq_lens") for length in seq_lens}))
         if seq_lens[-1] > self.max_num_patches:
@@ -171,6 +173,8 @@ def make_naflex_pipeline(splits, split, batching, *, training=False, batch_size=
     """
     augmentation = augmentation or data.Augmentation()
     num_classes = splits.num_classes
+    if batching.patch_size is None:
+        raise ValueError("A NaFlex pipeline needs the model's patch_size in its NaFlexBatching.")
 
     def one_hot(label):
         return tf.one_hot(label, num_classes, dtype=tf.float32)
@@ -215,6 +219,17 @@ def make_naflex_pipeline(splits, split, batching, *, training=False, batch_size=
         window_size_func=lambda batch: sizes[batching.bucket_of_batch(batch, seed)])
     ds = ds.map(lambda batch, features, labels: (features, labels))
     return ds.prefetch(tf.data.AUTOTUNE)
+
+
+def load_image_files(paths, batching):
+    """Image files for prediction by a NaFlex model: `{"patches", "patch_coord", "patch_valid"}`
+    NumPy arrays `(len(paths), batching.max_num_patches, ...)`, each image at its own aspect
+    ratio (`naflex_example`). Raises `ValueError` naming every file that does not decode
+    (`data.decode_image_files`)."""
+    examples = [naflex_example(image, batching.patch_size, batching.max_num_patches)
+                for image in data.decode_image_files(paths)]
+    return {key: tf.stack([example[key] for example in examples]).numpy()
+            for key in examples[0]}
 
 
 def _positive(value, name):

@@ -66,6 +66,12 @@ class ModelConfig:
     image_size: int = option(None, "Training and evaluation resolution (recipe default: 384 "
                              "fine-tuning, 224 pre-training, 16 digits; with --weights on the "
                              "digits recipe, the weights' own).", bounds="[1, inf)")
+    max_num_patches: int = option(
+        None, "NaFlex: each image at its own aspect ratio, resized to at most this many patches "
+        "(vit_keras.naflex_size) and padded, for a model of patch sequences (ViT(naflex=True)); "
+        "training batches come in timm's sequence-length buckets up to this length "
+        "(vit_keras.tools.data.naflex). Default: off, square images of --image_size.",
+        bounds="[1, inf)")
     dropout: float = option(None, "Dropout rate (recipe default: 0.0 fine-tuning, 0.1 "
                             "otherwise).", bounds="[0, 1)")
     attention_dropout: float = option(0.0, "Dropout on the attention probabilities.", bounds="[0, 1)")
@@ -107,6 +113,10 @@ class OptimizationConfig:
                                   "size).", bounds="[1, inf)")
     batch_size: int = option(None, "Global batch size (default 512 fine-tuning, 4096 "
                              "pre-training, 32 digits).", bounds="[1, inf)")
+    tokens_per_batch: int = option(
+        None, "With --max_num_patches: patches per training batch, padding included; a bucket "
+        "of length L has tokens_per_batch // L images (default: --batch_size x "
+        "--max_num_patches, so --batch_size is the longest bucket's).", bounds="[1, inf)")
     eval_batch_size: int = option(256, "Batch size of validation and test.", bounds="[1, inf)")
     accum_steps: int = option(1, "Gradient accumulation: batches averaged per update.",
                               bounds="[1, inf)")

@@ -17,6 +17,7 @@ import warnings
 
 import keras
 
+from vit_keras import errors
 from vit_keras import model as model_lib
 from vit_keras.model import configs as configs_lib
 from vit_keras.tools import finetuning, plots
@@ -145,7 +146,8 @@ def build_run_model(config, recipe, num_classes, log=print):
     `.keras` file) or freshly initialised."""
     settings, weights = config.model, config.model.weights
     options = {"dropout": recipe.dropout, "attention_dropout": settings.attention_dropout,
-               "drop_path_rate": settings.drop_path_rate}
+               "drop_path_rate": settings.drop_path_rate,
+               "naflex": bool(settings.max_num_patches)}
     if weights and weights.endswith(".keras"):
         keras_files.check_keras_file(weights)
         loaded = keras.saving.load_model(weights, compile=False)
@@ -156,7 +158,8 @@ def build_run_model(config, recipe, num_classes, log=print):
             loaded = masked_patch_prediction.pretrained_encoder(loaded)
         else:
             loaded = model_lib.ViT.of(loaded)  # a file of an earlier vit_keras: adopted
-            if loaded.output_shape[-1] == num_classes and recipe.image_size in (None, size):
+            if (loaded.output_shape[-1] == num_classes and recipe.image_size in (None, size)
+                    and loaded.naflex == options["naflex"]):
                 log(f"Continuing from {weights} (same classes and image size).")
                 return loaded
         # Another head or resolution: go through the npz layout, which resamples position
@@ -326,6 +329,7 @@ def run(config, app="finetune", log=print, started=None, objective=CLASSIFICATIO
     if dataclasses.is_dataclass(objective):
         config_flags.check_ranges(objective)
     parts = run_parts.choose(config, objective)  # their flags checked here, before anything loads
+    _check_naflex(config, objective)
     # First: JAX must join the other processes before it computes anything.
     several = config.processes
     processes = distribution_lib.initialize_processes(several.coordinator_address,
@@ -356,6 +360,31 @@ def run(config, app="finetune", log=print, started=None, objective=CLASSIFICATIO
         finally:  # the process as it was, however the run ended
             set_precision("none")
             distribution.reset()
+
+
+class NaFlexOptionError(errors.UserError, ValueError):
+    """A flag that a NaFlex run (`--max_num_patches`) cannot take."""
+
+
+def _check_naflex(config, objective):
+    """Refuses, in one line, what a NaFlex run does not do (yet): another objective than
+    classification, the per-batch augmentations of square images, more than one device."""
+    if not config.model.max_num_patches:
+        if config.optimization.tokens_per_batch:
+            raise NaFlexOptionError("--tokens_per_batch sizes NaFlex batches; it needs "
+                                    "--max_num_patches.")
+        return
+    refused = [flag for flag, given in (
+        ("an objective other than classification (apps/finetune.py, apps/train.py)",
+         type(objective) is not objectives_lib.Classification),
+        ("--randaugment", config.augmentation.randaugment),
+        ("--mixup", config.augmentation.mixup), ("--cutmix", config.augmentation.cutmix),
+        ("--distribution", config.compute.distribution != "none"),
+        ("--num_processes", (config.processes.num_processes or 1) > 1)) if given]
+    if refused:
+        raise NaFlexOptionError(
+            f"--max_num_patches (NaFlex) trains one process on one device, classifying, with "
+            f"the crop and flip as augmentation; it cannot take {', '.join(refused)}.")
 
 
 @dataclasses.dataclass
@@ -389,6 +418,7 @@ class _RunState:
     vit: object = None           # the ViT inside `model` (the model itself when classifying)
     augmentation: object = None  # data.Augmentation
     throughput: callbacks_lib.Throughput = None
+    naflex: object = None        # data.naflex.NaFlexBatching of a NaFlex run (--max_num_patches)
 
     @property
     def trained(self):
@@ -404,7 +434,11 @@ class _RunState:
         """A split's evaluation batches at the run's size (`Objective.evaluate`), through the
         model's evaluation transform, as apps/evaluate.py feeds the saved model."""
         from vit_keras.tools import data  # tf.data: TensorFlow loads when a run starts
+        from vit_keras.tools.data import naflex
 
+        if self.naflex is not None:
+            return naflex.make_naflex_pipeline(self.splits, split, self.naflex,
+                                               batch_size=self.eval_batch)
         dataset = data.make_pipeline(self.splits, split, image_size=self.recipe.image_size,
                                      batch_size=self.eval_batch,
                                      eval_crop=getattr(self.vit, "eval_crop", None))
@@ -465,8 +499,12 @@ def _prepare(state):
                     f"gathering them (sharded Orbax checkpoints), and stops before writing "
                     f"model.keras.")
     if not state.trained:
+        # A NaFlex step holds about the tokens of its longest bucket's batch: --batch_size
+        # sequences of --max_num_patches, counted as square images of as many patches.
+        size = (state.recipe.image_size if state.naflex is None else state.vit.token_pixels
+                * math.ceil(math.sqrt(state.naflex.max_num_patches)))
         memory.check_activation_memory(state.vit, state.recipe.batch_size // state.replicas,
-                                       state.recipe.image_size, resident_bytes=resident)
+                                       size, resident_bytes=resident)
     state.augmentation = augmentation_for(config)
     # An image folder's unreadable files are named in skipped_files.txt as they are met; a resumed
     # run reads it back, so that its stream skips them as the interrupted one did.
@@ -484,8 +522,16 @@ def _schedule(state):
                          f"{state.replicas} devices of --distribution {state.distribution.kind}; use "
                          f"a multiple of {state.replicas}.")
     state.accum = max(1, int(settings.accum_steps or 1))
-    state.steps_per_epoch = settings.steps_per_epoch or max(
-        1, state.training.num_examples["train"] // recipe.batch_size)
+    examples = state.training.num_examples["train"]
+    if state.config.model.max_num_patches:
+        from vit_keras.tools.data import naflex
+
+        longest = state.config.model.max_num_patches
+        state.naflex = naflex.NaFlexBatching(
+            longest, tokens_per_batch=settings.tokens_per_batch or recipe.batch_size * longest)
+        state.steps_per_epoch = settings.steps_per_epoch or state.naflex.steps_per_epoch(examples)
+    else:
+        state.steps_per_epoch = settings.steps_per_epoch or max(1, examples // recipe.batch_size)
     state.epochs = recipe.epochs or max(
         1, math.ceil(recipe.total_steps * state.accum / state.steps_per_epoch))
     state.total_updates = max(1, state.epochs * state.steps_per_epoch // state.accum)
@@ -536,6 +582,8 @@ def _build_and_compile(state):
         recipes_lib.portable_compile_config(model)
     if recipe.image_size is None:  # the weights' own (resolve_recipe)
         state.recipe = dataclasses.replace(recipe, image_size=model_image_size(model))
+    if state.naflex is not None:
+        state.naflex = dataclasses.replace(state.naflex, patch_size=vit.token_pixels)
     state.model, state.vit = model, vit
 
 
@@ -545,12 +593,19 @@ def _train(state):
     from vit_keras.tools import data  # tf.data: TensorFlow loads when a run starts
 
     recipe, folder, model = state.recipe, state.folder, state.model
-    state.throughput = callbacks_lib.Throughput(recipe.batch_size, state.steps_per_epoch)
+    batching = state.naflex
+    images_per_step = (recipe.batch_size if batching is None
+                       else sum(batching.batch_sizes) / len(batching.batch_sizes))
+    state.throughput = callbacks_lib.Throughput(images_per_step, state.steps_per_epoch)
     state.log(
         f"Run {state.name}: {state.objective.describe(model)}, {model.count_params():,} "
         f"parameters ({finetuning.trainable_parameters(model):,} trained), image size "
         f"{recipe.image_size}, {state.training.num_examples['train']} "
         f"training images, batch {recipe.batch_size}"
+        + ("" if batching is None else
+           f" (NaFlex: up to {batching.max_num_patches} patches, buckets "
+           f"{'/'.join(map(str, batching.seq_lens))} of "
+           f"{'/'.join(map(str, batching.batch_sizes))} images)")
         + (f" x {state.accum} accumulated" if state.accum > 1 else "")
         + f", {_count(state.epochs, 'epoch')} of {_count(state.steps_per_epoch, 'step')}, "
         f"{recipe.optimizer} lr "
@@ -566,10 +621,18 @@ def _train(state):
                   f"{state.epochs}.")
     # Keras keeps one iterator over a repeated stream across epochs: epoch e reads batches
     # e * steps_per_epoch onwards, so a resumed run starts the stream where its backup stopped.
-    train_ds = data.make_pipeline(state.training, "train", image_size=recipe.image_size,
-                                  batch_size=recipe.batch_size, training=True,
-                                  augmentation=state.augmentation, seed=state.config.seed,
-                                  start_batch=state.resume_epoch * state.steps_per_epoch)
+    start_batch = state.resume_epoch * state.steps_per_epoch
+    if batching is not None:
+        from vit_keras.tools.data import naflex
+
+        train_ds = naflex.make_naflex_pipeline(
+            state.training, "train", batching, training=True, augmentation=state.augmentation,
+            seed=state.config.seed, start_batch=start_batch)
+    else:
+        train_ds = data.make_pipeline(state.training, "train", image_size=recipe.image_size,
+                                      batch_size=recipe.batch_size, training=True,
+                                      augmentation=state.augmentation, seed=state.config.seed,
+                                      start_batch=start_batch)
     return _fit(state, train_ds, state.objective.validation_split and state.validation())
 
 
@@ -709,6 +772,10 @@ def _config_record(state):
         "model_name": model.name,
         "num_parameters": model.count_params(),
         "steps_per_epoch": state.steps_per_epoch,
+        **({} if state.naflex is None else {"naflex": {
+            "max_num_patches": state.naflex.max_num_patches,
+            "seq_lens": list(state.naflex.seq_lens),
+            "batch_sizes": list(state.naflex.batch_sizes)}}),
         "total_updates": state.total_updates,
         "accum_steps": state.accum,
         "augmentation": dataclasses.asdict(state.augmentation),

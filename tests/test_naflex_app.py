@@ -1,0 +1,141 @@
+"""apps/finetune.py --max_num_patches: a NaFlex run on the digits, killed after an epoch and run
+again, ends as the uninterrupted run does; its model.keras then takes `naflex_patches` of images
+of any shape on the next backend, with only `import vit_keras`."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+
+import vit_keras
+
+from conftest import NEXT_BACKEND, REPO_ROOT, run_app, run_on_backend
+
+BACKEND = keras.backend.backend()
+# ViT-digits at 8 px (a 2 x 2 grid), NaFlex budgets of 1 to 4 patches: seconds per epoch.
+NAFLEX = ["--image_size", "8", "--max_num_patches", "4", "--batch_size", "8",
+          "--steps_per_epoch", "3", "--epochs", "4", "--verbose", "2"]
+
+
+def _command(output):
+    return [sys.executable, "apps/finetune.py", *NAFLEX, "--output_dir", str(output),
+            "--run_name", "naflex", "--backend", BACKEND]
+
+
+def _env():
+    return {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_BACKEND": ""}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The command run once through, and again in another folder SIGKILLed after its first
+    backed-up epoch and started over with the same command."""
+    whole, resumed = tmp_path_factory.mktemp("whole"), tmp_path_factory.mktemp("resumed")
+    result = subprocess.run(_command(whole), cwd=REPO_ROOT, env=_env(), capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    metadata = resumed / "naflex" / "backup" / "training_metadata.json"
+    first = subprocess.Popen(_command(resumed), cwd=REPO_ROOT, env=_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while not metadata.exists() and first.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    os.kill(first.pid, signal.SIGKILL)
+    first_output = first.communicate()[0]
+    assert first.returncode == -signal.SIGKILL, f"the first run ended on its own:\n{first_output}"
+    killed_after = json.loads(metadata.read_text())["epoch"]
+    second = subprocess.run(_command(resumed), cwd=REPO_ROOT, env=_env(), capture_output=True,
+                            text=True, timeout=600)
+    assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
+    return {"whole": whole / "naflex", "resumed": resumed / "naflex", "output": result.stdout,
+            "second": second.stdout, "killed_after": killed_after}
+
+
+@pytest.mark.slow
+def test_a_killed_naflex_run_resumes_to_the_uninterrupted_runs_result(runs):
+    from vit_keras.tools.runs.run_folder import read_history
+
+    assert "NaFlex: up to 4 patches, buckets 1/2/3/4 of 32/16/10/8 images" in runs["output"]
+    assert f"from its backup after epoch {runs['killed_after']} of 4" in runs["second"]
+    whole = json.loads((runs["whole"] / "metrics.json").read_text())
+    resumed = json.loads((runs["resumed"] / "metrics.json").read_text())
+    assert whole["config"]["naflex"] == {"max_num_patches": 4, "seq_lens": [1, 2, 3, 4],
+                                         "batch_sizes": [32, 16, 10, 8]}
+    reference = read_history(runs["whole"] / "history.csv")
+    for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
+        assert [row[key] for row in read_history(runs["resumed"] / "history.csv")] == \
+            [row[key] for row in reference], key
+    for key in ("test_accuracy", "test_loss", "train_loss"):
+        assert resumed[key] == whole[key], key
+    assert np.isfinite(whole["test_loss"])
+
+
+@pytest.mark.slow
+def test_the_naflex_runs_model_takes_any_images_on_the_next_backend(runs, tmp_path):
+    """What a user does with the run's model.keras: images of other shapes than the digits'
+    squares, through `naflex_patches`, on another backend; the same logits as here."""
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, size, dtype=np.uint8)
+              for size in ((8, 8, 3), (5, 17, 3), (30, 6, 3))]
+    batch = vit_keras.naflex_patches(images, patch_size=4, max_num_patches=4)
+    np.savez(tmp_path / "batch.npz", **batch)
+    path = str(runs["whole"] / "model.keras")
+    model = keras.models.load_model(path)
+    here = keras.ops.convert_to_numpy(model(batch))
+    found = run_on_backend(NEXT_BACKEND, """
+        import sys
+        import keras, numpy as np
+        import vit_keras
+        model = keras.models.load_model(ARGS["path"])
+        out = np.asarray(model.predict(dict(np.load(ARGS["batch"])), verbose=0))
+        print(json.dumps({"naflex": model.naflex, "out": out.tolist(),
+                          "tensorflow": "tensorflow" in sys.modules}))
+    """, path=path, batch=str(tmp_path / "batch.npz"))
+    assert found["naflex"] and here.shape == (3, 10)
+    assert found["tensorflow"] == (NEXT_BACKEND == "tensorflow")
+    np.testing.assert_allclose(np.array(found["out"]), here, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.backend_independent  # apps/evaluate.py and predict.py on the pass's own run
+def test_evaluate_and_predict_feed_the_naflex_runs_model_its_own_budget(runs, tmp_path):
+    """Without --max_num_patches both apps take the run's from metrics.json: evaluate.py
+    repeats the run's test accuracy, predict.py gives what the model gives the files' patches."""
+    from PIL import Image
+
+    from vit_keras.tools.data import naflex
+
+    model_path = str(runs["whole"] / "model.keras")
+    evaluated = run_app("evaluate.py", "--model", model_path, "--json", str(tmp_path / "e.json"))
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    metrics = json.loads((runs["whole"] / "metrics.json").read_text())
+    assert json.loads((tmp_path / "e.json").read_text())["accuracy"] == pytest.approx(
+        metrics["test_accuracy"], abs=1e-6)  # of 360 images: 1/360 apart
+
+    files = []
+    for index, size in enumerate(((9, 31), (40, 12))):
+        files.append(str(tmp_path / f"image{index}.png"))
+        Image.fromarray(np.random.default_rng(index).integers(0, 256, (*size, 3), np.uint8)).save(
+            files[-1])
+    predicted = run_app("predict.py", "--model", model_path, "--top_k", "10", "--json",
+                        str(tmp_path / "p.json"), *files)
+    assert predicted.returncode == 0, predicted.stderr[-3000:]
+    found = json.loads((tmp_path / "p.json").read_text())
+    model = keras.models.load_model(model_path)
+    features = naflex.load_image_files(files, naflex.NaFlexBatching(4, patch_size=4))
+    probabilities = keras.ops.convert_to_numpy(keras.ops.softmax(model(features)))
+    for file, row in zip(files, probabilities):
+        by_class = {int(entry["class"]): entry["probability"] for entry in found[file]}
+        np.testing.assert_allclose([by_class[c] for c in range(10)], row, rtol=1e-4, atol=1e-6)
+
+    square = str(tmp_path / "square.keras")
+    vit_keras.build_model(dict(name="square", patch_size=4, hidden_size=8, mlp_dim=16, num_heads=1,
+                               num_layers=1), image_size=8, num_classes=10).save(square)
+    refused = run_app("predict.py", "--model", square, "--max_num_patches", "4", files[0])
+    assert refused.returncode == 2 and "--max_num_patches is for NaFlex models" in refused.stderr
