@@ -77,6 +77,7 @@ config_flags.define_number("max_image_size", None,
                            "SavedModel serves (larger images are refused, so that no request asks "
                            "the server for unbounded memory). Default: 4 times the trained size.",
                            bounds="[1, inf)", kind=int)
+_common.define_max_num_patches_flag()
 FLAGS = flags.FLAGS
 
 
@@ -112,6 +113,7 @@ def main(argv):
     if FLAGS.max_image_size is not None and not vit_export.is_dynamic(model):
         raise app.UsageError("--max_image_size applies to a model of dynamic image size "
                              "(--dynamic_image_size); this one takes its one size only.")
+    batching = _common.naflex_batching(model, FLAGS.model)  # refuses the flag for pixels
     if not vit_export.is_classifier(model):
         if FLAGS.class_names:
             raise app.UsageError(f"{FLAGS.model} has no classification head (it outputs "
@@ -122,7 +124,8 @@ def main(argv):
             path, verifications = vit_export.export(
                 model, export_format, FLAGS.out, name=name, version=FLAGS.version,
                 quantize=FLAGS.quantize, class_names=class_names, top_k=FLAGS.top_k,
-                overwrite=FLAGS.overwrite, max_image_size=FLAGS.max_image_size)
+                overwrite=FLAGS.overwrite, max_image_size=FLAGS.max_image_size,
+                max_num_patches=batching and batching.max_num_patches)
         except vit_export.ExportVerificationError as error:
             print(f"Export verification failed ({export_format}).\n{error}", file=sys.stderr)
             return 1

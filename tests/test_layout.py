@@ -233,10 +233,11 @@ def test_the_training_apps_share_one_training_loop():
 
 # The application half's concerns (`vit_keras/tools/`: a sub-package or a module each) and the
 # others each may import: a run uses the distribution, the data, fine-tuning and the figures; an
-# export reads a run folder. Nothing below a run imports it, and no concern imports its user.
+# export reads a run folder, and a NaFlex export cuts images into patches as the data does.
+# Nothing below a run imports it, and no concern imports its user.
 _TOOLS_CONCERNS = {
     "runs": {"distributed", "data", "finetuning", "plots"},
-    "export": {"runs"},
+    "export": {"runs", "data"},
     "distributed": set(),
     "data": set(),
     "finetuning": set(),
@@ -257,8 +258,9 @@ def test_each_tools_module_belongs_to_a_concern():
 
 
 def test_the_tools_concerns_import_one_way():
-    """`runs` may use `distributed`, `data`, `finetuning` and `plots`; `export` may read `runs`;
-    nothing else in `vit_keras/tools/` imports across concerns (imports inside functions count)."""
+    """`runs` may use `distributed`, `data`, `finetuning` and `plots`; `export` may read `runs`
+    and `data`; nothing else in `vit_keras/tools/` imports across concerns (imports inside
+    functions count)."""
     found = {}
     for name in MODULES:
         concern = _tools_concern(name)

@@ -139,3 +139,50 @@ def test_evaluate_and_predict_feed_the_naflex_runs_model_its_own_budget(runs, tm
                                num_layers=1), image_size=8, num_classes=10).save(square)
     refused = run_app("predict.py", "--model", square, "--max_num_patches", "4", files[0])
     assert refused.returncode == 2 and "--max_num_patches is for NaFlex models" in refused.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.backend_independent("tensorflow")  # the export runs on TensorFlow whatever trained
+def test_the_naflex_runs_model_exports_to_tf_serving_and_litert(runs, tmp_path):
+    """apps/export.py verifies each artifact on square, wide and tall images; then, as a
+    server's client: the SavedModel takes any sequence length up to the run's budget and
+    refuses a longer one by name, its bytes signature resizes an image at its own aspect ratio,
+    and the LiteRT file takes the budget's length."""
+    model_path = str(runs["whole"] / "model.keras")
+    result = run_app("export.py", "--model", model_path, "--format", "saved_model", "--format",
+                     "tflite", "--out", str(tmp_path / "exports"), "--name", "naflex")
+    assert result.returncode == 0, result.stderr[-3000:]
+    verified = [line for line in result.stdout.splitlines() if line.startswith("OK ")]
+    assert len(verified) == 9 and " at 4x24]" in result.stdout  # 6 SavedModel, 3 LiteRT
+    found = run_on_backend("tensorflow", """
+        import io
+        import keras, numpy as np, tensorflow as tf
+        from PIL import Image
+        import vit_keras
+        from ai_edge_litert.interpreter import Interpreter
+        model = keras.models.load_model(ARGS["model"])
+        serving = tf.saved_model.load(ARGS["saved_model"])
+        image = np.random.default_rng(1).integers(0, 256, (6, 30, 3), np.uint8)
+        short = vit_keras.naflex_patches([image], patch_size=4, max_num_patches=3)
+        got = serving.signatures["serving_default"](**{k: tf.constant(v) for k, v in short.items()})
+        png = io.BytesIO()
+        Image.fromarray(image).save(png, format="PNG")
+        by_bytes = serving.signatures["serving_bytes"](image_bytes=tf.constant([png.getvalue()]))
+        budget = vit_keras.naflex_patches([image], patch_size=4, max_num_patches=4)
+        try:
+            serving.signatures["serving_default"](**{k: tf.constant(v) for k, v in
+                vit_keras.naflex_patches([image], patch_size=4, max_num_patches=5).items()})
+            refused = ""
+        except tf.errors.InvalidArgumentError as error:
+            refused = str(error)
+        runner = Interpreter(model_path=ARGS["tflite"]).get_signature_runner("serving_default")
+        print(json.dumps({
+            "short": [got["logits"].numpy().tolist(), np.asarray(model(short)).tolist()],
+            "bytes": [by_bytes["logits"].numpy().tolist(), np.asarray(model(budget)).tolist()],
+            "litert": [runner(**budget)["logits"].tolist(), np.asarray(model(budget)).tolist()],
+            "refused": refused}))
+    """, model=model_path, saved_model=str(tmp_path / "exports" / "naflex" / "1"),
+        tflite=str(tmp_path / "exports" / "naflex.tflite"))
+    for key in ("short", "bytes", "litert"):
+        np.testing.assert_allclose(*found[key], rtol=1e-4, atol=1e-5, err_msg=key)
+    assert "from 1 to 4 patches" in found["refused"] and "got" in found["refused"]

@@ -23,6 +23,14 @@ it to the client); the LiteRT and ONNX graphs cannot carry that check (their con
 assertions), so their callers must keep to it: they ignore the pixels beyond the last whole token
 and return NaN for an empty image.
 
+A NaFlex model (`ViT(naflex=True)`) takes patch sequences instead of pixels: `serving_default` has
+the inputs `patches` float32 `(batch, N, P*P*C)`, `patch_coord` int32 `(batch, N, 2)` and
+`patch_valid` bool `(batch, N)` (`vit_keras.naflex_patches`' layouts), N from 1 to
+`max_num_patches` (default: the patches of the model's position grid; longer ones are refused);
+`serving_bytes` resizes each encoded image at its own aspect ratio to at most `max_num_patches`
+patches in the graph (`vit_keras.tools.data.naflex.naflex_example`). LiteRT takes N =
+`max_num_patches` exactly (padded), ONNX any N.
+
 Class names travel as a `class_names.json` (a JSON list of strings, one per output class) beside the
 `.keras` file, or from any `.json` list or `.txt` file with one name per line
 (`vit_keras.tools.runs.run_folder.load_class_names`).
@@ -181,6 +189,85 @@ def _max_image_size(model, max_image_size):
     return int(max_image_size)
 
 
+def is_naflex(model):
+    """Whether `model` takes NaFlex patch sequences (`ViT(naflex=True)`) instead of pixels."""
+    return isinstance(model, ViT) and model.naflex
+
+
+def naflex_length(model, max_num_patches=None):
+    """The longest sequence a NaFlex model's exports serve: `max_num_patches`, by default the
+    patches of its position grid (what it was built for)."""
+    rows, cols = model.token_grid
+    length = rows * cols if max_num_patches is None else max_num_patches
+    if int(length) != length or length < 1:
+        raise ValueError(f"max_num_patches must be a positive whole number; got {length}.")
+    return int(length)
+
+
+def _naflex_signature(model, length):
+    """The three NaFlex inputs' `TensorSpec`s at sequence length `length` (None: any)."""
+    width = model.input["patches"].shape[-1]
+    return [tf.TensorSpec((None, length, width), tf.float32, name="patches"),
+            tf.TensorSpec((None, length, 2), tf.int32, name="patch_coord"),
+            tf.TensorSpec((None, length), tf.bool, name="patch_valid")]
+
+
+def _checked_length(patches, max_num_patches):
+    """`patches` `(batch, N, ...)` once N is seen to be from 1 to `max_num_patches`; otherwise
+    the graph raises `InvalidArgumentError` naming N."""
+    length = tf.shape(patches)[1]
+    check = tf.debugging.Assert(tf.logical_and(length >= 1, length <= max_num_patches), [
+        f"Sequence refused: NaFlex inputs take from 1 to {max_num_patches} patches (the export's "
+        f"max_num_patches); got", length], name="sequence_length_check")
+    with tf.control_dependencies([check]):
+        return tf.identity(patches)
+
+
+def _naflex_from_bytes(model, image_bytes, max_num_patches):
+    """Encoded images `(batch,)` → their NaFlex inputs at `max_num_patches`, in the graph."""
+    from vit_keras.tools.data import naflex
+
+    patch_size = model.token_pixels
+    width = model.input["patches"].shape[-1]
+    channels = width // (patch_size * patch_size)
+
+    def one(data):
+        image = tf.io.decode_image(data, channels=channels, expand_animations=False)
+        return naflex.naflex_example(image, patch_size, max_num_patches)
+
+    specs = {spec.name: tf.TensorSpec(spec.shape[1:], spec.dtype)
+             for spec in _naflex_signature(model, max_num_patches)}
+    return tf.map_fn(one, image_bytes, fn_output_signature=specs)
+
+
+def naflex_verification_cases(model, max_num_patches=None, batch_size=4, seed=0):
+    """`[(label, images, inputs)]` NaFlex exports are checked on: integer-valued float32 images
+    `(batch, H, W, C)` of the grid's size, a wide and a tall one, and their NaFlex inputs
+    (`naflex_example`) at `naflex_length(model, max_num_patches)`."""
+    from vit_keras.tools.data import naflex
+
+    length = naflex_length(model, max_num_patches)
+    patch_size, (rows, cols) = model.token_pixels, model.token_grid
+    channels = model.input["patches"].shape[-1] // (patch_size * patch_size)
+    rng = np.random.default_rng(seed)
+    cases = []
+    for height, width in ((rows, cols), (max(rows // 2, 1), 3 * cols), (3 * rows, max(cols // 2, 1))):
+        size = (height * patch_size, width * patch_size)
+        images = rng.integers(0, 256, (batch_size, *size, channels)).astype("float32")
+        examples = [naflex.naflex_example(image, patch_size, length) for image in images]
+        inputs = {key: tf.stack([example[key] for example in examples]).numpy()
+                  for key in examples[0]}
+        cases.append((f" at {size[0]}x{size[1]}", images, inputs))
+    return cases
+
+
+def _batch_part(inputs, part):
+    """`inputs` (an array or a dict of arrays) cut along the batch to the slice `part`."""
+    if isinstance(inputs, dict):
+        return {key: value[part] for key, value in inputs.items()}
+    return inputs[part]
+
+
 def is_dynamic(model):
     """Whether `model` takes images of any size (`build_model(..., dynamic_image_size=True)`)."""
     return isinstance(model, ViT) and model.dynamic_image_size
@@ -224,14 +311,20 @@ def verification_images(model, batch_size=8, seed=0, size=None):
     return rng.integers(0, 256, (batch_size, height, width, image_shape(model)[2])).astype("float32")
 
 
-def _verification_batches(model, images, max_image_size=None):
-    """`[(label, images)]` to verify with: the given batch, or one batch per verification size
-    (labelled with its size when there are several)."""
+def _verification_batches(model, images, max_image_size=None, max_num_patches=None):
+    """`[(label, images, inputs)]` to verify with: the given batch, or one batch per
+    verification size (labelled with its size when there are several); `inputs` is what the
+    model takes, the images themselves but for a NaFlex model (`naflex_verification_cases`)."""
+    if is_naflex(model):
+        if images is not None:
+            raise ValueError("A NaFlex model is verified on its own cases "
+                             "(naflex_verification_cases); give no images.")
+        return naflex_verification_cases(model, max_num_patches)
     if images is not None:
-        return [("", np.asarray(images, "float32"))]
+        return [("", np.asarray(images, "float32"), np.asarray(images, "float32"))]
     sizes = verification_sizes(model, max_image_size)
-    return [(f" at {h}x{w}" if len(sizes) > 1 else "", verification_images(model, size=(h, w)))
-            for h, w in sizes]
+    return [(f" at {h}x{w}" if len(sizes) > 1 else "", batch, batch) for h, w in sizes
+            for batch in [verification_images(model, size=(h, w))]]
 
 
 def _check_class_names(model, class_names):
@@ -308,10 +401,13 @@ def _decode_images(image_bytes, height, width, channels, step=None, max_image_si
 
 
 def _archive(model, class_names=None, top_k=5, with_bytes=True, max_image_size=None,
-             check_sizes=True):
+             check_sizes=True, max_num_patches=None):
     """A `keras.export.ExportArchive` holding the serving signatures of `model`; for a model of
     dynamic image size, with `check_sizes`, the signatures refuse sizes it cannot serve
     (`_checked_image_size`)."""
+    if is_naflex(model):
+        return _naflex_archive(model, class_names, top_k, with_bytes, max_num_patches,
+                               check_sizes)
     height, width, channels = image_shape(model)
     step = None
     check = tf.identity
@@ -336,7 +432,32 @@ def _archive(model, class_names=None, top_k=5, with_bytes=True, max_image_size=N
     return archive
 
 
-def export_saved_model(model, export_dir, class_names=None, top_k=5, max_image_size=None):
+def _naflex_archive(model, class_names, top_k, with_bytes, max_num_patches, variable_length):
+    """`_archive` of a NaFlex model: patch sequences of any length up to `max_num_patches`
+    (`variable_length`), or of that length exactly (LiteRT's static shapes)."""
+    length = naflex_length(model, max_num_patches)
+    archive = keras.export.ExportArchive()
+    archive.track(model)
+
+    def serve(patches, patch_coord, patch_valid):
+        if variable_length:
+            patches = _checked_length(patches, length)
+        inputs = {"patches": patches, "patch_coord": patch_coord, "patch_valid": patch_valid}
+        return _outputs(model, inputs, class_names, top_k)
+
+    archive.add_endpoint(SERVING_SIGNATURE, serve, input_signature=_naflex_signature(
+        model, None if variable_length else length))
+    if with_bytes:
+        archive.add_endpoint(
+            BYTES_SIGNATURE,
+            lambda image_bytes: _outputs(model, _naflex_from_bytes(model, image_bytes, length),
+                                         class_names, top_k),
+            input_signature=[tf.TensorSpec((None,), tf.string, name="image_bytes")])
+    return archive
+
+
+def export_saved_model(model, export_dir, class_names=None, top_k=5, max_image_size=None,
+                       max_num_patches=None):
     """Writes a TF Serving SavedModel to `export_dir` (the `.../NAME/VERSION` folder).
 
     Signatures:
@@ -350,11 +471,13 @@ def export_saved_model(model, export_dir, class_names=None, top_k=5, max_image_s
     `top_k_indices` int32 and `top_k_names` string `(batch, min(top_k, num_classes))`; for a
     backbone without head, `features` float32 `(batch, hidden)` alone.
     `max_image_size`: default `default_max_image_size(model)`; ignored for a fixed-size model.
+    A NaFlex model's signatures take patch sequences and images at `max_num_patches`
+    (the module's docstring).
     """
     require_tensorflow_backend()
     _check_class_names(model, class_names)
-    _archive(model, class_names, top_k, max_image_size=max_image_size).write_out(
-        export_dir, verbose=False)
+    _archive(model, class_names, top_k, max_image_size=max_image_size,
+             max_num_patches=max_num_patches).write_out(export_dir, verbose=False)
     return export_dir
 
 
@@ -369,21 +492,22 @@ def _litert_converter(saved_model_dir, quantize):
     return converter
 
 
-def export_litert(model, path, quantize="none"):
+def export_litert(model, path, quantize="none", max_num_patches=None):
     """Writes a LiteRT (`.tflite`) model of builtin ops only.
 
     Signature `serving_default`: `images` float32 `(batch, H, W, C)` raw pixels → `logits`,
     `probabilities` float32 `(batch, num_classes)` (a backbone without head: `features`).
     `quantize`: `"none"` (float32), `"dynamic_int8"` (int8 weights, float activations) or
     `"float16"` (float16 weights). A model of dynamic image size is not checked for the sizes it
-    is fed (LiteRT has no assertion op): see the module's docstring.
+    is fed (LiteRT has no assertion op): see the module's docstring. A NaFlex model takes
+    `naflex_length(model, max_num_patches)` patches exactly.
     """
     require_tensorflow_backend()
     if quantize not in QUANTIZATIONS:
         raise ValueError(f"Unknown quantization {quantize!r}; expected one of {QUANTIZATIONS}.")
     with tempfile.TemporaryDirectory() as saved_model_dir:
-        _archive(model, with_bytes=False, check_sizes=False).write_out(saved_model_dir,
-                                                                       verbose=False)
+        _archive(model, with_bytes=False, check_sizes=False,
+                 max_num_patches=max_num_patches).write_out(saved_model_dir, verbose=False)
         try:
             flatbuffer = _litert_converter(saved_model_dir, quantize).convert()
         except Exception as error:
@@ -422,16 +546,26 @@ def export_onnx(model, path, opset=ONNX_OPSET):
     import tf2onnx
 
     logging.getLogger("tf2onnx").setLevel(logging.ERROR)
-    height, width, channels = image_shape(model)
-    signature = [tf.TensorSpec((None, height, width, channels), tf.float32, name="images")]
-    serve = tf.function(lambda images: _outputs(model, images), input_signature=signature)
+    if is_naflex(model):  # patch sequences of any length
+        height = width = None
+        signature = _naflex_signature(model, None)
+        serve = tf.function(lambda patches, patch_coord, patch_valid: _outputs(model, {
+            "patches": patches, "patch_coord": patch_coord, "patch_valid": patch_valid}),
+            input_signature=signature)
+    else:
+        height, width, channels = image_shape(model)
+        signature = [tf.TensorSpec((None, height, width, channels), tf.float32, name="images")]
+        serve = tf.function(lambda images: _outputs(model, images), input_signature=signature)
     model_proto, _ = tf2onnx.convert.from_function(
         serve, input_signature=signature, opset=opset,
         custom_op_handlers={"Erfc": (_erfc_as_one_minus_erf, [])})
     # tf2onnx names dynamic dimensions "unk__N".
     for value in (*model_proto.graph.input, *model_proto.graph.output):
         value.type.tensor_type.shape.dim[0].dim_param = "batch"
-    if height is None:
+    if is_naflex(model):
+        for value in model_proto.graph.input:
+            value.type.tensor_type.shape.dim[1].dim_param = "patches"
+    elif height is None:
         for axis, name in ((1, "height"), (2, "width")):
             model_proto.graph.input[0].type.tensor_type.shape.dim[axis].dim_param = name
     with open(path, "wb") as f:
@@ -456,31 +590,40 @@ def _compare(artifact, entry_point, values, reference, tolerance, output="logits
 
 def _in_two_batches(run, images):
     """Runs `images` as batches of 1 and of the rest, which also proves the batch is dynamic."""
-    if len(images) < 2:
+    count = len(next(iter(images.values()))) if isinstance(images, dict) else len(images)
+    if count < 2:
         return run(images)
-    return np.concatenate([run(images[:1]), run(images[1:])])
+    return np.concatenate([run(_batch_part(images, slice(0, 1))),
+                           run(_batch_part(images, slice(1, None)))])
 
 
-def verify_saved_model(export_dir, model, images=None, max_image_size=None):
+def _named_inputs(inputs):
+    """Keyword arguments of a signature: `images=...`, or a NaFlex model's three inputs."""
+    return dict(inputs) if isinstance(inputs, dict) else {"images": inputs}
+
+
+def verify_saved_model(export_dir, model, images=None, max_image_size=None, max_num_patches=None):
     """Reloads a SavedModel with `tf.saved_model.load` and checks both signatures against Keras,
-    on `images` or at every `verification_sizes` size."""
+    on `images` or at every `verification_sizes` size (a NaFlex model: on
+    `naflex_verification_cases`, the bytes signature on the images they were cut from)."""
     loaded = tf.saved_model.load(export_dir)
     serving = loaded.signatures[SERVING_SIGNATURE]
     by_bytes = loaded.signatures[BYTES_SIGNATURE]
     output = output_name(model)
 
-    def from_pixels(x):
-        return serving(images=tf.constant(x))[output].numpy()
+    def from_inputs(x):
+        return serving(**{k: tf.constant(v) for k, v in _named_inputs(x).items()})[output].numpy()
 
     def from_png(x):
         png = tf.stack([tf.io.encode_png(tf.cast(image, tf.uint8)) for image in x])
         return by_bytes(image_bytes=png)[output].numpy()
 
     verifications = []
-    for label, batch in _verification_batches(model, images, max_image_size):
-        reference = keras.ops.convert_to_numpy(model(batch, training=False))
+    for label, batch, inputs in _verification_batches(model, images, max_image_size,
+                                                      max_num_patches):
+        reference = keras.ops.convert_to_numpy(model(inputs, training=False))
         verifications += [
-            _compare(export_dir, SERVING_SIGNATURE + label, _in_two_batches(from_pixels, batch),
+            _compare(export_dir, SERVING_SIGNATURE + label, _in_two_batches(from_inputs, inputs),
                      reference, RELATIVE_TOLERANCE, output),
             _compare(export_dir, f"{BYTES_SIGNATURE} (PNG){label}",
                      _in_two_batches(from_png, batch), reference, RELATIVE_TOLERANCE, output),
@@ -501,43 +644,48 @@ def litert_ops(path):
     return sorted({op["op_name"] for op in litert_interpreter(path)._get_ops_details()})
 
 
-def verify_litert(path, model, images=None, quantize="none", max_image_size=None):
+def verify_litert(path, model, images=None, quantize="none", max_image_size=None,
+                  max_num_patches=None):
     """Runs a `.tflite` file in `ai_edge_litert`'s Interpreter and checks it against Keras."""
     runner = litert_interpreter(path).get_signature_runner(SERVING_SIGNATURE)
     tolerance = RELATIVE_TOLERANCE if quantize == "none" else None
     output = output_name(model)
     verifications = []
-    for label, batch in _verification_batches(model, images, max_image_size):
-        reference = keras.ops.convert_to_numpy(model(batch, training=False))
-        values = _in_two_batches(lambda x: runner(images=x)[output], batch)
+    for label, _, inputs in _verification_batches(model, images, max_image_size,
+                                                  max_num_patches):
+        reference = keras.ops.convert_to_numpy(model(inputs, training=False))
+        values = _in_two_batches(lambda x: runner(**_named_inputs(x))[output], inputs)
         verifications.append(_compare(path, f"{SERVING_SIGNATURE}, quantize={quantize}{label}",
                                       values, reference, tolerance, output))
     return verifications
 
 
-def verify_onnx(path, model, images=None, max_image_size=None):
+def verify_onnx(path, model, images=None, max_image_size=None, max_num_patches=None):
     """Runs an `.onnx` file in onnxruntime and checks it against Keras."""
     import onnxruntime
 
     session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
     output = output_name(model)
     verifications = []
-    for label, batch in _verification_batches(model, images, max_image_size):
-        reference = keras.ops.convert_to_numpy(model(batch, training=False))
-        values = _in_two_batches(lambda x: session.run([output], {"images": x})[0], batch)
+    for label, _, inputs in _verification_batches(model, images, max_image_size,
+                                                  max_num_patches):
+        reference = keras.ops.convert_to_numpy(model(inputs, training=False))
+        values = _in_two_batches(lambda x: session.run([output], _named_inputs(x))[0], inputs)
         verifications.append(_compare(path, "onnxruntime" + label, values, reference,
                                       RELATIVE_TOLERANCE, output))
     return verifications
 
 
-def verify_artifact(path, format, model, images=None, quantize="none", max_image_size=None):
+def verify_artifact(path, format, model, images=None, quantize="none", max_image_size=None,
+                    max_num_patches=None):
     """Reloads an exported artifact in its own runtime; a list of `Verification`s against Keras
-    (at the sizes `verification_sizes(model, max_image_size)` unless `images` are given)."""
+    (at the sizes `verification_sizes(model, max_image_size)` unless `images` are given; a
+    NaFlex model on `naflex_verification_cases(model, max_num_patches)`)."""
     if format == "saved_model":
-        return verify_saved_model(path, model, images, max_image_size)
+        return verify_saved_model(path, model, images, max_image_size, max_num_patches)
     if format == "tflite":
-        return verify_litert(path, model, images, quantize, max_image_size)
-    return verify_onnx(path, model, images, max_image_size)
+        return verify_litert(path, model, images, quantize, max_image_size, max_num_patches)
+    return verify_onnx(path, model, images, max_image_size, max_num_patches)
 
 
 def _next_version(model_dir):
@@ -660,7 +808,8 @@ def _publish(staged, path):
 
 
 def export(model, format, out_dir, *, name, version=None, quantize="none", class_names=None,
-           top_k=5, verify=True, images=None, overwrite=False, max_image_size=None):
+           top_k=5, verify=True, images=None, overwrite=False, max_image_size=None,
+           max_num_patches=None):
     """Exports `model` in one format under `out_dir`, then reloads and verifies the artifact.
 
     Args:
@@ -685,6 +834,9 @@ def export(model, format, out_dir, *, name, version=None, quantize="none", class
       max_image_size: for a model of dynamic image size, the largest side in pixels its
         SavedModel serves (larger ones are refused); default `default_max_image_size(model)`, 4
         times the size it was built for. LiteRT and ONNX graphs cannot check it.
+      max_num_patches: for a NaFlex model, the longest patch sequence its SavedModel serves
+        (longer ones are refused), the budget `serving_bytes` resizes images to, and LiteRT's
+        one sequence length; default `naflex_length(model)`, the patches of its position grid.
 
     Returns:
       `(path, verifications)`: the artifact's path and a list of `Verification`s (empty if
@@ -708,6 +860,10 @@ def export(model, format, out_dir, *, name, version=None, quantize="none", class
     _check_class_names(model, class_names)
     if is_dynamic(model):
         max_image_size = _max_image_size(model, max_image_size)
+    if is_naflex(model):
+        max_num_patches = naflex_length(model, max_num_patches)
+    elif max_num_patches is not None:
+        raise ValueError(f"max_num_patches is for NaFlex models; {model.name!r} takes images.")
     if format == "saved_model":
         _recover_replaced_versions(os.path.join(out_dir, name))
     existing = existing_outputs(format, out_dir, name, version, quantize, class_names)
@@ -724,16 +880,16 @@ def export(model, format, out_dir, *, name, version=None, quantize="none", class
     staged = path + ".unverified"
     _clear_staging(staged)
     if format == "saved_model":
-        export_saved_model(model, staged, class_names, top_k, max_image_size)
+        export_saved_model(model, staged, class_names, top_k, max_image_size, max_num_patches)
     elif format == "tflite":
-        export_litert(model, staged, quantize)
+        export_litert(model, staged, quantize, max_num_patches)
     else:
         export_onnx(model, staged)
     verifications = []
     if verify:
         verifications = [dataclasses.replace(v, artifact=path)
                          for v in verify_artifact(staged, format, model, images, quantize,
-                                                  max_image_size)]
+                                                  max_image_size, max_num_patches)]
     failed = [v for v in verifications if not v.passed]
     if failed:
         raise ExportVerificationError(
