@@ -117,6 +117,10 @@ class OptimizationConfig:
         None, "With --max_num_patches: patches per training batch, padding included; a bucket "
         "of length L has tokens_per_batch // L images (default: --batch_size x "
         "--max_num_patches, so --batch_size is the longest bucket's).", bounds="[1, inf)")
+    naflex_seq_lens: tuple = option(
+        (), "With --max_num_patches: the training buckets' sequence lengths, each at most "
+        "--max_num_patches (default: timm's 128,256,576,784,1024 scaled to --max_num_patches; "
+        "one length gives batches of one size).")
     eval_batch_size: int = option(256, "Batch size of validation and test.", bounds="[1, inf)")
     accum_steps: int = option(1, "Gradient accumulation: batches averaged per update.",
                               bounds="[1, inf)")

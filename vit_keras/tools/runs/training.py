@@ -370,10 +370,16 @@ def _check_naflex(config, objective):
     """Refuses, in one line, what a NaFlex run does not do (yet): another objective than
     classification, the per-batch augmentations of square images, more than one device."""
     if not config.model.max_num_patches:
-        if config.optimization.tokens_per_batch:
-            raise NaFlexOptionError("--tokens_per_batch sizes NaFlex batches; it needs "
-                                    "--max_num_patches.")
+        for flag in ("tokens_per_batch", "naflex_seq_lens"):
+            if getattr(config.optimization, flag):
+                raise NaFlexOptionError(f"--{flag} sizes NaFlex batches; it needs "
+                                        f"--max_num_patches.")
         return
+    lengths = _lengths(config.optimization.naflex_seq_lens) or ()
+    if lengths and not 1 <= min(lengths) <= max(lengths) <= config.model.max_num_patches:
+        raise NaFlexOptionError(
+            f"--naflex_seq_lens {','.join(map(str, lengths))}: each bucket's length must be from "
+            f"1 to --max_num_patches {config.model.max_num_patches}.")
     refused = [flag for flag, given in (
         ("an objective other than classification (apps/finetune.py, apps/train.py)",
          type(objective) is not objectives_lib.Classification),
@@ -527,14 +533,26 @@ def _schedule(state):
         from vit_keras.tools.data import naflex
 
         longest = state.config.model.max_num_patches
-        state.naflex = naflex.NaFlexBatching(
-            longest, tokens_per_batch=settings.tokens_per_batch or recipe.batch_size * longest)
+        state.naflex = naflex.NaFlexBatching(  # the lengths checked by _check_naflex
+            longest, seq_lens=_lengths(settings.naflex_seq_lens),
+            tokens_per_batch=settings.tokens_per_batch or recipe.batch_size * longest)
         state.steps_per_epoch = settings.steps_per_epoch or state.naflex.steps_per_epoch(examples)
     else:
         state.steps_per_epoch = settings.steps_per_epoch or max(1, examples // recipe.batch_size)
     state.epochs = recipe.epochs or max(
         1, math.ceil(recipe.total_steps * state.accum / state.steps_per_epoch))
     state.total_updates = max(1, state.epochs * state.steps_per_epoch // state.accum)
+
+
+def _lengths(values):
+    """`--naflex_seq_lens`' strings as ints (None when not given)."""
+    if not values:
+        return None
+    try:
+        return tuple(int(value) for value in values)
+    except ValueError:
+        raise NaFlexOptionError(f"--naflex_seq_lens takes whole numbers of patches, e.g. "
+                                f"64,128,256; got {','.join(values)}.") from None
 
 
 def _find_resume_epoch(state):
