@@ -237,7 +237,8 @@ def test_run_config_fields_are_the_training_flags():
     for field in fields:
         flag = flag_values[field.name]
         assert flag.help.endswith(field.metadata["help"]), field.name
-        assert flag.default == ("pretrain" if field.name == "recipe" else field.default), field.name
+        default = tuple(flag.default) if isinstance(field.default, tuple) else flag.default
+        assert default == ("pretrain" if field.name == "recipe" else field.default), field.name
     assert flag_values["recipe"].parser.enum_values == ["auto", "finetune", "pretrain", "digits"]
     flag_values(["app", "--batch_size=8", "--noflip", "--learning_rate=0.5", "--decay=linear"])
     config = config_flags.from_flags(training.RunConfig, flag_values, flags_text="x")
