@@ -249,6 +249,27 @@ def run_killed_after_training(command, run_folder, env, timeout=600):
     return result
 
 
+def run_killed_after_first_backup(command, run_dir, env, timeout=300):
+    """Starts a training app's `command` (a list, from the repository root) and SIGKILLs it once
+    its first epoch's backup is written in `run_dir`. Returns `(output, epoch)`: what it printed
+    and the epoch its backup holds."""
+    import json
+    import signal
+    import time
+
+    metadata = os.path.join(run_dir, "backup", "training_metadata.json")
+    first = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + timeout
+    while not os.path.exists(metadata) and first.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    os.kill(first.pid, signal.SIGKILL)
+    output = first.communicate()[0]
+    assert first.returncode == -signal.SIGKILL, f"the first run ended on its own:\n{output}"
+    with open(metadata) as f:
+        return output, json.load(f)["epoch"]
+
+
 def run_on_backend(backend, code, timeout=600, **kwargs):
     """Runs `code` in a fresh Python process on `backend` and returns the JSON it prints last.
 

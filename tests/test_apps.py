@@ -4,15 +4,13 @@ backend of this pytest process (KERAS_BACKEND)."""
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 
 import keras
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, run_killed_after_first_backup
 
 BACKEND = keras.backend.backend()
 # Small enough for a few seconds per epoch on a busy 2-core CPU: ViT-digits at 8 px (4 tokens).
@@ -45,16 +43,7 @@ def resumed_run(tmp_path_factory):
     output = tmp_path_factory.mktemp("runs")
     command = _resume_command(output)
     run_dir = output / "resume"
-    metadata = run_dir / "backup" / "training_metadata.json"
-    first = subprocess.Popen(command, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 300
-    while not metadata.exists() and first.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    os.kill(first.pid, signal.SIGKILL)
-    first_output = first.communicate()[0]
-    assert first.returncode == -signal.SIGKILL, f"the first run ended on its own:\n{first_output}"
-    killed_after = json.loads(metadata.read_text())["epoch"]
+    first_output, killed_after = run_killed_after_first_backup(command, run_dir, _env())
     second = subprocess.run(command, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True,
                             timeout=600)
     assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]

@@ -4,10 +4,8 @@ of any shape on the next backend, with only `import vit_keras`."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import keras
 import numpy as np
@@ -15,7 +13,7 @@ import pytest
 
 import vit_keras
 
-from conftest import NEXT_BACKEND, REPO_ROOT, run_app, run_on_backend
+from conftest import NEXT_BACKEND, REPO_ROOT, run_app, run_killed_after_first_backup, run_on_backend
 
 BACKEND = keras.backend.backend()
 # ViT-digits at 8 px (a 2 x 2 grid), buckets of 2 and 4 patches: seconds per epoch.
@@ -40,16 +38,7 @@ def runs(tmp_path_factory):
     result = subprocess.run(_command(whole), cwd=REPO_ROOT, env=_env(), capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    metadata = resumed / "naflex" / "backup" / "training_metadata.json"
-    first = subprocess.Popen(_command(resumed), cwd=REPO_ROOT, env=_env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 300
-    while not metadata.exists() and first.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    os.kill(first.pid, signal.SIGKILL)
-    first_output = first.communicate()[0]
-    assert first.returncode == -signal.SIGKILL, f"the first run ended on its own:\n{first_output}"
-    killed_after = json.loads(metadata.read_text())["epoch"]
+    _, killed_after = run_killed_after_first_backup(_command(resumed), resumed / "naflex", _env())
     second = subprocess.run(_command(resumed), cwd=REPO_ROOT, env=_env(), capture_output=True,
                             text=True, timeout=600)
     assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]

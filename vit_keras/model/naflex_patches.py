@@ -33,9 +33,9 @@ def naflex_size(height, width, patch_size, max_num_patches):
     (at least one patch), give at most `max_num_patches` patches, found by the binary search of
     transformers' `get_image_size_for_max_num_patches`, whose answer it gives exactly.
     """
-    patch_size = _positive_int(patch_size, "patch_size")
-    max_num_patches = _positive_int(max_num_patches, "max_num_patches")
-    height, width = _positive_int(height, "image height"), _positive_int(width, "image width")
+    patch_size = positive_int(patch_size, "patch_size")
+    max_num_patches = positive_int(max_num_patches, "max_num_patches")
+    height, width = positive_int(height, "image height"), positive_int(width, "image width")
 
     def scaled(scale, size):
         # The same float operations as transformers', so that ties round the same way.
@@ -67,9 +67,9 @@ def naflex_patches(images, patch_size, max_num_patches, pad_to=None):
     Each image is resized to its NaFlex size with antialiased bilinear interpolation
     (`keras.ops.image.resize`), unless it already has that size.
     """
-    patch_size = _positive_int(patch_size, "patch_size")
-    max_num_patches = _positive_int(max_num_patches, "max_num_patches")
-    length = max_num_patches if pad_to is None else _positive_int(pad_to, "pad_to")
+    patch_size = positive_int(patch_size, "patch_size")
+    max_num_patches = positive_int(max_num_patches, "max_num_patches")
+    length = max_num_patches if pad_to is None else positive_int(pad_to, "pad_to")
     images = _checked_images(images)
     channels = images[0].shape[-1]
     batch = len(images)
@@ -137,7 +137,7 @@ def _checked_images(images):
     return images
 
 
-def _positive_int(value, what):
+def positive_int(value, what):
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{what} must be a positive integer; got {value!r}.")
     return int(value)

@@ -23,7 +23,7 @@ import dataclasses
 
 import tensorflow as tf
 
-from vit_keras.model.naflex_patches import SCALE_SEARCH_END
+from vit_keras.model.naflex_patches import SCALE_SEARCH_END, positive_int
 from vit_keras.tools import data
 
 # timm's default buckets (128, 256, 576, 784, 1024 patches) as fractions of the largest, so that
@@ -57,17 +57,17 @@ class NaFlexBatching:
     tokens_per_batch: int = None
 
     def __post_init__(self):
-        _positive(self.max_num_patches, "max_num_patches")
+        positive_int(self.max_num_patches, "max_num_patches")
         if self.patch_size is not None:
-            _positive(self.patch_size, "patch_size")
+            positive_int(self.patch_size, "patch_size")
         seq_lens = self.seq_lens or default_seq_lens(self.max_num_patches)
-        seq_lens = tuple(sorted({_positive(length, "seq_lens") for length in seq_lens}))
+        seq_lens = tuple(sorted({positive_int(length, "seq_lens") for length in seq_lens}))
         if seq_lens[-1] > self.max_num_patches:
             raise ValueError(f"seq_lens {seq_lens} has buckets longer than max_num_patches="
                              f"{self.max_num_patches}, the model's longest sequence.")
         object.__setattr__(self, "seq_lens", seq_lens)
         if self.tokens_per_batch is not None:
-            _positive(self.tokens_per_batch, "tokens_per_batch")
+            positive_int(self.tokens_per_batch, "tokens_per_batch")
 
     @property
     def batch_sizes(self):
@@ -230,9 +230,3 @@ def load_image_files(paths, batching):
                 for image in data.decode_image_files(paths)]
     return {key: tf.stack([example[key] for example in examples]).numpy()
             for key in examples[0]}
-
-
-def _positive(value, name):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer; got {value!r}.")
-    return value
