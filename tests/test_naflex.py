@@ -3,6 +3,8 @@ patches `{"patches", "patch_coord", "patch_valid"}`, the position grid resized p
 padding masked in every attention kernel and pooling; and SigLIP 2's NaFlex tower from a
 transformers folder, against transformers on a batch that mixes aspect ratios."""
 
+import json
+
 import keras
 import numpy as np
 import pytest
@@ -179,3 +181,84 @@ def test_a_siglip2_patch_embedding_without_its_patch_size_is_refused():
     with pytest.raises(vit_keras.errors.CheckpointError, match="must give its patch_size"):
         names.from_huggingface({"embeddings.patch_embedding.weight": np.zeros((32, 50))}, 2,
                                patch_size=4)
+
+
+# timm's NaFlexVit files (naflexvit_*: SigLIP 2's towers and timm's own) ---------------------------
+
+def _naflexvit_folder(tmp_path, architecture, **model_args):
+    """A timm hub folder of `architecture` narrowed to the tiny size: `model.safetensors` and the
+    `config.json` timm writes beside it (the name, its tag, the data config, the model_args)."""
+    torch = pytest.importorskip("torch")
+    timm = pytest.importorskip("timm")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from test_family_hf import _randomize  # pylint: disable=import-outside-toplevel
+
+    args = dict(patch_size=PATCH, embed_dim=32, depth=2, num_heads=2, pos_embed_grid_size=(4, 4),
+                **model_args)
+    reference = _randomize(timm.create_model(architecture, pretrained=False, num_classes=0, **args))
+    folder = tmp_path / architecture
+    folder.mkdir()
+    safetensors_torch.save_file(reference.state_dict(), folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps({
+        "architecture": architecture, "num_classes": 0,
+        "model_args": {key: value for key, value in args.items() if key != "pos_embed_grid_size"},
+        "pretrained_cfg": {"tag": "test", "mean": [0.5] * 3, "std": [0.5] * 3,
+                           "input_size": [3, 384, 384], "crop_pct": 1.0,
+                           "interpolation": "bicubic"}}))
+    return torch, reference, folder / "model.safetensors"
+
+
+# Wider and taller than the built 4x4 grid too: the aspect-preserving grid resizes to 9x9.
+NAFLEX_GRIDS = GRIDS + ((9, 2),)
+
+
+@pytest.mark.parametrize("architecture, switches", [
+    ("naflexvit_base_patch16_siglip", {"posemb_interpolation": "bilinear", "gelu": "tanh"}),
+    ("naflexvit_base_patch16_par_gap", {"posemb_preserve_aspect": True, "num_registers": 4}),
+    ("naflexvit_base_patch16_map", {"posemb_interpolation": "bicubic", "num_registers": 1}),
+])
+def test_a_timm_naflexvit_file_gives_timms_pooled_features(tmp_path, architecture, switches):
+    """SigLIP 2's tower as timm holds it, and timm's own NaFlexViTs (registers, LayerScale, mean
+    or attention pooling, the aspect-preserving grid): a batch mixing aspect ratios, raw pixels
+    against timm's normalised patches."""
+    torch, reference, path = _naflexvit_folder(tmp_path, architecture)
+    batch, _ = _batch(NAFLEX_GRIDS, 40)
+    with torch.no_grad():
+        expected = reference({
+            "patches": torch.from_numpy(batch["patches"] / 127.5 - 1.0).float(),
+            "patch_coord": torch.from_numpy(batch["patch_coord"]).long(),
+            "patch_valid": torch.from_numpy(batch["patch_valid"])}).numpy()
+    model = vit_keras.build_model_from_checkpoint(str(path), include_top=False)
+    assert model.naflex and model.image_size == (16, 16)
+    assert {key: getattr(model.vit_config, key) for key in switches} == switches
+    found = np.asarray(model.predict(batch, verbose=0))
+    assert np.std(expected) > 0.05
+    assert float(np.max(np.abs(found - expected)) / np.max(np.abs(expected))) < 1e-4
+
+
+def test_a_timm_aspect_preserving_grid_holds_for_images_of_any_size_too(tmp_path):
+    """The square model of a `_par` file with `dynamic_image_size=True` resizes its grid as timm's
+    does for a whole image of another aspect ratio."""
+    torch, reference, path = _naflexvit_folder(tmp_path, "naflexvit_base_patch16_par_gap")
+    image = np.random.default_rng(5).uniform(0, 255, (1, 12, 28, 3)).astype("float32")
+    with torch.no_grad():
+        expected = reference(torch.from_numpy(
+            (image / 127.5 - 1.0).transpose(0, 3, 1, 2).copy())).numpy()
+    model = vit_keras.build_model_from_checkpoint(str(path), include_top=False, naflex=False,
+                                                  dynamic_image_size=True)
+    found = _numpy(model(image))
+    assert float(np.max(np.abs(found - expected)) / np.max(np.abs(expected))) < 1e-4
+
+
+def test_what_a_timm_naflexvit_file_does_not_say_or_vit_keras_lacks_is_refused(tmp_path):
+    _, _, path = _naflexvit_folder(tmp_path, "naflexvit_base_patch16_parfac_gap")
+    with pytest.raises(vit_keras.errors.CheckpointError, match="factorized position embeddings"):
+        vit_keras.build_model_from_checkpoint(str(path), include_top=False)
+    _, _, path = _naflexvit_folder(tmp_path, "naflexvit_base_patch16_gap")
+    (path.parent / "config.json").unlink()
+    with pytest.raises(vit_keras.errors.CheckpointError, match="timm_architecture="):
+        vit_keras.build_model_from_checkpoint(str(path), include_top=False)
+    with pytest.raises(vit_keras.errors.CheckpointError, match="RADIO"):
+        vit_keras.build_model_from_checkpoint(
+            str(path), include_top=False,
+            timm_architecture="naflexvit_base_patch16_radio_v3.c_radio")

@@ -47,6 +47,9 @@ class ViTConfig:
     # How the forward pass resizes the learned grid (dynamic image size, NaFlex): antialiased
     # "bicubic" (timm's) or "bilinear" (SigLIP 2's, as big_vision and transformers resize it).
     posemb_interpolation: str = "bicubic"
+    # Resize the grid as a square of the longer side and keep its top-left rows x cols, so a
+    # patch's embedding does not depend on the other side (timm's `pos_embed_ar_preserving`).
+    posemb_preserve_aspect: bool = False
     # The rotary and gated families' switches (EVA-02, DINOv3, PE, AIMv2, RoPE-ViT, DINOv2
     # giant); see docs/checkpoints.md.
     qkv_bias: str = "qkv"  # which of the query, key and value projections have biases: "qv", "none"

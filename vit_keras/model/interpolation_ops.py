@@ -78,10 +78,13 @@ def antialiased_bicubic_weights(in_size, out_size):
     return antialiased_weights(in_size, out_size, ops.arange(out_size))
 
 
-def resize_grid(grid, new_grid, interpolation="bicubic"):
+def resize_grid(grid, new_grid, interpolation="bicubic", preserve_aspect=False):
     """Resizes a `(rows, cols, hidden)` float32 grid of static shape to `new_grid` `(rows, cols)`
-    (ints or scalar tensors), separably: `rows' x cols' x hidden`."""
+    (ints or scalar tensors), separably: `rows' x cols' x hidden`. With `preserve_aspect`, to a
+    square of the longer side, of which the top-left `rows x cols` (timm's
+    `pos_embed_ar_preserving`)."""
     rows, cols = new_grid
-    row_weights = antialiased_weights(grid.shape[0], rows, ops.arange(rows), interpolation)
-    col_weights = antialiased_weights(grid.shape[1], cols, ops.arange(cols), interpolation)
+    row_size, col_size = (ops.maximum(rows, cols),) * 2 if preserve_aspect else (rows, cols)
+    row_weights = antialiased_weights(grid.shape[0], row_size, ops.arange(rows), interpolation)
+    col_weights = antialiased_weights(grid.shape[1], col_size, ops.arange(cols), interpolation)
     return ops.einsum("ar,rcd,bc->abd", row_weights, grid, col_weights)

@@ -42,11 +42,12 @@ class AddPositionEmbs(keras.layers.Layer):
     embeddings, and `call(tokens, patch_grid)` resamples their grid part on every call to the
     grid of `patch_grid`, the patch embedding's `(batch, rows', cols', hidden)` output
     (`vit_keras.model.interpolation_ops`: timm's bicubic, antialiased). At `(rows, cols)` itself the
-    embeddings are added unchanged.
+    embeddings are added unchanged. With `preserve_aspect` a grid is resized as a square of its
+    longer side, of which it keeps the top-left `rows' x cols'` (timm's `pos_embed_ar_preserving`).
     """
 
     def __init__(self, initializer=None, grid_size=None, num_prefix_tokens=1,
-                 interpolation="bicubic", **kwargs):
+                 interpolation="bicubic", preserve_aspect=False, **kwargs):
         super().__init__(**kwargs)
         self.initializer = keras.initializers.get(
             initializer or keras.initializers.RandomNormal(stddev=0.02))
@@ -56,6 +57,7 @@ class AddPositionEmbs(keras.layers.Layer):
             raise ValueError(f"Unknown interpolation {interpolation!r}; expected one of "
                              f"{interpolation_ops.INTERPOLATIONS}.")
         self.interpolation = interpolation
+        self.preserve_aspect = bool(preserve_aspect)
 
     def build(self, x_shape, patch_grid_shape=None):
         tokens = x_shape[1]
@@ -94,7 +96,8 @@ class AddPositionEmbs(keras.layers.Layer):
         prefix = embeddings[:, :self.num_prefix_tokens]
         hidden = embeddings.shape[-1]
         built = ops.reshape(embeddings[0, self.num_prefix_tokens:], (*self.grid_size, hidden))
-        resized = interpolation_ops.resize_grid(built, grid, self.interpolation)
+        resized = interpolation_ops.resize_grid(built, grid, self.interpolation,
+                                                self.preserve_aspect)
         return ops.concatenate([prefix, ops.reshape(resized, (1, -1, hidden))], axis=1)
 
     def compute_output_shape(self, x_shape, patch_grid_shape=None):
@@ -106,6 +109,8 @@ class AddPositionEmbs(keras.layers.Layer):
         if self.grid_size is not None:
             config.update(grid_size=list(self.grid_size), num_prefix_tokens=self.num_prefix_tokens,
                           interpolation=self.interpolation)
+            if self.preserve_aspect:  # files written before the option load as they were
+                config["preserve_aspect"] = True
         return config
 
 
@@ -126,9 +131,10 @@ class NaFlexPositionEmbs(AddPositionEmbs):
     None (all valid). Output: as `x`, its padded tokens zeros.
     """
 
-    def __init__(self, grid_size, num_prefix_tokens=1, interpolation="bicubic", **kwargs):
+    def __init__(self, grid_size, num_prefix_tokens=1, interpolation="bicubic",
+                 preserve_aspect=False, **kwargs):
         super().__init__(grid_size=grid_size, num_prefix_tokens=num_prefix_tokens,
-                         interpolation=interpolation, **kwargs)
+                         interpolation=interpolation, preserve_aspect=preserve_aspect, **kwargs)
 
     def build(self, x_shape, patch_coord_shape=None, valid_shape=None):
         super().build(x_shape)
@@ -153,6 +159,8 @@ class NaFlexPositionEmbs(AddPositionEmbs):
         if valid is not None:
             coord = ops.where(ops.expand_dims(ops.cast(valid, "bool"), -1), coord, 0)
         sizes = ops.max(coord, axis=1, keepdims=True) + 1  # (batch, 1, 2): each image's grid
+        if self.preserve_aspect:  # a square of the longer side, read at the image's cells
+            sizes = ops.max(sizes, axis=-1, keepdims=True) * ops.ones_like(sizes)
         rows, cols = self.grid_size
         row_weights = interpolation_ops.antialiased_weights(
             rows, sizes[..., 0], coord[..., 0], self.interpolation)  # (batch, tokens, rows)
@@ -477,11 +485,13 @@ class PositionSpec(specs.Spec):
     `POSITION_EMBEDDINGS`, or `"none"`: rotary embeddings alone), whether it covers the class
     and distillation tokens (`covers_prefix`, the paper's) or the patches alone (register tokens
     never take one), and how the forward pass resizes its grid (`interpolation`, antialiased
-    `"bicubic"` or `"bilinear"`) for a dynamic image size or NaFlex inputs."""
+    `"bicubic"` or `"bilinear"`; `preserve_aspect`: as a square of the longer side, see
+    `AddPositionEmbs`) for a dynamic image size or NaFlex inputs."""
 
     kind: str = "learned"
     covers_prefix: bool = True
     interpolation: str = "bicubic"
+    preserve_aspect: bool = False
 
     def __post_init__(self):
         if self.kind != "none" and self.kind not in POSITION_EMBEDDINGS:
@@ -504,11 +514,12 @@ class PositionSpec(specs.Spec):
         layer = NaFlexPositionEmbs if naflex else POSITION_EMBEDDINGS[self.kind]
         return layer(grid_size=grid_size,
                      num_prefix_tokens=num_prefix_tokens if self.covers_prefix else 0,
-                     interpolation=self.interpolation, dtype=dtype, name=name)
+                     interpolation=self.interpolation, preserve_aspect=self.preserve_aspect,
+                     dtype=dtype, name=name)
 
 
 def position_spec(config):
     """The `PositionSpec` of a `ViTConfig` (`position_embedding`, `posemb_prefix`,
-    `posemb_interpolation`)."""
+    `posemb_interpolation`, `posemb_preserve_aspect`)."""
     return PositionSpec(config.position_embedding, config.posemb_prefix,
-                        config.posemb_interpolation)
+                        config.posemb_interpolation, config.posemb_preserve_aspect)

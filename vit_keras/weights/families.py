@@ -65,6 +65,8 @@ class Family:
         the first that matches.
       timm_rope: `(pattern, RopeSpec)` for a family whose names differ in them; the first that
         matches, else `rope`.
+      timm_switches: `(pattern, {field: value})` for names that switch more on than `timm`
+        (timm's aspect-preserving NaFlexViTs); every one that matches adds its own.
       timm_normalization: `(pattern on "architecture.tag", normalisation name or None)`; the
         first that matches decides (None: not known), else `normalization` where
         `normalization_by_name`.
@@ -91,6 +93,7 @@ class Family:
     transformers_heads: int = 12
     timm_heads: tuple = ()
     timm_rope: tuple = ()
+    timm_switches: tuple = ()
     timm_normalization: tuple = ()
     timm_eval_crops: tuple = ()
 
@@ -180,9 +183,18 @@ FAMILIES = (
         # inputs, its grid resized bilinearly with antialiasing as transformers and big_vision do.
         "SigLIP2", timm_pattern=r"^naflexvit_\w+_siglip", model_types=("siglip2_vision_model",),
         gelu="tanh", normalization="inception",
+        timm={"naflex": True, "posemb_interpolation": "bilinear", "gelu": "tanh"},  # gelu_tanh
         transformers={"naflex": True, "posemb_interpolation": "bilinear"},
         transformers_defaults={"layer_norm_eps": 1e-6, "hidden_act": "gelu_pytorch_tanh",
                                "patch_size": 16, "num_patches": 256}),
+    Family(
+        # timm's own NaFlex ViTs (`naflexvit_base_patch16_par_gap.e300_s576_in1k`): their grid is
+        # resized bicubically, as a square of the longer side for the `_par` (aspect-preserving)
+        # ones; NVIDIA's RADIO backbones are timm's NaFlexViTs too, but resize without
+        # antialiasing, which vit_keras does not, and are refused (`checkpoints.timm`).
+        "NaFlexViT", timm_pattern=r"^naflexvit_(?!\w+_siglip)", normalization="inception",
+        eval_crop=_CROP_100, timm={"naflex": True},
+        timm_switches=((r"^naflexvit_\w+_par(?:fac)?_", {"posemb_preserve_aspect": True}),)),
     Family(
         "CLIP", release_names=("clip_openai",), timm_pattern=r"_clip_",
         model_types=("clip_vision_model",), layer_norm_epsilon=1e-5, gelu="quick",

@@ -84,7 +84,7 @@ def read_checkpoint(path, *, num_heads=None, timm_architecture=None):
                 raise errors.CheckpointError(
                     f"{path!r} is a timm ViT with {', '.join(unsupported)}, which vit_keras does "
                     f"not support: its model holds the paper's ViT and DeiT, DeiT III, DINOv2, "
-                    f"SigLIP, CLIP, MAE, EVA-02, DINOv3, PE, AIMv2 and RoPE-ViT "
+                    f"SigLIP, SigLIP 2, CLIP, MAE, EVA-02, DINOv3, PE, AIMv2, RoPE-ViT and NaFlexViT "
                     f"(docs/checkpoints.md).")
             params, info = timm.convert(state_dict, num_heads, timm_architecture,
                                         timm.config_beside(paths[0]))
@@ -508,6 +508,7 @@ def _switches(checkpoint):
                  and names.BLOCK.format(0) + "LayerNorm_0/bias" not in params else "layer_norm"),
         "position_embedding": "learned" if names.POSEMB in params else "none",
         "posemb_interpolation": "bicubic",  # timm's; SigLIP 2's bilinear comes with the hints
+        "posemb_preserve_aspect": False,  # timm's naflexvit_*_par_*: with the hints
         "qkv_bias": biases or "none",
         "proj_bias": attention + "out/bias" in params,
         "mlp_bias": mlp + "Dense_1/bias" in params,

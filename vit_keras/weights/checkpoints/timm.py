@@ -28,6 +28,13 @@ decide what they can: CLIP's (`norm_pre` and a patch embedding without bias) giv
 normalisation, a distillation token DeiT's normalisation; CLIP's GELU variant (quick in OpenAI's
 weights as timm's `_clip_quickgelu_` models hold them, exact in timm's `_clip_` ones) they cannot
 tell, and that is said in one warning.
+
+timm's NaFlexVit files (`naflexvit_*`: SigLIP 2's towers and timm's own NaFlexViTs) hold the same
+parts under `embeds.*`, with a linear patch embedding over flattened patches and a `(1, rows,
+cols, hidden)` position grid; they are read back into these keys (`_from_naflexvit`), as NaFlex
+models. How the grid is resized (bilinear or bicubic, aspect-preserving or not) only the name
+says, so they too need it; the factorized grids (`_parfac_`) and RADIO's unantialiased one are
+refused by name.
 """
 
 import dataclasses
@@ -44,6 +51,7 @@ from vit_keras.weights.checkpoints import files, names
 logger = logging.getLogger("vit_keras")
 
 _ANCHOR = "patch_embed.proj.weight"
+_NAFLEX_ANCHOR = "embeds.proj.weight"  # timm's NaFlexVit (`naflexvit_*`)
 CONFIG = "config.json"
 # The heads of the models timm (1.0.31) builds under a size in their names, by width: the
 # name's heads hold for a file of that width only. A narrowed file (timm's `embed_dim=...`) of
@@ -53,11 +61,12 @@ _HEADS_BY_SIZE = {"tiny": {192: 3}, "small": {384: 6}, "small_plus": {384: 6},
                   "base": {768: 12, 896: 14}, "large": {1024: 16}, "huge": {1280: 16},
                   "huge_plus": {1280: 20}, "giant": {1408: 16, 1536: 24},
                   "gigantic": {1664: 16}, "enormous": {1792: 16}, "so150m": {896: 14},
+                  "so150m2": {832: 13},
                   "so400m": {1152: 16}, "7b": {4096: 32}}
 
 
 def matches(state_dict):
-    return _ANCHOR in state_dict
+    return _ANCHOR in state_dict or _NAFLEX_ANCHOR in state_dict
 
 
 def default_num_heads(hidden_size):
@@ -79,6 +88,8 @@ _UNSUPPORTED = (
     (r"\.attn\.gate\.", "a gated attention output"),
     (r"\.mlp\.(?:w12|w3)\.", "a SwiGLU of other names (w12, w3)"),
     (r"^rel_pos|\.relative_position", "relative position biases (BEiT)"),
+    (r"^embeds\.pos_embed_[yx]$", "factorized position embeddings (timm's naflexvit_*_parfac_*)"),
+    (r"^embeds\.norm_input\.", "a norm on each patch's pixels"),
 )
 # Keys only timm's `Eva` class writes (AIMv2's `fc1_g` is a VisionTransformer's, without RoPE).
 _EVA_KEYS = r"\.attn\.(?:[qkv]_proj\.|[qv]_bias$)|\.gamma_[12]$|\.mlp\.norm\."
@@ -95,7 +106,7 @@ def architecture_hints(timm_architecture):
     own = families.by_timm_name(name)  # the name's family; MAE's is its tag's
     hints = {"layer_norm_epsilon": own.layer_norm_epsilon,
              "gelu": "quick" if "quickgelu" in name else "exact"}  # timm's GELU is exact else
-    size = re.match(r"^(?:vit_pe_[a-z]+|vit|deit3?|eva02)_([a-z0-9]+(?:_plus)?)_", name)
+    size = re.match(r"^(?:vit_pe_[a-z]+|vit|deit3?|eva02|naflexvit)_([a-z0-9]+(?:_plus)?)_", name)
     found, heads = families.first_match(own.timm_heads, name)
     if not found:
         heads = _HEADS_BY_SIZE.get(size.group(1)) if size else None
@@ -113,6 +124,9 @@ def architecture_hints(timm_architecture):
     if rope is not None:
         hints["rope"] = rope
     hints.update(own.timm)
+    for pattern, switches in own.timm_switches:
+        if re.search(pattern, name):
+            hints.update(switches)
     family = families.by_timm_name(timm_architecture)
     if family.names_models:
         hints["family"] = family.name
@@ -152,7 +166,10 @@ def config_beside(path):
     `pretrained_cfg`), `eval_crop` (its `crop_pct` and `interpolation`, for a centre crop of
     bilinear or bicubic resizing: `ViT`'s `eval_crop`), `num_heads` (of its `model_args`) and
     `image_size` (`(height, width)` of its `model_args`' `img_size`: the model's) and
-    `input_size` (of its `pretrained_cfg`: the data's, which may differ from the model's).
+    `input_size` (of its `pretrained_cfg`: the data's, which may differ from the model's); for a
+    NaFlexVit, `posemb_interpolation` and `posemb_preserve_aspect` where its `model_args` set
+    timm's `pos_embed_interp_mode` and `pos_embed_ar_preserving`, and `patch_size` (of its
+    `model_args`: a NaFlexVit's linear patch embedding does not say it).
     Empty when there is no such file or it is not timm's: the weights alone decide."""
     config = os.path.join(os.path.dirname(os.path.abspath(path)), CONFIG)
     if not os.path.isfile(config):
@@ -178,6 +195,12 @@ def config_beside(path):
         heads = model_args.get("num_heads")
         if _positive_int(heads):
             found["num_heads"] = heads
+        if _positive_int(model_args.get("patch_size")):
+            found["patch_size"] = model_args["patch_size"]
+        if model_args.get("pos_embed_interp_mode") in ("bilinear", "bicubic"):  # NaFlexVit's
+            found["posemb_interpolation"] = model_args["pos_embed_interp_mode"]
+        if isinstance(model_args.get("pos_embed_ar_preserving"), bool):
+            found["posemb_preserve_aspect"] = model_args["pos_embed_ar_preserving"]
         for key, size in (("image_size", model_args.get("img_size")),
                           ("input_size", (data.get("input_size") or [None])[1:])):
             size = [size, size] if _positive_int(size) else size
@@ -230,6 +253,10 @@ def convert(state_dict, num_heads=None, timm_architecture=None, beside=None):
     a width that the paper's variants do not give, a `CheckpointError` says which to pass."""
     beside = beside or {}
     timm_architecture = timm_architecture or beside.get("architecture")
+    naflex_grid = None
+    if _NAFLEX_ANCHOR in state_dict:
+        state_dict, naflex_grid = _from_naflexvit(state_dict, timm_architecture,
+                                                  beside.get("patch_size"))
     normalization = beside.get("normalization")
     eval_crop = beside.get("eval_crop")
     if not timm_architecture and "rope.freqs" not in state_dict and any(
@@ -248,14 +275,16 @@ def convert(state_dict, num_heads=None, timm_architecture=None, beside=None):
                      normalization_source="timm's config.json (pretrained_cfg mean and std)")
     if eval_crop is not None:
         hints["eval_crop"] = eval_crop
+    hints.update({key: beside[key] for key in ("posemb_interpolation", "posemb_preserve_aspect")
+                  if key in beside})
     if (timm_architecture and "cls_token" in state_dict
             and families.by_timm_name(timm_architecture.split(".")[0]).rope_own_grid):
         # PE counts patches from 1 beside its class token.
         hints["rope"] = dataclasses.replace(hints["rope"], grid_offset=1.0)
     num_heads = _num_heads(state_dict, num_heads, beside.get("num_heads"),
                            hints.pop("heads_by_width", None), timm_architecture)
-    grid = _grid(state_dict, beside.get("image_size"),
-                 beside.get("input_size") or hints.pop("image_size", None))
+    grid = naflex_grid or _grid(state_dict, beside.get("image_size"),
+                                beside.get("input_size") or hints.pop("image_size", None))
     hints.pop("image_size", None)
     if grid:
         hints["grid"] = grid
@@ -263,6 +292,45 @@ def convert(state_dict, num_heads=None, timm_architecture=None, beside=None):
     info = {"format": "timm", "interpolation": "bicubic", "antialias": True,
             "num_heads": num_heads, **hints}
     return params, info
+
+
+def _from_naflexvit(state_dict, timm_architecture, patch_size=None):
+    """`(state dict, grid)`: a timm NaFlexVit's keys as its `VisionTransformer`'s (undoing timm's
+    `checkpoint_filter_fn`: `embeds.*` back to `patch_embed.*`, `pos_embed`, `cls_token`,
+    `reg_token`; its linear patch embedding over (row, column, channel) patches back to a Conv2d
+    weight; its `(1, rows, cols, hidden)` position grid flattened) and the grid `(rows, cols)`.
+    Its position embeddings cover the patches alone, never the prefix tokens. The patch size is
+    `patch_size` (timm's config.json's `model_args`), else the name's, else that of 3 channels."""
+    if not timm_architecture:
+        raise errors.CheckpointError(
+            "The keys of this timm checkpoint are those of timm's NaFlexVit (embeds.*), whose "
+            "position grid is resized as its name says (bilinear for SigLIP 2's, bicubic and "
+            "aspect-preserving for naflexvit_*_par_*): pass its architecture name, "
+            "timm_architecture='naflexvit_base_patch16_siglip' or the like (apps: "
+            "--timm_architecture); a hub download's config.json names it.")
+    if "_radio_" in timm_architecture:
+        raise errors.CheckpointError(
+            f"{timm_architecture!r} is one of NVIDIA's RADIO backbones, whose position grid timm "
+            f"resizes without antialiasing (v3's with aligned corners too); vit_keras resizes "
+            f"with antialiasing only, so it does not read them.")
+    out, grid = {}, None
+    for key, value in state_dict.items():
+        if key == _NAFLEX_ANCHOR and value.ndim == 2:  # a Linear over flattened patches
+            hidden, values = value.shape
+            said = re.search(r"_patch(\d+)", timm_architecture)
+            patch = patch_size or (int(said.group(1)) if said else int(round((values / 3) ** 0.5)))
+            if values % (patch * patch):
+                raise errors.CheckpointError(
+                    f"The patch embedding of this NaFlexVit reads {values} values per patch, "
+                    f"not patch x patch x channels for the patch size {patch} of "
+                    f"{timm_architecture!r}.")
+            value = value.reshape(hidden, patch, patch, -1).transpose(0, 3, 1, 2)
+        elif key == "embeds.pos_embed" and value.ndim == 4:
+            grid = tuple(int(side) for side in value.shape[1:3])
+            value = value.reshape(1, grid[0] * grid[1], value.shape[-1])
+        renamed = re.sub(r"^embeds\.(proj|norm)\.", r"patch_embed.\1.", key)
+        out[re.sub(r"^embeds\.(pos_embed|cls_token|reg_token)$", r"\1", renamed)] = value
+    return out, grid
 
 
 def _num_heads(state_dict, asked, configured, heads_by_width, timm_architecture):
