@@ -64,6 +64,10 @@ def _alone(model, images):
     ("token", {}), ("gap", {}), ("map", {}),
     ("token", {"num_registers": 2, "posemb_prefix": False}),
     ("gap", {"class_token": True, "posemb_interpolation": "bilinear"}),
+    ("gap", {"posemb_preserve_aspect": True}),
+    ("token", {"rope": {"kind": "axial", "ref_grid": (4, 4)}}),
+    ("gap", {"rope": {"kind": "dinov3", "rotate_half": True}, "position_embedding": "none"}),
+    ("token", {"rope": {"kind": "mixed", "xy": True}, "num_registers": 1}),
 ])
 def test_a_padded_batch_gives_each_image_what_it_gives_alone(classifier, switches):
     model = _randomized(ViT({**TINY, **switches}, image_size=16, num_classes=5, naflex=True,
@@ -116,8 +120,11 @@ def test_a_square_models_checkpoint_runs_in_naflex_mode_as_the_square_model(tmp_
                                atol=1e-5)
 
 
-def test_a_naflex_model_saves_and_loads_on_another_backend(tmp_path):
-    model = _randomized(ViT(TINY, image_size=16, num_classes=5, naflex=True, classifier="map"))
+@pytest.mark.parametrize("switches", [{}, {"rope": {"kind": "axial", "ref_grid": (4, 4)}}],
+                         ids=["learned", "rotary"])
+def test_a_naflex_model_saves_and_loads_on_another_backend(tmp_path, switches):
+    model = _randomized(ViT({**TINY, **switches}, image_size=16, num_classes=5, naflex=True,
+                            classifier="map"))
     path = str(tmp_path / "naflex.keras")
     model.save(path)
     batch, _ = _batch()
@@ -137,8 +144,6 @@ def test_a_naflex_model_saves_and_loads_on_another_backend(tmp_path):
 def test_what_naflex_inputs_cannot_feed_is_refused_by_name():
     with pytest.raises(ValueError, match="hybrid's ResNet reads whole images"):
         ViT("R+ViT-Ti/16", image_size=32, naflex=True)
-    with pytest.raises(ValueError, match="NaFlex inputs for rotary embeddings"):
-        ViT({**TINY, "rope": "axial"}, image_size=16, naflex=True)
     with pytest.raises(ValueError, match="without dynamic_image_size"):
         ViT(TINY, image_size=16, naflex=True, dynamic_image_size=True)
 
@@ -262,3 +267,42 @@ def test_what_a_timm_naflexvit_file_does_not_say_or_vit_keras_lacks_is_refused(t
         vit_keras.build_model_from_checkpoint(
             str(path), include_top=False,
             timm_architecture="naflexvit_base_patch16_radio_v3.c_radio")
+
+
+# The rotary families in NaFlex mode ----------------------------------------------------------------
+
+@pytest.mark.parametrize("architecture", [
+    "eva02_tiny_patch14_224.mim_in22k", "vit_small_patch16_dinov3",
+    "vit_base_patch16_rope_mixed_224", "vit_pe_core_base_patch16_224"])
+def test_a_rotary_family_in_naflex_mode_gives_timms_naflex_outputs(tmp_path, architecture):
+    """Each image's rotary coordinates on its own grid (EVA-02's rescaled to its reference grid,
+    DINOv3's in [-1, 1], RoPE-Mixed's learned frequencies, PE's from 1 on its own grid), as timm's
+    NaFlexVit computes them for the same weights (`use_naflex=True`)."""
+    torch = pytest.importorskip("torch")
+    timm = pytest.importorskip("timm")
+    from test_family_hf import _randomize  # pylint: disable=import-outside-toplevel
+    from timm.models import naflexvit  # pylint: disable=import-outside-toplevel
+
+    args = dict(patch_size=PATCH, embed_dim=32, depth=2, num_heads=2, img_size=16, num_classes=0)
+    classic = _randomize(timm.create_model(architecture, pretrained=False, **args))
+    # PE pools over its class token too; timm's NaFlex mode of it must be told so.
+    pooling = {"pool_include_prefix": True} if "_pe_" in architecture else {}
+    reference = timm.create_model(architecture, pretrained=False, use_naflex=True, **args,
+                                  **pooling).eval()
+    # timm's filter adds the class token's position embedding to the token in place: a copy.
+    reference.load_state_dict(naflexvit.checkpoint_filter_fn(
+        {key: value.clone() for key, value in classic.state_dict().items()}, reference))
+    path = tmp_path / "classic.pth"
+    torch.save(classic.state_dict(), path)
+    batch, _ = _batch(NAFLEX_GRIDS, 40)
+    with torch.no_grad():
+        expected = reference({"patches": torch.from_numpy(batch["patches"]).float(),
+                              "patch_coord": torch.from_numpy(batch["patch_coord"]).long(),
+                              "patch_valid": torch.from_numpy(batch["patch_valid"])}).numpy()
+    model = vit_keras.build_model_from_checkpoint(
+        str(path), timm_architecture=architecture, num_heads=2, include_top=False, naflex=True,
+        include_preprocessing=False)
+    assert model.naflex and model.vit_config.rope is not None
+    found = np.asarray(model.predict(batch, verbose=0))
+    assert np.std(expected) > 0.05
+    assert float(np.max(np.abs(found - expected)) / np.max(np.abs(expected))) < 1e-4

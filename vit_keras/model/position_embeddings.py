@@ -204,10 +204,10 @@ class RopeSpec(specs.Spec):
             object.__setattr__(self, "ref_grid", tuple(int(side) for side in self.ref_grid))
 
     def positions(self, grid_size=None, num_prefix_tokens=0, dtype="float32",
-                  name="rope_positions"):
+                  name="rope_positions", naflex=False):
         """The model's `RotaryPositions` layer."""
         return RotaryPositions(self.kind, grid_size, num_prefix_tokens, self.grid_offset, self.xy,
-                               self.ref_grid, dtype=dtype, name=name)
+                               self.ref_grid, naflex=naflex, dtype=dtype, name=name)
 
     @property
     def learned(self):
@@ -238,12 +238,18 @@ class RotaryPositions(keras.layers.Layer):
     - `kind="axial"` or `"mixed"`: the index plus `grid_offset`, rescaled to `ref_grid` (EVA-02's
       `ref_feat_shape`: `index * ref_rows / rows`) when one is given;
     - `kind="dinov3"`: the patch centre in [-1, 1], `2 * (index + 0.5 + grid_offset) / rows - 1`.
+
+    With `naflex=True` the layer takes NaFlex inputs instead, `layer(patch_coord, valid)`
+    (`(batch, tokens, 2)` integer (row, column), `(batch, tokens)` bool or None), and gives
+    float32 `(batch, num_prefix_tokens + tokens, 2)`: each patch's coordinates as above on its
+    own image's grid (`rows, cols` = its largest valid coordinate + 1), as timm's NaFlexVit
+    computes each image's at its own grid size; padding counts as the cell (0, 0).
     """
 
     KINDS = ("axial", "dinov3", "mixed")
 
     def __init__(self, kind="axial", grid_size=None, num_prefix_tokens=0, grid_offset=0.0,
-                 xy=False, ref_grid=None, **kwargs):
+                 xy=False, ref_grid=None, naflex=False, **kwargs):
         super().__init__(**kwargs)
         if kind not in self.KINDS:
             raise ValueError(f"Unknown rotary embedding {kind!r}; expected one of {self.KINDS}.")
@@ -253,8 +259,11 @@ class RotaryPositions(keras.layers.Layer):
         self.grid_offset = float(grid_offset)
         self.xy = bool(xy)
         self.ref_grid = None if ref_grid is None else tuple(int(side) for side in ref_grid)
+        self.naflex = bool(naflex)
 
-    def call(self, patches):
+    def call(self, patches, valid=None):
+        if self.naflex:
+            return self._naflex(patches, valid)
         if len(patches.shape) == 4:
             shape = ops.shape(patches)
             rows, cols = shape[1], shape[2]
@@ -267,17 +276,34 @@ class RotaryPositions(keras.layers.Layer):
         prefix = ops.zeros((self.num_prefix_tokens, 2), dtype="float32")
         return ops.concatenate([prefix, ops.reshape(grid, (-1, 2))], axis=0)
 
-    def _axis(self, size, ref):
-        """The coordinates along an axis of `size` patches, float32 `(size,)`, in timm's order of
-        operations (so that they round as timm's)."""
-        index = ops.cast(ops.arange(size), "float32")
+    def _naflex(self, patch_coord, valid):
+        coord = ops.cast(patch_coord, "int32")
+        if valid is not None:
+            coord = ops.where(ops.expand_dims(ops.cast(valid, "bool"), -1), coord, 0)
+        sizes = ops.max(coord, axis=1, keepdims=True) + 1  # (batch, 1, 2): each image's grid
+        ref_rows, ref_cols = self.ref_grid or (None, None)
+        row = self._axis(sizes[..., 0], ref_rows, coord[..., 0])
+        col = self._axis(sizes[..., 1], ref_cols, coord[..., 1])
+        grid = ops.stack([col, row] if self.xy else [row, col], axis=-1)
+        prefix = ops.zeros((ops.shape(grid)[0], self.num_prefix_tokens, 2), dtype="float32")
+        return ops.concatenate([prefix, grid], axis=1)
+
+    def _axis(self, size, ref, index=None):
+        """The coordinates along an axis of `size` patches, float32 `(size,)` (or at `index`, of
+        a shape `size` broadcasts to), in timm's order of operations (so that they round as
+        timm's)."""
+        index = ops.cast(ops.arange(size) if index is None else index, "float32")
         size = ops.cast(size, "float32")
         if self.kind == "dinov3":
             return 2.0 * ((index + (0.5 + self.grid_offset)) / size) - 1.0
         index = index + self.grid_offset
         return index if ref is None else index / size * float(ref)
 
-    def compute_output_spec(self, patches):
+    def compute_output_spec(self, patches, valid=None):
+        if self.naflex:
+            tokens = patches.shape[1]
+            tokens = None if tokens is None else self.num_prefix_tokens + tokens
+            return keras.KerasTensor((patches.shape[0], tokens, 2), dtype="float32")
         if len(patches.shape) == 4:
             rows, cols = patches.shape[1], patches.shape[2]
         else:
@@ -289,7 +315,8 @@ class RotaryPositions(keras.layers.Layer):
         return {**super().get_config(), "kind": self.kind,
                 "grid_size": None if self.grid_size is None else list(self.grid_size),
                 "num_prefix_tokens": self.num_prefix_tokens, "grid_offset": self.grid_offset,
-                "xy": self.xy, "ref_grid": None if self.ref_grid is None else list(self.ref_grid)}
+                "xy": self.xy, "ref_grid": None if self.ref_grid is None else list(self.ref_grid),
+                "naflex": self.naflex}
 
 
 class TakesRotary:
@@ -326,14 +353,15 @@ def _bands(temperature, head_dim):
 
 
 def _rotation(positions, frequencies, rotate_half):
-    """`(tokens, 2)` coordinates and frequencies `(2, heads or 1, head_dim / 2)` → the rotation,
-    float32 `(2, heads or 1, tokens, head_dim)`: the cosine and the sine of the angles
-    `x * F[0] + y * F[1]`, each repeated over its pair of channels, `(2i, 2i + 1)` or with
-    `rotate_half` `(i, i + head_dim / 2)`."""
+    """`(tokens, 2)` coordinates (NaFlex: `(batch, tokens, 2)`) and frequencies `(2, heads or
+    1, head_dim / 2)` → the rotation, float32 `(2, heads or 1, tokens, head_dim)` (NaFlex: `(2,
+    batch, heads or 1, tokens, head_dim)`): the cosine and the sine of the angles `x * F[0] + y *
+    F[1]`, each repeated over its pair of channels, `(2i, 2i + 1)` or with `rotate_half` `(i, i +
+    head_dim / 2)`."""
     frequencies = ops.convert_to_tensor(frequencies, "float32")
-    positions = ops.cast(positions, "float32")
-    angles = (positions[None, :, 0:1] * frequencies[0][:, None, :]
-              + positions[None, :, 1:2] * frequencies[1][:, None, :])
+    positions = ops.expand_dims(ops.cast(positions, "float32"), -3)  # (..., 1, tokens, 2)
+    angles = (positions[..., 0:1] * frequencies[0][:, None, :]
+              + positions[..., 1:2] * frequencies[1][:, None, :])
     if rotate_half:
         angles = ops.concatenate([angles, angles], axis=-1)
     else:
@@ -345,8 +373,8 @@ def _rotation(positions, frequencies, rotate_half):
 class RotaryRotation(keras.layers.Layer):
     """The rotation of fixed rotary frequencies (`"axial"`, `"dinov3"`), once per forward for
     every attention layer: `(tokens, 2)` coordinates (`RotaryPositions`) → float32 `(2, 1,
-    tokens, head_dim)`, the cosine and the sine of each channel's angle (see `RotaryEmbedding`).
-    No weights."""
+    tokens, head_dim)`, the cosine and the sine of each channel's angle (see `RotaryEmbedding`);
+    NaFlex's `(batch, tokens, 2)` → `(2, batch, 1, tokens, head_dim)`. No weights."""
 
     def __init__(self, head_dim, kind="axial", temperature=10000.0, rotate_half=False, **kwargs):
         super().__init__(**kwargs)
@@ -364,7 +392,8 @@ class RotaryRotation(keras.layers.Layer):
         return _rotation(positions, self._frequencies, self.rotate_half)
 
     def compute_output_spec(self, positions):
-        return keras.KerasTensor((2, 1, positions.shape[0], self.head_dim), dtype="float32")
+        return keras.KerasTensor((2, *positions.shape[:-2], 1, positions.shape[-2], self.head_dim),
+                                 dtype="float32")
 
     def get_config(self):
         return {**super().get_config(), "head_dim": self.head_dim, "kind": self.kind,
@@ -388,7 +417,9 @@ class RotaryEmbedding(keras.layers.Layer):
     Each pair of channels, `(2i, 2i + 1)` or with `rotate_half` `(i, i + head_dim / 2)`, turns by
     its angle: `x * cos + rotated(x) * sin`, in float32 whatever the compute dtype. The layer takes
     the coordinates `(tokens, 2)`, or with fixed frequencies the rotation `(2, 1, tokens,
-    head_dim)` the model's `RotaryRotation` computed from them once for every layer.
+    head_dim)` the model's `RotaryRotation` computed from them once for every layer; a NaFlex
+    model's have a batch axis before the tokens (`(batch, tokens, 2)`, `(2, batch, 1, tokens,
+    head_dim)`), each image's own.
     """
 
     def __init__(self, num_heads, kind="axial", temperature=10000.0, rotate_half=False, **kwargs):
@@ -414,7 +445,8 @@ class RotaryEmbedding(keras.layers.Layer):
 
     def rotation(self, positions):
         """`(tokens, 2)` coordinates → the rotation, float32 `(2, heads or 1, tokens,
-        head_dim)` (cosine and sine)."""
+        head_dim)` (cosine and sine); NaFlex's `(batch, tokens, 2)` → `(2, batch, heads or 1,
+        tokens, head_dim)`."""
         frequencies = self.frequencies if self.kind == "mixed" else self._frequencies
         return _rotation(positions, frequencies, self.rotate_half)
 
@@ -426,15 +458,16 @@ class RotaryEmbedding(keras.layers.Layer):
 
     def turn(self, tensors, rotary, head_major=True):
         """`call` for several tensors of one layout (an attention's q and k), one rotation."""
-        rotation = self.rotation(rotary) if len(rotary.shape) == 2 else rotary
-        cos, sin = rotation[0], rotation[1]  # (heads or 1, tokens, head_dim)
+        # Coordinates are `(tokens, 2)` or NaFlex's `(batch, tokens, 2)`; a rotation has 4 or 5 axes.
+        rotation = self.rotation(rotary) if len(rotary.shape) <= 3 else rotary
+        cos, sin = rotation[0], rotation[1]  # ([batch,] heads or 1, tokens, head_dim)
         x = tensors[0]
         tokens = x.shape[2] if head_major else x.shape[1]
-        if tokens is not None and cos.shape[1] is not None and tokens > cos.shape[1]:
-            padding = ((0, 0), (0, tokens - cos.shape[1]), (0, 0))
+        if tokens is not None and cos.shape[-2] is not None and tokens > cos.shape[-2]:
+            padding = ((0, 0),) * (len(cos.shape) - 2) + ((0, tokens - cos.shape[-2]), (0, 0))
             cos, sin = ops.pad(cos, padding, constant_values=1.0), ops.pad(sin, padding)
-        if not head_major:  # (tokens, heads or 1, head_dim)
-            cos, sin = ops.transpose(cos, (1, 0, 2)), ops.transpose(sin, (1, 0, 2))
+        if not head_major:  # ([batch,] tokens, heads or 1, head_dim)
+            cos, sin = ops.swapaxes(cos, -3, -2), ops.swapaxes(sin, -3, -2)
         turned = []
         for x in tensors:
             x32 = ops.cast(x, "float32")

@@ -190,8 +190,9 @@ class ViT(keras.Model):
             x = registers(x)
         rotary_positions = rotation = rotary = None
         if attention_spec.rope is not None:  # the blocks' rotary input, computed once
-            rotary_positions = attention_spec.rope.positions(grid, tokens.count)
-            rotary = rotary_positions(patches)
+            rotary_positions = attention_spec.rope.positions(grid, tokens.count, naflex=naflex)
+            rotary = (rotary_positions(inputs["patch_coord"], inputs["patch_valid"]) if naflex
+                      else rotary_positions(patches))
             if not attention_spec.rope.learned:
                 rotation = attention_spec.rope.rotation(config.hidden_size // config.num_heads)
                 rotary = rotation(rotary)
@@ -467,14 +468,10 @@ def _check_switches(config, classifier, representation_size):
 
 
 def _check_naflex(config, dynamic_image_size):
-    """Refuses what NaFlex inputs cannot feed: a hybrid's ResNet (it needs whole images) and,
-    for now, rotary embeddings, whose coordinates come from a square grid."""
+    """Refuses what NaFlex inputs cannot feed: a hybrid's ResNet (it needs whole images)."""
     if config.is_hybrid:
         raise ValueError(f"{config.name}: a hybrid's ResNet reads whole images, so it takes no "
                          f"NaFlex patches; build it without naflex.")
-    if config.rope is not None:
-        raise ValueError(f"{config.name}: NaFlex inputs for rotary embeddings are not built yet; "
-                         f"build it without naflex (or with dynamic_image_size=True).")
     if dynamic_image_size:
         raise ValueError("naflex=True already takes any size and aspect ratio; pass it without "
                          "dynamic_image_size.")
