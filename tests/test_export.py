@@ -555,3 +555,20 @@ def test_exports_of_a_dinov2_checkpoint_equal_timm_with_its_data_config_on_raw_p
     path, _ = vit_export.export(model, "tflite", str(tmp_path / "litert"), name="dinov2")
     runner = vit_export.litert_interpreter(path).get_signature_runner("serving_default")
     assert relative(runner(images=pixels.astype("float32"))["logits"]) <= 1e-4
+
+
+def test_a_rotary_naflex_model_exports_and_verifies_in_every_format(tmp_path):
+    """DINOv3's centred rotary coordinates on each image's own grid, computed in the serving
+    graph: SavedModel (any length up to the budget), LiteRT (the budget) and ONNX, each checked
+    against Keras on square, wide and tall images."""
+    config = {**EXPORT_CONFIG, "rope": {"kind": "dinov3", "rotate_half": True},
+              "position_embedding": "none"}
+    model = randomize_weights(vit_keras.build_model(
+        config, image_size=IMAGE_SIZE, num_classes=NUM_CLASSES, naflex=True, classifier="gap"),
+        seed=2, scale=0.5)
+    for format in ("saved_model", "tflite", "onnx"):
+        _, verifications = vit_export.export(model, format, str(tmp_path / format), name="rope",
+                                             max_num_patches=24)
+        sizes = {verification.entry_point.split(" at ")[-1] for verification in verifications}
+        assert len(sizes) == 3, sizes  # square, wide, tall
+        assert all(verification.passed for verification in verifications), verifications
