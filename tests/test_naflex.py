@@ -306,3 +306,109 @@ def test_a_rotary_family_in_naflex_mode_gives_timms_naflex_outputs(tmp_path, arc
     found = np.asarray(model.predict(batch, verbose=0))
     assert np.std(expected) > 0.05
     assert float(np.max(np.abs(found - expected)) / np.max(np.abs(expected))) < 1e-4
+
+
+# big_vision's NaFlex .npz ------------------------------------------------------------------------
+
+def _big_vision_naflex_npz(model, path, heads):
+    """`model`'s (a transformers `Siglip2VisionModel`) weights in big_vision's NaFlex layout, as
+    SigLIP 2's image-text `.npz` holds its image tower: `params/img/`, the blocks scanned along a
+    leading axis with Flax Linen's names, the patch embedding a `Dense` over flattened (row,
+    column, channel) patches, the grid `(rows, cols, width)`; a text tower beside it."""
+    weights = {key: value.detach().numpy() for key, value in model.state_dict().items()}
+    layers = model.config.num_hidden_layers
+    width = model.config.hidden_size
+    head_dim = width // heads
+
+    def get(name):
+        return weights[name]
+
+    def stacked(name, transform):
+        return np.stack([transform(get(f"encoder.layers.{i}.{name}")) for i in range(layers)])
+
+    side = int(round(get("embeddings.position_embedding.weight").shape[0] ** 0.5))
+    arrays = {"embedding/kernel": get("embeddings.patch_embedding.weight").T,
+              "embedding/bias": get("embeddings.patch_embedding.bias"),
+              "pos_embedding": get("embeddings.position_embedding.weight").reshape(side, side, -1),
+              "Transformer/encoder_norm/scale": get("post_layernorm.weight"),
+              "Transformer/encoder_norm/bias": get("post_layernorm.bias")}
+    block = "Transformer/encoderblock/"
+    for ours, theirs in (("LayerNorm_0", "layer_norm1"), ("LayerNorm_1", "layer_norm2")):
+        arrays[f"{block}{ours}/scale"] = stacked(f"{theirs}.weight", lambda w: w)
+        arrays[f"{block}{ours}/bias"] = stacked(f"{theirs}.bias", lambda w: w)
+    for ours, theirs in (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj")):
+        arrays[f"{block}MultiHeadDotProductAttention_0/{ours}/kernel"] = stacked(
+            f"self_attn.{theirs}.weight", lambda w: w.T.reshape(width, heads, head_dim))
+        arrays[f"{block}MultiHeadDotProductAttention_0/{ours}/bias"] = stacked(
+            f"self_attn.{theirs}.bias", lambda b: b.reshape(heads, head_dim))
+    arrays[f"{block}MultiHeadDotProductAttention_0/out/kernel"] = stacked(
+        "self_attn.out_proj.weight", lambda w: w.T.reshape(heads, head_dim, width))
+    arrays[f"{block}MultiHeadDotProductAttention_0/out/bias"] = stacked(
+        "self_attn.out_proj.bias", lambda b: b)
+    for index in (0, 1):
+        for kind, transform in (("weight", lambda w: w.T), ("bias", lambda b: b)):
+            arrays[f"{block}MlpBlock_0/Dense_{index}/{'kernel' if kind == 'weight' else 'bias'}"] = (
+                stacked(f"mlp.fc{index + 1}.{kind}", transform))
+    head = "MAPHead_0/"
+    arrays[head + "probe"] = get("head.probe")
+    in_weight, in_bias = get("head.attention.in_proj_weight"), get("head.attention.in_proj_bias")
+    for index, name in enumerate(("query", "key", "value")):
+        part = slice(index * width, (index + 1) * width)
+        arrays[f"{head}MultiHeadDotProductAttention_0/{name}/kernel"] = (
+            in_weight[part].T.reshape(width, heads, head_dim))
+        arrays[f"{head}MultiHeadDotProductAttention_0/{name}/bias"] = (
+            in_bias[part].reshape(heads, head_dim))
+    arrays[f"{head}MultiHeadDotProductAttention_0/out/kernel"] = (
+        get("head.attention.out_proj.weight").T.reshape(heads, head_dim, width))
+    arrays[f"{head}MultiHeadDotProductAttention_0/out/bias"] = get("head.attention.out_proj.bias")
+    arrays[head + "LayerNorm_0/scale"] = get("head.layernorm.weight")
+    arrays[head + "LayerNorm_0/bias"] = get("head.layernorm.bias")
+    for index in (0, 1):
+        arrays[f"{head}MlpBlock_0/Dense_{index}/kernel"] = get(f"head.mlp.fc{index + 1}.weight").T
+        arrays[f"{head}MlpBlock_0/Dense_{index}/bias"] = get(f"head.mlp.fc{index + 1}.bias")
+    arrays = {f"params/img/{key}": value for key, value in arrays.items()}
+    arrays.update({"params/txt/Embed_0/embedding": np.zeros((8, 4), "float32"),
+                   "params/t": np.zeros((1,), "float32"), "params/b": np.zeros((1,), "float32")})
+    np.savez(path, **arrays)
+    return path
+
+
+def test_a_big_vision_naflex_npz_gives_the_towers_pooled_features(tmp_path):
+    """SigLIP 2's image tower as big_vision's `.npz` holds it reads as a NaFlex model (bilinear
+    grid, tanh GELU, the MAP head over the valid patches) and gives what transformers' copy of
+    the same weights gives, on a batch mixing aspect ratios."""
+    torch, reference, _ = _siglip2_folder(tmp_path)
+    path = _big_vision_naflex_npz(reference, str(tmp_path / "siglip2_naflex.npz"), heads=2)
+    batch, _ = _batch()
+    with torch.no_grad():
+        expected = reference(
+            pixel_values=torch.from_numpy(batch["patches"] / 127.5 - 1.0),
+            pixel_attention_mask=torch.from_numpy(batch["patch_valid"].astype("int64")),
+            spatial_shapes=torch.tensor(GRIDS)).pooler_output.numpy()
+    model = vit_keras.build_model_from_checkpoint(path, include_top=False)
+    assert model.naflex and model.image_size == (16, 16)
+    assert (model.vit_config.posemb_interpolation, model.vit_config.gelu) == ("bilinear", "tanh")
+    found = np.asarray(model.predict(batch, verbose=0))
+    assert np.std(expected) > 0.05
+    assert float(np.max(np.abs(found - expected)) / np.max(np.abs(expected))) < 1e-4
+
+
+@pytest.mark.backend_independent("jax")
+def test_the_bilinear_grid_is_resized_as_big_visions_scale_and_translate():
+    """big_vision resizes the grid of each image with `jax.image.scale_and_translate(bilinear,
+    antialias=True)` and gathers it by coordinate: the same numbers, shrinking and growing."""
+    jax = pytest.importorskip("jax")
+    from vit_keras.model.position_embeddings import NaFlexPositionEmbs  # pylint: disable=import-outside-toplevel
+
+    layer = NaFlexPositionEmbs((6, 5), num_prefix_tokens=0, interpolation="bilinear")
+    layer.build((None, None, 8))
+    grid = np.random.default_rng(4).normal(size=(6, 5, 8)).astype("float32")
+    layer.pos_embedding.assign(grid.reshape(1, 30, 8))
+    for rows, cols in ((2, 3), (6, 5), (11, 4), (3, 13)):
+        coord = np.array([[(row, col) for row in range(rows) for col in range(cols)]], "int32")
+        resized = jax.image.scale_and_translate(
+            grid, (rows, cols, 8), (0, 1), np.array([rows / 6, cols / 5], "float32"),
+            np.zeros(2, "float32"), method="bilinear", antialias=True)
+        found = _numpy(layer.at(coord))[0]
+        np.testing.assert_allclose(found, np.asarray(resized).reshape(rows * cols, 8), rtol=1e-5,
+                                   atol=1e-5)

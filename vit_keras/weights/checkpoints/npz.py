@@ -1,4 +1,10 @@
-"""vit_jax and big_vision `.npz` checkpoints: read into the canonical layout, write the official one."""
+"""vit_jax and big_vision `.npz` checkpoints: read into the canonical layout, write the official one.
+
+big_vision's NaFlex ViT (`models/proj/image_text/naflex_vit.py`, SigLIP 2's NaFlex towers) stores
+its patch embedding as a `Dense` over flattened (row, column, channel) RGB patches, `(patch *
+patch * 3, width)`, and its position grid as `(rows, cols, width)`; it resizes the grid per image
+bilinearly with antialiasing (`jax.image.scale_and_translate`) and its MLPs compute Flax's
+(tanh) GELU. Such a file reads as a NaFlex model with those settings (`_naflex`)."""
 
 import numpy as np
 
@@ -23,6 +29,9 @@ def read(path):
     params, fmt = names.from_npz(arrays)
     # vit_jax resamples position embeddings with scipy.ndimage.zoom(order=1).
     info = {"format": fmt, "interpolation": "vit_jax", "antialias": False}
+    if np.ndim(params[names.EMBEDDING_KERNEL]) == 2:
+        params, grid = _naflex(params, path)
+        info.update(naflex=True, posemb_interpolation="bilinear", gelu="tanh", grid=grid)
     if stored["mean"] is not None and stored["std"] is not None:
         try:
             stored = pixel_normalization.get_normalization((stored["mean"], stored["std"]))
@@ -35,6 +44,25 @@ def read(path):
         info.update(normalization=pixel_normalization.PAPER,
                     normalization_source="the .npz format (the original weights' convention)")
     return params, info
+
+
+def _naflex(params, path):
+    """`(params, grid)`: big_vision's NaFlex patch embedding as a conv kernel `(patch, patch, 3,
+    width)` and its `(rows, cols, width)` grid as `(1, rows * cols, width)` (see the module)."""
+    params = dict(params)
+    kernel = np.asarray(params[names.EMBEDDING_KERNEL])
+    patch = int(round((kernel.shape[0] / 3) ** 0.5))
+    if patch * patch * 3 != kernel.shape[0]:
+        raise errors.CheckpointError(
+            f"{path!r}: its patch embedding is a Dense of {kernel.shape[0]} inputs, not the "
+            f"patch x patch x 3 values of an RGB patch of big_vision's NaFlex ViT.")
+    params[names.EMBEDDING_KERNEL] = kernel.reshape(patch, patch, 3, kernel.shape[1])
+    grid = None
+    position = params.get(names.POSEMB)
+    if position is not None and np.ndim(position) == 3 and position.shape[0] != 1:
+        grid = tuple(int(side) for side in position.shape[:2])
+        params[names.POSEMB] = np.asarray(position).reshape(1, grid[0] * grid[1], -1)
+    return params, grid
 
 
 def write(path, params, input_normalization=None):
