@@ -98,7 +98,8 @@ def test_the_readers_answer_from_the_records():
         assert said.get("rope") == (record.rope if theta is None else dataclasses.replace(
             record.rope, temperature=theta))
     assert releases.FAMILY_NUMERICS == {
-        name: families.by_release(name).numerics for name in releases.FAMILY_RELEASE_NAMES}
+        name: families.by_release(name).numerics
+        for name in releases.FAMILY_RELEASE_NAMES + releases.BIG_VISION_RELEASE_NAMES}
     for release in releases.RELEASES:
         record = families.by_release(release.name)
         assert release.normalization.name == record.normalization, release.spec

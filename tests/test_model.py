@@ -37,6 +37,7 @@ FAMILY_PARAMETER_COUNTS = {
     "EVA02-L/14": (304_293_800, "gap"),  # eva02_large_patch14_224
     "AIMv2-L/14": (310_222_824, "gap"),  # aimv2_large_patch14_224
     "DINOv2-g/14": (1_136_306_664, "token"),  # vit_giant_patch14_dinov2, img_size=224
+    "ViT-So400m/16": (428_971_944, "map"),  # vit_so400m_patch16_siglip_256, img_size=224
 }
 
 

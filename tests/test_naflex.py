@@ -412,3 +412,47 @@ def test_the_bilinear_grid_is_resized_as_big_visions_scale_and_translate():
         found = _numpy(layer.at(coord))[0]
         np.testing.assert_allclose(found, np.asarray(resized).reshape(rows * cols, 8), rtol=1e-5,
                                    atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.backend_independent("torch")  # fetching and checking: no backend; parity: above
+def test_siglip2_naflex_loads_by_name_from_a_mirror_of_big_visions_bucket(tmp_path, monkeypatch):
+    """`weights="siglip2_naflex"`: the B/16 tower's `.npz` at its path below the bucket, fetched
+    with the MD5 the bucket publishes, checked as the release's (its grid, MAP head, tanh GELU)
+    and built as a NaFlex model that gives transformers' pooled features."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from test_family_hf import _randomize  # pylint: disable=import-outside-toplevel
+
+    from vit_keras.weights import download, releases  # pylint: disable=import-outside-toplevel
+
+    from weights_mirror import MirrorServer  # pylint: disable=import-outside-toplevel
+
+    release = releases.find_release("ViT-B/16", "siglip2_naflex")
+    reference = _randomize(transformers.Siglip2VisionModel(transformers.Siglip2VisionConfig(
+        num_patches=256)))
+    path = tmp_path / "bucket" / release.path
+    path.parent.mkdir(parents=True)
+    _big_vision_naflex_npz(reference, str(path), heads=12)
+    server = MirrorServer(tmp_path / "bucket")
+    try:
+        server.publish_hashes("gcs")
+        monkeypatch.setenv(download.HOME_VARIABLE, str(tmp_path / "cache"))
+        monkeypatch.setenv(download.MIRROR_VARIABLE, server.url)
+        model = vit_keras.build_model("ViT-B/16", weights="siglip2_naflex", include_top=False)
+    finally:
+        server.stop()
+    assert model.naflex and model.output_shape == (None, 768)
+    assert (model.vit_config.posemb_interpolation, model.vit_config.gelu) == ("bilinear", "tanh")
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, (48, 200, 3)).astype("uint8"),
+              rng.integers(0, 256, (300, 90, 3)).astype("uint8")]
+    inputs = vit_keras.naflex_patches(images, patch_size=16, max_num_patches=64)
+    grids = inputs["patch_coord"].max(axis=1) + 1
+    with torch.no_grad():
+        expected = reference(
+            pixel_values=torch.from_numpy(inputs["patches"] / 127.5 - 1.0).float(),
+            pixel_attention_mask=torch.from_numpy(inputs["patch_valid"].astype("int64")),
+            spatial_shapes=torch.from_numpy(grids)).pooler_output.numpy()
+    found = np.asarray(model.predict(inputs, verbose=0))
+    assert float(np.max(np.abs(found - expected)) / np.max(np.abs(expected))) < 1e-4

@@ -217,7 +217,7 @@ def test_timm_eval_crop_rules_agree_with_every_timm_pretrained_config_they_claim
 
     wrong, by_architecture, claimed = [], {}, set()
     for name in timm.list_pretrained():
-        if not re.match(r"^(vit_|deit|eva02_|aimv2_)", name):
+        if not re.match(r"^(vit_|deit|eva02_|aimv2_|naflexvit_)", name):
             continue
         config = timm.models.get_pretrained_cfg(name)
         # timm's "squash" and other modes are not a centre crop: no eval_crop reproduces them.

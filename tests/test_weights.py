@@ -58,6 +58,10 @@ def test_every_release_names_a_variant_a_well_formed_url_and_a_consistent_head()
             assert (url.scheme, url.netloc) == ("https", "storage.googleapis.com"), release
             assert url.path.startswith("/vit_models/") and url.path.endswith(".npz"), release
             assert release.files == (release.path,), release
+        elif release.name in releases.BIG_VISION_RELEASE_NAMES:  # big_vision's bucket
+            assert (url.scheme, url.netloc) == ("https", "storage.googleapis.com"), release
+            assert url.path.startswith("/big_vision/") and url.path.endswith(".npz"), release
+            assert release.files == (release.path,), release
         else:  # the family's: a hub repository's weights, with its config.json beside them
             assert (url.scheme, url.netloc) == ("https", "huggingface.co"), release
             assert release.path == f"{release.hf_hub_id}/resolve/main/model.safetensors", release
@@ -126,14 +130,15 @@ def test_the_family_releases_sizes_and_heads_match_timms_default_cfgs():
                       if hub_id.startswith("timm/")]
         cfg = get_pretrained_cfg(timm_id[len("timm/"):])
         assert cfg is not None and cfg.hf_hub_id in ("timm/", timm_id), release
-        assert cfg.input_size[1:] == (release.image_size, release.image_size), release
+        if release.name not in releases.BIG_VISION_RELEASE_NAMES:  # NaFlex: any size, 16x16 grid
+            assert cfg.input_size[1:] == (release.image_size, release.image_size), release
         if "clip" in timm_id:  # timm's CLIP files keep the projection into the joint space as a head
             assert cfg.num_classes in (512, 768) and release.num_classes is None, release
         else:
             assert (cfg.num_classes or None) == release.num_classes, release
         config = vit_keras.VARIANTS[release.variant]
         assert f"patch{config.patch_size}" in timm_id, release
-        sizes = {384: "small", 768: "base", 1024: "large", 1536: "giant"}
+        sizes = {384: "small", 768: "base", 1024: "large", 1536: "giant", 1152: "so400m"}
         assert sizes[config.hidden_size] in timm_id + " ".join(release.other_hub_ids), release
 
 
@@ -148,10 +153,12 @@ def test_each_family_release_states_the_epsilon_and_gelu_its_repository_computes
     configs = {"dinov2": transformers.Dinov2Config(),
                "dinov2_reg4": transformers.Dinov2WithRegistersConfig(),
                "siglip_webli": transformers.SiglipVisionConfig(),
-               "clip_openai": transformers.CLIPVisionConfig()}
-    assert set(releases.FAMILY_NUMERICS) == set(releases.FAMILY_RELEASE_NAMES)
+               "clip_openai": transformers.CLIPVisionConfig(),
+               "siglip2_naflex": transformers.Siglip2VisionConfig()}
+    family_releases = releases.FAMILY_RELEASE_NAMES + releases.BIG_VISION_RELEASE_NAMES
+    assert set(releases.FAMILY_NUMERICS) == set(family_releases)
     for release in releases.RELEASES:
-        if release.name not in releases.FAMILY_RELEASE_NAMES:
+        if release.name not in family_releases:
             continue
         assert releases.FAMILY_NUMERICS[release.name] == families.by_release(release.name).numerics
         if release.hf_hub_id.startswith("timm/"):
@@ -545,6 +552,19 @@ def _family_list():
     return "\n".join(lines)
 
 
+def _big_vision_list():
+    """The weights page's table of big_vision's NaFlex files."""
+    lines = ["| variant | release | grid | pooling | file (below `big_vision/`) | also on the hub |",
+             "|---|---|---|---|---|---|"]
+    for r in releases.RELEASES:
+        if r.name in releases.BIG_VISION_RELEASE_NAMES:
+            side = r.image_size // vit_keras.VARIANTS[r.variant].patch_size
+            lines.append(f"| {r.variant} | `{r.name}` | {side}x{side} | {r.classifier} | "
+                         f"`{r.path[len('big_vision/'):]}` | "
+                         + ", ".join(f"`{i}`" for i in (r.hf_hub_id, *r.other_hub_ids)) + " |")
+    return "\n".join(lines)
+
+
 def _weights_list():
     """The weights page's table: every file of the paper's releases with its classes, URL path
     and hub id."""
@@ -565,8 +585,9 @@ def _weights_list():
     ("README.md", lambda: _weights_matrix(_CLASSIC_FAMILY)),
     ("docs/weights.md", lambda: _weights_matrix(_CLASSIC_FAMILY)),
     ("docs/weights.md", lambda: _weights_matrix(releases.ROTARY_RELEASE_NAMES)),
-    ("docs/weights.md", _family_list)],
-    ids=["readme", "weights", "readme_family", "family_matrix", "rotary_matrix", "family_list"])
+    ("docs/weights.md", _family_list), ("docs/weights.md", _big_vision_list)],
+    ids=["readme", "weights", "readme_family", "family_matrix", "rotary_matrix", "family_list",
+         "big_vision_list"])
 def test_the_documented_weights_tables_are_the_release_table(document, table):
     from conftest import REPO_ROOT
 

@@ -174,12 +174,15 @@ _FAMILY = (
               layer_norm_epsilon=1e-5),
     # DINOv2's giant (Oquab et al.), not the ViT-g/14 of Zhai et al. ("Scaling Vision Transformers").
     ViTConfig("DINOv2-g/14", 14, 1536, 4096, 24, 40, mlp="swiglu", layer_scale_init=1e-5),
+    # The shape-optimised ViT of Alabdulmohsin et al. ("Getting ViT in Shape"), SigLIP's and
+    # SigLIP 2's largest tower.
+    ViTConfig("ViT-So400m/16", 16, 1152, 4304, 16, 27),
 )
 
 VARIANTS = types.MappingProxyType(
     {config.name: config for config in _VITS + _HYBRIDS + _FAMILY})
-"""Every variant of the paper (ViTs and hybrids) and the sizes of the rotary and gated families
-that the paper lacks (EVA-02 B and L, AIMv2 L, DINOv2 giant), by name, read-only."""
+"""Every variant of the paper (ViTs and hybrids) and the sizes of the families that the paper
+lacks (EVA-02 B and L, AIMv2 L, DINOv2 giant, SigLIP's So400m), by name, read-only."""
 
 
 # The size in a variant's name by its width (Ti 192, S 384, B 768, ..., DINOv2's giant g 1536).

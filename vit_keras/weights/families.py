@@ -181,7 +181,8 @@ FAMILIES = (
     Family(
         # SigLIP 2's NaFlex towers (google/siglip2-*-naflex): a model read from one takes NaFlex
         # inputs, its grid resized bilinearly with antialiasing as transformers and big_vision do.
-        "SigLIP2", timm_pattern=r"^naflexvit_\w+_siglip", model_types=("siglip2_vision_model",),
+        "SigLIP2", release_names=("siglip2_naflex",), timm_pattern=r"^naflexvit_\w+_siglip",
+        model_types=("siglip2_vision_model",),
         gelu="tanh", normalization="inception",
         timm={"naflex": True, "posemb_interpolation": "bilinear", "gelu": "tanh"},  # gelu_tanh
         transformers={"naflex": True, "posemb_interpolation": "bilinear"},

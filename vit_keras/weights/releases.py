@@ -207,6 +207,15 @@ _FAMILY = (  # (variant, release, files' repository, other repository, image siz
      "apple/aimv2-large-patch14-224", 224, None, "gap"),
     ("DINOv2-g/14", "dinov2", "timm/vit_giant_patch14_dinov2.lvd142m", None, 518, None, "token"),
 )
+# big_vision's own files, in its bucket: SigLIP 2's NaFlex towers (the image tower of each
+# image-text `.npz`, read as a NaFlex model), whose weights transformers' and timm's repositories
+# hold too. Their grid is 16 x 16 patches (the sequence length 256 they were evaluated at).
+_BIG_VISION = (  # (variant, release, path below the bucket, image size, hub ids of the weights)
+    ("ViT-B/16", "siglip2_naflex", "big_vision/siglip2/siglip2_b16_naflex.npz", 256,
+     ("google/siglip2-base-patch16-naflex", "timm/naflexvit_base_patch16_siglip.v2_webli")),
+    ("ViT-So400m/16", "siglip2_naflex", "big_vision/siglip2/siglip2_so400m16_naflex.npz", 256,
+     ("google/siglip2-so400m-patch16-naflex", "timm/naflexvit_so400m_patch16_siglip.v2_webli")),
+)
 _HUB_WEIGHTS = "model.safetensors"
 def _hub_file(repo, name):
     return f"{repo}/resolve/main/{name}"
@@ -242,6 +251,9 @@ def _table():
                             hf_hub_id=repo,
                             base_url=HUB_BASE_URL, config_path=_hub_file(repo, "config.json"),
                             other_hub_ids=(other,) if other else ()))
+    for variant, name, path, size, hub_ids in _BIG_VISION:
+        rows.append(Release(variant, name, path, size, None, classifier="map", class_names=None,
+                            hf_hub_id=hub_ids[0], other_hub_ids=hub_ids[1:]))
     order = {name: i for i, name in enumerate(configs.VARIANTS)}
     return tuple(sorted(rows, key=lambda r: (order[r.variant], RELEASE_NAMES.index(r.name),
                                              r.image_size)))
@@ -258,10 +270,13 @@ PE core, EVA-02 (masked image modelling on ImageNet-21k), AIMv2 (Apple's pre-tra
 ROTARY_RELEASE_NAMES = ("dinov3", "pe_core", "eva02_mim_in22k", "aimv2")
 """The family's releases with rotary embeddings or a gated MLP throughout (DINOv2 giant's SwiGLU
 is a `dinov2` release)."""
-RELEASE_NAMES = PAPER_RELEASE_NAMES + FAMILY_RELEASE_NAMES
+BIG_VISION_RELEASE_NAMES = tuple(dict.fromkeys(row[1] for row in _BIG_VISION))
+"""The family's releases in big_vision's bucket: SigLIP 2's NaFlex towers (B/16, So400m/16)."""
+RELEASE_NAMES = PAPER_RELEASE_NAMES + FAMILY_RELEASE_NAMES + BIG_VISION_RELEASE_NAMES
 """Every release name a `weights=` value can take."""
 
-FAMILY_NUMERICS = {name: families.by_release(name).numerics for name in FAMILY_RELEASE_NAMES}
+FAMILY_NUMERICS = {name: families.by_release(name).numerics
+                   for name in FAMILY_RELEASE_NAMES + BIG_VISION_RELEASE_NAMES}
 """What each family release computes with that its weights do not store, as `ViTConfig` fields:
 the LayerNorm epsilon, the GELU (`"exact"`, `"tanh"` or `"quick"`) and the kind of rotary
 embeddings (`rope`): its family record's `numerics` (`vit_keras.weights.families`), which its
