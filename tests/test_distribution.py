@@ -166,17 +166,26 @@ def test_several_processes_are_refused_off_jax_with_the_reason(monkeypatch):
         distribution.get("none", processes=distribution.Processes(2, 0))
 
 
-def test_padded_evaluation_gives_the_means_over_the_real_examples(tiny_config):
-    """Loss and accuracy of 10 examples in batches of 4, padded to 12 with zero-weight images as
-    several processes evaluate them, equal those of the plain batches (4, 4, 2)."""
+@pytest.mark.parametrize("naflex", [False, True], ids=["images", "naflex"])
+def test_padded_evaluation_gives_the_means_over_the_real_examples(tiny_config, naflex):
+    """Loss and accuracy of 10 examples in batches of 4, padded to 12 with zero-weight examples
+    as several processes (or devices) evaluate them, equal those of the plain batches (4, 4, 2);
+    a NaFlex model's dicts of patches too."""
     import tensorflow as tf
 
+    import vit_keras
     from vit_keras.tools.runs import recipes
 
     from conftest import tiny_data, tiny_model
 
-    model = recipes.compile_model(tiny_model(tiny_config), "sgd")
+    if naflex:
+        model = vit_keras.build_model(tiny_config, image_size=8, num_classes=3, naflex=True)
+        model = recipes.compile_model(model, "sgd")
+    else:
+        model = recipes.compile_model(tiny_model(tiny_config), "sgd")
     images, labels = tiny_data(n=10)
+    if naflex:
+        images = vit_keras.naflex_patches(list(images), patch_size=4, max_num_patches=4)
     plain = tf.data.Dataset.from_tensor_slices((images, labels)).batch(4)
     padded = distribution.pad_to_whole_batches(plain, num_examples=10, batch_size=4)
     weights = np.concatenate([w for _, _, w in padded.as_numpy_iterator()])

@@ -68,6 +68,10 @@ def test_training_batches_hold_the_token_budget_and_each_bucket_once_per_cycle()
     batching = naflex.NaFlexBatching(patch_size=4, max_num_patches=16, tokens_per_batch=512)
     assert batching.seq_lens == (2, 4, 9, 12, 16)
     assert batching.batch_sizes == (256, 128, 56, 42, 32)
+    # Over 8 devices every batch divides by 8, the budget's rounded down (and 1 image up to 8).
+    divided = naflex.NaFlexBatching(16, tokens_per_batch=512, batch_divisor=8)
+    assert divided.batch_sizes == (256, 128, 56, 40, 32)
+    assert naflex.NaFlexBatching(16, tokens_per_batch=8, batch_divisor=8).batch_sizes == (8,) * 5
     assert naflex.default_seq_lens(1024) == (128, 256, 576, 784, 1024)  # timm's buckets
     batches = list(naflex.make_naflex_pipeline(splits, "train", batching, training=True)
                    .take(3 * len(batching.seq_lens)))

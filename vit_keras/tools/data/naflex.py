@@ -48,13 +48,17 @@ class NaFlexBatching:
       seq_lens: the training buckets' sequence lengths (default `default_seq_lens`), each at
         most `max_num_patches`.
       tokens_per_batch: the training token budget per batch (patches, padding included); a
-        bucket of length `L` has `tokens_per_batch // L` images (at least one).
+        bucket of length `L` has `tokens_per_batch // L` images, rounded down to a multiple of
+        `batch_divisor` (at least `batch_divisor`).
+      batch_divisor: what every training batch divides by: the devices a batch is split over
+        (`--distribution`), as timm's NaFlex loader's `batch_divisor`.
     """
 
     max_num_patches: int
     patch_size: int = None
     seq_lens: tuple = None
     tokens_per_batch: int = None
+    batch_divisor: int = 1
 
     def __post_init__(self):
         positive_int(self.max_num_patches, "max_num_patches")
@@ -68,13 +72,16 @@ class NaFlexBatching:
         object.__setattr__(self, "seq_lens", seq_lens)
         if self.tokens_per_batch is not None:
             positive_int(self.tokens_per_batch, "tokens_per_batch")
+        positive_int(self.batch_divisor, "batch_divisor")
 
     @property
     def batch_sizes(self):
         """Images per training batch of each bucket, in the order of `seq_lens`."""
         if self.tokens_per_batch is None:
             raise ValueError("A NaFlex training pipeline needs tokens_per_batch.")
-        return tuple(max(1, self.tokens_per_batch // length) for length in self.seq_lens)
+        divisor = self.batch_divisor
+        return tuple(max(divisor, self.tokens_per_batch // length // divisor * divisor)
+                     for length in self.seq_lens)
 
     def steps_per_epoch(self, num_examples):
         """Training batches that hold about `num_examples` images: whole cycles' average."""

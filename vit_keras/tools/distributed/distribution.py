@@ -428,27 +428,28 @@ def pad_to_whole_batches(dataset, num_examples, batch_size):
     Keras splits each global batch into equal per-process slices (`rebatch` then `shard`), so a
     last, partial batch would reach some processes and not others, which would then wait for
     each other forever. The `num_examples` real examples get the sample weight
-    `padded / num_examples` and the zero-image padding weight 0: accuracy (a weighted mean) and
+    `padded / num_examples` and the padding weight 0: accuracy (a weighted mean) and
     the loss (Keras sums `weight * loss` over all `padded` examples and divides by `padded`)
     come out as the means over the real examples.
 
     Args:
-      dataset: batched `(images (B, H, W, C), one-hot labels (B, classes))`, in order.
+      dataset: batched `(inputs, one-hot labels (B, classes))`, in order: images `(B, H, W,
+        C)`, or a NaFlex model's dict of patches.
       num_examples: the examples `dataset` holds.
       batch_size: the global evaluation batch.
 
     Returns:
-      `(images, labels, weights (B,))` batches of exactly `batch_size`.
+      `(inputs, labels, weights (B,))` batches of exactly `batch_size`; the padding repeats the
+      first example (a real one, whose outputs are finite: an all-padding NaFlex sequence would
+      pool nothing) at weight 0.
     """
     import tensorflow as tf
 
     padded = -(-num_examples // batch_size) * batch_size
     weight = padded / max(1, num_examples)
-    images, labels = dataset.element_spec
     real = dataset.unbatch().map(lambda x, y: (x, y, tf.constant(weight, tf.float32)))
-    padding = tf.data.Dataset.from_tensors(
-        (tf.zeros(images.shape[1:], images.dtype), tf.zeros(labels.shape[1:], labels.dtype),
-         tf.constant(0.0, tf.float32))).repeat(padded - num_examples)
+    padding = dataset.unbatch().take(1).map(
+        lambda x, y: (x, y, tf.constant(0.0, tf.float32))).repeat(padded - num_examples)
     batches = real.concatenate(padding).batch(batch_size, drop_remainder=True)
     # unbatch() loses the count; Keras needs it to know where an evaluation ends.
     return batches.apply(tf.data.experimental.assert_cardinality(padded // batch_size)).prefetch(

@@ -368,7 +368,8 @@ class NaFlexOptionError(errors.UserError, ValueError):
 
 def _check_naflex(config, objective):
     """Refuses, in one line, what a NaFlex run does not do (yet): another objective than
-    classification, the per-batch augmentations of square images, more than one device."""
+    classification, the per-batch augmentations of square images, several processes (each
+    would need its slice of every bucket's batch)."""
     if not config.model.max_num_patches:
         for flag in ("tokens_per_batch", "naflex_seq_lens"):
             if getattr(config.optimization, flag):
@@ -385,12 +386,11 @@ def _check_naflex(config, objective):
          type(objective) is not objectives_lib.Classification),
         ("--randaugment", config.augmentation.randaugment),
         ("--mixup", config.augmentation.mixup), ("--cutmix", config.augmentation.cutmix),
-        ("--distribution", config.compute.distribution != "none"),
         ("--num_processes", (config.processes.num_processes or 1) > 1)) if given]
     if refused:
         raise NaFlexOptionError(
-            f"--max_num_patches (NaFlex) trains one process on one device, classifying, with "
-            f"the crop and flip as augmentation; it cannot take {', '.join(refused)}.")
+            f"--max_num_patches (NaFlex) trains in one process (on its devices), classifying, "
+            f"with the crop and flip as augmentation; it cannot take {', '.join(refused)}.")
 
 
 @dataclasses.dataclass
@@ -443,11 +443,12 @@ class _RunState:
         from vit_keras.tools.data import naflex
 
         if self.naflex is not None:
-            return naflex.make_naflex_pipeline(self.splits, split, self.naflex,
-                                               batch_size=self.eval_batch)
-        dataset = data.make_pipeline(self.splits, split, image_size=self.recipe.image_size,
-                                     batch_size=self.eval_batch,
-                                     eval_crop=getattr(self.vit, "eval_crop", None))
+            dataset = self.naflex_inputs(naflex.make_naflex_pipeline(
+                self.splits, split, self.naflex, batch_size=self.eval_batch))
+        else:
+            dataset = data.make_pipeline(self.splits, split, image_size=self.recipe.image_size,
+                                         batch_size=self.eval_batch,
+                                         eval_crop=getattr(self.vit, "eval_crop", None))
         # Keras' JAX distributions split every batch evenly over the devices (and the processes),
         # so a last, partial batch is padded to a whole one of zero-weight examples.
         if whole_batches and (self.processes.multi or (
@@ -455,6 +456,17 @@ class _RunState:
             dataset = distribution_lib.pad_to_whole_batches(
                 dataset, self.splits.num_examples[split], self.eval_batch)
         return dataset
+
+    def naflex_inputs(self, dataset):
+        """A NaFlex pipeline as this run feeds it: on TensorFlow over several replicas,
+        `patch_valid` as int32, which the model casts back (MirroredStrategy cannot split a bool
+        input: its AddN has no bool kernel)."""
+        if self.replicas == 1 or keras.backend.backend() != "tensorflow":
+            return dataset
+        import tensorflow as tf
+
+        return dataset.map(lambda features, *rest: (
+            {**features, "patch_valid": tf.cast(features["patch_valid"], tf.int32)}, *rest))
 
     def validation(self):
         """The objective's validation split as `fit` validates on it."""
@@ -535,7 +547,8 @@ def _schedule(state):
         longest = state.config.model.max_num_patches
         state.naflex = naflex.NaFlexBatching(  # the lengths checked by _check_naflex
             longest, seq_lens=_lengths(settings.naflex_seq_lens),
-            tokens_per_batch=settings.tokens_per_batch or recipe.batch_size * longest)
+            tokens_per_batch=settings.tokens_per_batch or recipe.batch_size * longest,
+            batch_divisor=state.replicas)
         state.steps_per_epoch = settings.steps_per_epoch or state.naflex.steps_per_epoch(examples)
     else:
         state.steps_per_epoch = settings.steps_per_epoch or max(1, examples // recipe.batch_size)
@@ -643,9 +656,9 @@ def _train(state):
     if batching is not None:
         from vit_keras.tools.data import naflex
 
-        train_ds = naflex.make_naflex_pipeline(
+        train_ds = state.naflex_inputs(naflex.make_naflex_pipeline(
             state.training, "train", batching, training=True, augmentation=state.augmentation,
-            seed=state.config.seed, start_batch=start_batch)
+            seed=state.config.seed, start_batch=start_batch))
     else:
         train_ds = data.make_pipeline(state.training, "train", image_size=recipe.image_size,
                                       batch_size=recipe.batch_size, training=True,
