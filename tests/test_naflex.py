@@ -163,14 +163,22 @@ def _siglip2_folder(tmp_path):
     return torch, model, folder
 
 
+def _siglip2_pooled(torch, reference, inputs):
+    """transformers' `pooler_output` for NaFlex inputs of raw pixels: SigLIP's `(x - 127.5) /
+    127.5`, each image's grid its largest valid coordinate + 1."""
+    valid = inputs["patch_valid"]
+    grids = np.where(valid[..., None], inputs["patch_coord"], 0).max(axis=1) + 1
+    with torch.no_grad():
+        return reference(
+            pixel_values=torch.from_numpy(inputs["patches"] / 127.5 - 1.0).float(),
+            pixel_attention_mask=torch.from_numpy(valid.astype("int64")),
+            spatial_shapes=torch.from_numpy(grids)).pooler_output.numpy()
+
+
 def test_siglip2_naflex_from_transformers_gives_its_pooled_features(tmp_path):
     torch, reference, folder = _siglip2_folder(tmp_path)
     batch, _ = _batch()
-    with torch.no_grad():
-        expected = reference(
-            pixel_values=torch.from_numpy(batch["patches"] / 127.5 - 1.0),
-            pixel_attention_mask=torch.from_numpy(batch["patch_valid"].astype("int64")),
-            spatial_shapes=torch.tensor(GRIDS)).pooler_output.numpy()
+    expected = _siglip2_pooled(torch, reference, batch)
     model = vit_keras.build_model_from_checkpoint(folder, include_top=False)
     assert model.naflex and model.vit_config.posemb_interpolation == "bilinear"
     found = np.asarray(model.predict(batch, verbose=0))
@@ -380,11 +388,7 @@ def test_a_big_vision_naflex_npz_gives_the_towers_pooled_features(tmp_path):
     torch, reference, _ = _siglip2_folder(tmp_path)
     path = _big_vision_naflex_npz(reference, str(tmp_path / "siglip2_naflex.npz"), heads=2)
     batch, _ = _batch()
-    with torch.no_grad():
-        expected = reference(
-            pixel_values=torch.from_numpy(batch["patches"] / 127.5 - 1.0),
-            pixel_attention_mask=torch.from_numpy(batch["patch_valid"].astype("int64")),
-            spatial_shapes=torch.tensor(GRIDS)).pooler_output.numpy()
+    expected = _siglip2_pooled(torch, reference, batch)
     model = vit_keras.build_model_from_checkpoint(path, include_top=False)
     assert model.naflex and model.image_size == (16, 16)
     assert (model.vit_config.posemb_interpolation, model.vit_config.gelu) == ("bilinear", "tanh")
@@ -448,11 +452,6 @@ def test_siglip2_naflex_loads_by_name_from_a_mirror_of_big_visions_bucket(tmp_pa
     images = [rng.integers(0, 256, (48, 200, 3)).astype("uint8"),
               rng.integers(0, 256, (300, 90, 3)).astype("uint8")]
     inputs = vit_keras.naflex_patches(images, patch_size=16, max_num_patches=64)
-    grids = inputs["patch_coord"].max(axis=1) + 1
-    with torch.no_grad():
-        expected = reference(
-            pixel_values=torch.from_numpy(inputs["patches"] / 127.5 - 1.0).float(),
-            pixel_attention_mask=torch.from_numpy(inputs["patch_valid"].astype("int64")),
-            spatial_shapes=torch.from_numpy(grids)).pooler_output.numpy()
+    expected = _siglip2_pooled(torch, reference, inputs)
     found = np.asarray(model.predict(inputs, verbose=0))
     assert float(np.max(np.abs(found - expected)) / np.max(np.abs(expected))) < 1e-4
