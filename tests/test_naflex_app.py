@@ -143,30 +143,29 @@ _MIRRORED = ("import sys, tensorflow as tf\n"
 @pytest.mark.slow
 @pytest.mark.skipif(BACKEND == "torch", reason="Keras has no distribution engine for torch")
 def test_a_naflex_run_splits_every_bucket_over_2_devices(runs, tmp_path):
-    """--distribution data_parallel: each bucket's batch rounded down to a multiple of the 2
-    devices (34 tokens: 17 images of 2 patches become 16, 8 of 4 stay 8: the single-device
-    run's batches), the evaluation's last batch (360 images in 256s) padded at weight 0. On JAX
-    the run equals the single-device one. TensorFlow's MirroredStrategy does not reproduce its
-    one-device run for square models either (test loss 2.2544 against 2.2592 after 6 steps of
-    ViT-digits), so there the run trains and evaluates every test image."""
+    """--distribution data_parallel, the run's first epoch: each bucket's batch rounded down to
+    a multiple of the 2 devices (34 tokens: 17 images of 2 patches become 16, 8 of 4 stay 8: the
+    single-device run's batches), the validation's last batch (180 images in 256s) padded at
+    weight 0. On JAX the epoch equals the single-device run's. TensorFlow's MirroredStrategy
+    does not reproduce its one-device run for square models either (test loss 2.2544 against
+    2.2592 after 6 steps of ViT-digits), so there the epoch trains and validates, finite."""
+    from vit_keras.tools.runs.run_folder import read_history
+
     command = [*_command(tmp_path), "--tokens_per_batch", "34", "--distribution",
                "data_parallel"]
     command[command.index("--run_name") + 1] = "dp"
     if BACKEND == "tensorflow":
         command[1:2] = ["-c", _MIRRORED]  # apps/finetune.py behind the devices' configuration
     env = {**_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    found = json.loads((tmp_path / "dp" / "metrics.json").read_text())
-    assert found["config"]["replicas"] == 2 and found["num_examples"]["test"] == 360
-    assert found["config"]["naflex"]["batch_sizes"] == [16, 8]
-    whole = json.loads((runs["whole"] / "metrics.json").read_text())
-    if BACKEND == "jax":
-        for key in ("test_loss", "train_loss", "test_accuracy"):
+    output, _ = run_killed_after_first_backup(command, tmp_path / "dp", env, timeout=600)
+    assert "NaFlex: up to 4 patches, buckets 2/4 of 16/8 images" in output, output[-3000:]
+    (found, *_), (whole, *_) = (read_history(run / "history.csv")
+                                for run in (tmp_path / "dp", runs["whole"]))
+    for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
+        if BACKEND == "jax":
             assert found[key] == pytest.approx(whole[key], rel=1e-5), key
-    else:
-        assert np.isfinite(found["test_loss"]) and 0.0 <= found["test_accuracy"] <= 1.0
+        else:
+            assert np.isfinite(found[key]), key
 
 
 @pytest.mark.slow
