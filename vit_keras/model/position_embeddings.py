@@ -29,6 +29,16 @@ from vit_keras.model import interpolation_ops, specs
 _PACKAGE = "vit_keras"
 
 
+def naflex_grids(patch_coord, valid=None):
+    """`(coord, sizes)` of NaFlex inputs, int32: `coord` `(batch, tokens, 2)` with padding at
+    (0, 0), and each image's grid `sizes` `(batch, 1, 2)` (rows, cols): its largest valid
+    coordinate + 1, as `naflex_patches.naflex_grid_shapes` reads it in NumPy."""
+    coord = ops.cast(patch_coord, "int32")
+    if valid is not None:
+        coord = ops.where(ops.expand_dims(ops.cast(valid, "bool"), -1), coord, 0)
+    return coord, ops.max(coord, axis=1, keepdims=True) + 1
+
+
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class AddPositionEmbs(keras.layers.Layer):
     """Adds a learnable position embedding to every token.
@@ -155,10 +165,7 @@ class NaFlexPositionEmbs(AddPositionEmbs):
         """The float32 embeddings `(batch, num_prefix_tokens + tokens, hidden)` of the prefix
         and of patches at `patch_coord` (see the class; padding counts as coordinate (0, 0))."""
         embeddings = ops.convert_to_tensor(self.pos_embedding)
-        coord = ops.cast(patch_coord, "int32")
-        if valid is not None:
-            coord = ops.where(ops.expand_dims(ops.cast(valid, "bool"), -1), coord, 0)
-        sizes = ops.max(coord, axis=1, keepdims=True) + 1  # (batch, 1, 2): each image's grid
+        coord, sizes = naflex_grids(patch_coord, valid)
         if self.preserve_aspect:  # a square of the longer side, read at the image's cells
             sizes = ops.max(sizes, axis=-1, keepdims=True) * ops.ones_like(sizes)
         rows, cols = self.grid_size
@@ -277,10 +284,7 @@ class RotaryPositions(keras.layers.Layer):
         return ops.concatenate([prefix, ops.reshape(grid, (-1, 2))], axis=0)
 
     def _naflex(self, patch_coord, valid):
-        coord = ops.cast(patch_coord, "int32")
-        if valid is not None:
-            coord = ops.where(ops.expand_dims(ops.cast(valid, "bool"), -1), coord, 0)
-        sizes = ops.max(coord, axis=1, keepdims=True) + 1  # (batch, 1, 2): each image's grid
+        coord, sizes = naflex_grids(patch_coord, valid)
         ref_rows, ref_cols = self.ref_grid or (None, None)
         row = self._axis(sizes[..., 0], ref_rows, coord[..., 0])
         col = self._axis(sizes[..., 1], ref_cols, coord[..., 1])
