@@ -158,6 +158,26 @@ def _fresh_keras_state():
     keras.config.set_dtype_policy("float32")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _quantize_without_a_collection_per_variable():
+    """Keras' `Layer.__delattr__` runs a full `gc.collect()` for every variable it deletes (added
+    with `quantize` in keras-team/keras#19954, to free device buffers at once), and `quantize`
+    deletes each projection's kernel: 13 collections for a 2-block ViT, each over every object
+    of a test process that holds three frameworks (about 1.5 s each: 20 s a test). The tests of
+    quantized models skip them; what the models compute is the same."""
+    import gc
+    from unittest import mock
+
+    quantize = keras.Model.quantize
+
+    def quantize_collecting_nothing(self, *args, **kwargs):
+        with mock.patch.object(gc, "collect", lambda *_: 0):
+            return quantize(self, *args, **kwargs)
+
+    with mock.patch.object(keras.Model, "quantize", quantize_collecting_nothing):
+        yield
+
+
 @pytest.fixture
 def tiny_config():
     return dict(TINY_CONFIG)

@@ -124,8 +124,8 @@ if ARGS["call"]:
 import jax, jax.numpy as jnp
 
 @jax.jit
-def step(a):  # a 64 MiB scratch buffer (the sorted product), above glibc's mmap threshold
-    return jnp.sum(jnp.sort(a @ a.T, axis=1)[:, :8])
+def step(a):  # a 64 MiB scratch buffer (the first product), above glibc's mmap threshold
+    return jnp.sum((a @ a.T) @ a[:, :8])
 
 a = jnp.ones((4096, 256), jnp.float32) * 1e-3
 step(a).block_until_ready()
