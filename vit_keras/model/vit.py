@@ -16,7 +16,16 @@ import keras
 import numpy as np
 
 from vit_keras.model import attention as attention_lib
-from vit_keras.model import configs, geometry, heads, layers, norms, position_embeddings, resnet
+from vit_keras.model import (
+    configs,
+    geometry,
+    heads,
+    jax_predict,
+    layers,
+    norms,
+    position_embeddings,
+    resnet,
+)
 from vit_keras.model import mlp as mlp_lib
 from vit_keras.model import pixel_normalization as normalization_lib
 
@@ -267,6 +276,14 @@ class ViT(keras.Model):
                     f"got {found[0]}x{found[1]}. Resize the images, or build the model with "
                     f"image_size={found} or dynamic_image_size=True.")
         return super().call(inputs, training=training, mask=mask, **kwargs)
+
+    def predict_on_batch(self, x):
+        """Keras' `predict_on_batch`: outputs of one batch as NumPy arrays. On JAX one jitted
+        forward pass of the weights as they are, without Keras' copy of every variable into and
+        out of the step on each call (`vit_keras.model.jax_predict`)."""
+        if keras.backend.backend() == "jax":
+            return jax_predict.predict_on_batch(self, x)
+        return super().predict_on_batch(x)
 
     # -- configuration ----------------------------------------------------------------------------
 
