@@ -7,6 +7,8 @@ precision and device, inference and a training step.
     python benchmarks/gpu_step.py --out DIR --plan "ViT-L/16:128:timm,vit_keras-jax"
     python benchmarks/gpu_step.py --out DIR --plan "ViT-B/16:256:vit_keras-torch-jit"  # minutes
     python benchmarks/gpu_step.py --out DIR --smoke                # ViT-Ti/16, batch 2: CPU, ~2 min
+    python benchmarks/gpu_step.py --out DIR --profile --plan \
+        "ViT-B/16:256:timm-compile,vit_keras-jax,vit_keras-jax@cublaslt"  # issue 59's A/B
     python benchmarks/gpu_step.py --from_json DIR/results.json     # the table of an earlier run
     bash benchmarks/gpu_step.sh                                    # the device machine's command
 
@@ -24,8 +26,15 @@ recorded as such and the next one runs. The cases, in order:
    Implementations: `timm` (eager), `timm-compile` (torch.compile of the model), `vit_keras-jax`
    (`jit_compile=True`), `vit_keras-torch` (Keras' torch backend, eager) and
    `vit_keras-torch-jit` (the same with `jit_compile=True`; minutes of compiling, not in the
-   default plan). vit_keras-jax runs inference and training in two processes, since JAX's peak
-   memory cannot be reset; the others reset torch's between the two.
+   default plan), and `vit_keras-jax@VARIANT`: vit_keras-jax with the XLA flags `XLA_VARIANTS`
+   names (issue 59's candidates: cuBLASLt, Triton GEMMs off, command buffers off, the
+   latency-hiding scheduler). vit_keras-jax runs inference and training in two processes, since
+   JAX's peak memory cannot be reset; the others reset torch's between the two.
+4. With `--profile` (run after the GEMM, before the plan's steps): one training step of the
+   first plan model on vit_keras-jax (jax.profiler) and timm compiled (torch.profiler),
+   `--steps` steps traced after the warm-up: device time
+   per step by kernel class (`KERNEL_CLASSES`: attention, GEMM, LayerNorm, GELU, optimizer,
+   casts, copies, reductions, the rest) and the slowest kernels by name.
 
 Inputs are random and already on the device: vit_keras takes NHWC pixels in [0, 255] (the model
 normalises them), timm NCHW pixels normalised with mean = std = 0.5. Both run under bfloat16 mixed
@@ -38,9 +47,11 @@ compile time). Peak memory is `torch.cuda.max_memory_allocated` or JAX's `peak_b
 (with `XLA_PYTHON_CLIENT_PREALLOCATE=false`). MFU: images/s x analytic FLOPs per image
 (`throughput.forward_flops`, x3 for a training step) over the GEMM's FLOP/s. For vit_keras-jax the
 cuDNN fused-attention calls (`__cudnn$fmha*` custom calls) are counted in the optimised HLO that
-XLA dumps when it compiles `train_on_batch`'s and `predict_on_batch`'s own steps, and its
+XLA dumps when it compiles `train_on_batch`'s step and `predict_on_batch`'s forward pass, and its
 inference is also timed as a jitted `stateless_call` whose logits stay on the device (what
-`predict_on_batch` adds is the difference). Each case's
+`predict_on_batch` adds is the difference), and its training step also inside `model.fit` (as
+users train: Keras' loop keeps the state between steps, which `train_on_batch` gathers and
+assigns back on every call). Each case's
 stdout and stderr go to `OUT/logs/`; its ERROR lines (the word ERROR, or absl's `E0123 ...`
 severity) and tracebacks are counted (the issue asks for none).
 
@@ -90,7 +101,16 @@ TIMM_NAMES = {"ViT-Ti/16": "vit_tiny_patch16_224", "ViT-S/16": "vit_small_patch1
               "ViT-B/16": "vit_base_patch16_224", "ViT-L/16": "vit_large_patch16_224"}
 IMPLEMENTATIONS = ("timm", "timm-compile", "vit_keras-jax", "vit_keras-torch", "vit_keras-torch-jit")
 PARITY_IMPLEMENTATIONS = ("vit_keras-jax", "vit_keras-torch")
+# Issue 59's A/B candidates for XLA's GPU compiler: `vit_keras-jax@NAME` in a --plan runs JAX with
+# these flags added to XLA_FLAGS (each in its own process: XLA reads its flags once).
+XLA_VARIANTS = {
+    "cublaslt": ["--xla_gpu_enable_cublaslt=true"],
+    "no_triton_gemm": ["--xla_gpu_enable_triton_gemm=false"],
+    "no_command_buffer": ["--xla_gpu_enable_command_buffer="],
+    "latency_hiding": ["--xla_gpu_enable_latency_hiding_scheduler=true"],
+}
 MODES = ("inference", "train")
+PROFILE_IMPLEMENTATIONS = ("vit_keras-jax", "timm-compile")
 IMAGE_SIZE = 224
 NUM_CLASSES = 1000
 # The issue's plan, and the CPU smoke check's (`--smoke`); a setting given explicitly wins.
@@ -286,9 +306,10 @@ def vit_keras_case(spec, backend):
     os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
     if backend == "jax":  # before JAX starts: XLA reads its flags once
         dump = tempfile.mkdtemp(prefix="gpu_step-hlo-")
+        variant = XLA_VARIANTS.get(spec["implementation"].partition("@")[2], [])
         os.environ["XLA_FLAGS"] = " ".join([
             os.environ.get("XLA_FLAGS", ""), f"--xla_dump_to={dump}", "--xla_dump_hlo_as_text",
-            "--xla_dump_hlo_module_re=jit_(train|predict)_step"]).strip()
+            "--xla_dump_hlo_module_re=jit_(train_step|predict_forward)", *variant]).strip()
     import keras  # pylint: disable=import-outside-toplevel
 
     import vit_keras  # pylint: disable=import-outside-toplevel
@@ -329,11 +350,14 @@ def vit_keras_case(spec, backend):
         if backend == "jax":
             peak = (device.memory_stats() or {}).get("peak_bytes_in_use")
             calls = count_fused_attention(
-                dump, "jit_predict_step" if mode == "inference" else "jit_train_step")
+                # ViT.predict_on_batch's forward pass (vit_keras.model.jax_predict), Keras' step
+                dump, "jit_predict_forward" if mode == "inference" else "jit_train_step")
             extra = {"cudnn_fmha_calls": None if calls is None else sum(calls.values()),
                      "cudnn_fmha_targets": calls}
             if mode == "inference":
                 extra["stateless_images_per_s"] = stateless_forward_rate(model, x, spec)
+            else:
+                extra["fit_images_per_s"] = fit_step_rate(model, x, y, spec)
         else:
             peak = torch.cuda.max_memory_allocated() if where == "cuda" else None
             extra = {}
@@ -361,6 +385,160 @@ def stateless_forward_rate(model, x, spec):
     return spec["batch_size"] / statistics.median(times)
 
 
+# A kernel's class by its name, the first pattern that matches (cuBLAS/cuDNN/Triton kernel names,
+# XLA's fusions named after their root operation, torch's aten operations on a CPU).
+KERNEL_CLASSES = (
+    ("attention", r"fmha|flash|attention|sdpa"),
+    ("GEMM", r"gemm|matmul|nvjet|cutlass|xmma|cublas|\bdot|addmm|\bmm\b|\bbmm|linear|convolution"),
+    ("LayerNorm", r"layer_?norm"),
+    ("GELU", r"gelu|\berf|tanh"),
+    ("optimizer", r"adam|multi_tensor|foreach"),
+    ("casts", r"convert|_to_copy|\bcast"),
+    ("copies", r"copy|transpose|memcpy|memset|concat|\bcat\b|\bpad|slice|gather|scatter"),
+    ("reductions", r"reduc|\bsum|\bmean|\bmax"),
+)
+
+
+# Events of XLA's CPU client threads that are its scheduling, not an operation.
+CPU_BOOKKEEPING = ("ThreadpoolListener", "ThunkExecutor", "end: ", "SlinkyThreadPool")
+
+
+def kernel_class(name):
+    for label, pattern in KERNEL_CLASSES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return label
+    return "other (elementwise)"
+
+
+def kernel_table(trace, steps, top=15):
+    """Device time per step by kernel class and the `top` kernels, from a Chrome trace (torch's
+    `export_chrome_trace`, JAX's perfetto trace): on a GPU the kernels of its streams, on a CPU
+    the operations XLA's or torch's threads ran (all of them, nested ones too)."""
+    names = {}
+    for event in trace:
+        if event.get("ph") == "M" and event.get("name") in ("process_name", "thread_name"):
+            names[(event["name"], event["pid"], event.get("tid"))] = event["args"]["name"]
+    def process(event):
+        return str(names.get(("process_name", event.get("pid"), None), ""))
+
+    def thread(event):
+        return str(names.get(("thread_name", event.get("pid"), event.get("tid")), ""))
+
+    timed = [e for e in trace if e.get("ph") == "X" and e.get("dur")]
+    # torch's kernels; JAX's on its GPU's streams (its other lines, "XLA Ops" and "XLA Modules",
+    # span the same kernels again).
+    kernels = [e for e in timed if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") or (
+        "/device:GPU" in process(e) and thread(e).startswith("Stream"))]
+    where = "GPU kernels"
+    if not kernels:  # a CPU: torch's operators, or the thunks of XLA's CPU client threads
+        kernels = [e for e in timed if e.get("cat") == "cpu_op" or (
+            thread(e).startswith(("tf_XLAPjRtCpuClient", "tf_XLAEigen"))
+            and not e["name"].startswith(CPU_BOOKKEEPING))]
+        where = "CPU operations"
+    per_kernel = collections.Counter()
+    for event in kernels:
+        per_kernel[event["name"]] += event["dur"] / 1e3 / steps  # microseconds -> ms per step
+    per_class = collections.Counter()
+    for name, ms in per_kernel.items():
+        per_class[kernel_class(name)] += ms
+    return {"timed": where, "ms_per_step": sum(per_kernel.values()),
+            "classes_ms": {k: round(v, 3) for k, v in per_class.most_common()},
+            "top_kernels_ms": [[name[:120], round(ms, 3), kernel_class(name)]
+                               for name, ms in per_kernel.most_common(top)]}
+
+
+def read_trace(path):
+    import gzip  # pylint: disable=import-outside-toplevel
+
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        trace = json.load(f)
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def profile_case(spec):
+    """One training step's kernels, by class and the slowest, of vit_keras on JAX (jax.profiler)
+    or of timm compiled (torch.profiler): `spec["steps"]` steps traced after the warm-up."""
+    steps = spec["steps"]
+    folder = tempfile.mkdtemp(prefix="gpu_step-profile-")
+    if spec["implementation"] == "vit_keras-jax":
+        import jax  # pylint: disable=import-outside-toplevel
+        import keras  # pylint: disable=import-outside-toplevel
+
+        import vit_keras  # pylint: disable=import-outside-toplevel
+
+        keras.mixed_precision.set_global_policy("mixed_bfloat16")
+        model = vit_keras.build_model(spec["model"], num_classes=NUM_CLASSES, image_size=IMAGE_SIZE)
+        model.compile(optimizer=keras.optimizers.AdamW(1e-4),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      jit_compile=True)
+        images, labels = random_batch(spec["batch_size"])
+        x, y = jax.device_put(images), jax.device_put(labels)
+        for _ in range(spec["warmup"]):
+            model.train_on_batch(x, y)
+        with jax.profiler.trace(folder, create_perfetto_trace=True):
+            for _ in range(steps):
+                model.train_on_batch(x, y)
+            model.trainable_variables[-1].value.block_until_ready()
+        (path,) = glob.glob(os.path.join(folder, "**", "perfetto_trace.json.gz"), recursive=True)
+    else:
+        import timm  # pylint: disable=import-outside-toplevel
+        import torch  # pylint: disable=import-outside-toplevel
+
+        device, _, sync = torch_device()
+        model = timm.create_model(TIMM_NAMES[spec["model"]], pretrained=False,
+                                  num_classes=NUM_CLASSES).to(device).train()
+        forward = torch.compile(model)
+        images, labels = random_batch(spec["batch_size"])
+        x, y = timm_pixels(images, device), torch.from_numpy(labels).long().to(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+
+        def train():
+            with torch.autocast(device, dtype=torch.bfloat16):
+                loss = torch.nn.functional.cross_entropy(forward(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        for _ in range(spec["warmup"]):
+            train()
+        sync()
+        activities = [torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
+        with torch.profiler.profile(activities=activities) as profiler:
+            for _ in range(steps):
+                train()
+            sync()
+        path = os.path.join(folder, "trace.json")
+        profiler.export_chrome_trace(path)
+    emit({"mode": "train", "steps": steps, **kernel_table(read_trace(path), steps)})
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def fit_step_rate(model, x, y, spec):
+    """images/s of the same training step inside `model.fit`, as users train: Keras' loop keeps
+    the state between steps, where `train_on_batch` gathers every variable (optimizer slots
+    included) before each step and assigns it back after. Each step is timed from one batch end
+    to the next, once its loss is on the host."""
+    import jax  # pylint: disable=import-outside-toplevel
+    import keras  # pylint: disable=import-outside-toplevel
+
+    ends = []
+
+    class StepEnds(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            jax.block_until_ready(logs)
+            ends.append(time.perf_counter())
+
+    def batches():
+        while True:
+            yield x, y
+
+    model.fit(batches(), steps_per_epoch=spec["warmup"] + spec["steps"], epochs=1, verbose=0,
+              callbacks=[StepEnds()])
+    steps = [b - a for a, b in zip(ends, ends[1:])][-spec["steps"]:]
+    return spec["batch_size"] / statistics.median(steps)
+
+
 def run_case(spec):
     """The case `spec` describes (a dict from `plan_cases`), in this process."""
     # As on the GPU machine, which has no TensorFlow: nothing here needs it, but Keras'
@@ -370,9 +548,11 @@ def run_case(spec):
     implementation = spec["implementation"]
     if implementation.startswith("vit_keras-"):
         # Before Keras is imported; vit_keras-torch-jit is Keras' torch backend too.
-        os.environ["KERAS_BACKEND"] = implementation.split("-")[1]
+        os.environ["KERAS_BACKEND"] = implementation.partition("@")[0].split("-")[1]
     if spec["kind"] == "gemm":
         gemm_case(spec)
+    elif spec["kind"] == "profile":
+        profile_case(spec)
     elif spec["kind"] == "parity" and implementation == "timm":
         timm_parity_source(spec)
     elif spec["kind"] == "parity":
@@ -395,10 +575,12 @@ def parse_plan(entries):
         except ValueError:
             raise ValueError(f"--plan entry {entry!r} is not MODEL:BATCH:IMPL,IMPL,...") from None
         implementations = implementations.split(",")
-        unknown = [i for i in implementations if i not in IMPLEMENTATIONS]
+        unknown = [i for i in implementations if i not in IMPLEMENTATIONS and not (
+            i.partition("@")[0] == "vit_keras-jax" and i.partition("@")[2] in XLA_VARIANTS)]
         if model not in TIMM_NAMES or unknown or batch_size < 1:
             raise ValueError(f"--plan entry {entry!r}: models are {list(TIMM_NAMES)}, "
-                             f"implementations {list(IMPLEMENTATIONS)}, batch sizes positive.")
+                             f"implementations {list(IMPLEMENTATIONS)} (vit_keras-jax@VARIANT "
+                             f"with XLA flags: {list(XLA_VARIANTS)}), batch sizes positive.")
         plan.append((model, batch_size, implementations))
     return plan
 
@@ -416,11 +598,16 @@ def plan_cases(args, work):
              for implementation in ("timm",) + PARITY_IMPLEMENTATIONS if not args.no_parity]
     cases.append(dict(common, kind="gemm", implementation="torch", model=None, batch_size=None,
                       gemm_size=args.gemm_size, modes=[None]))
+    if args.profile:  # the issue's first step, so before the steps a deadline may cut short
+        model, batch_size, _ = plan[0]
+        cases.extend(dict(common, kind="profile", implementation=implementation, model=model,
+                          batch_size=batch_size, modes=["train"])
+                     for implementation in PROFILE_IMPLEMENTATIONS)
     for model, batch_size, implementations in plan:
         for implementation in implementations:
             # JAX's peak memory cannot be reset: its training step gets a process of its own.
-            per_process = [[mode] for mode in MODES] if implementation == "vit_keras-jax" else [
-                list(MODES)]
+            per_process = [[mode] for mode in MODES] if implementation.startswith(
+                "vit_keras-jax") else [list(MODES)]
             for modes in per_process:
                 cases.append(dict(common, kind="step", implementation=implementation, model=model,
                                   batch_size=batch_size, modes=modes,
@@ -596,6 +783,21 @@ def markdown(report):
                 f"{row['implementation']} {row['model']} inference as a jitted stateless_call, "
                 f"logits left on the device: {row['stateless_images_per_s']:.1f} images/s "
                 f"(predict_on_batch: {row['images_per_s']:.1f}).")
+        elif row.get("fit_images_per_s") and row["status"] == "ok":
+            lines.append(
+                f"{row['implementation']} {row['model']} training inside model.fit: "
+                f"{row['fit_images_per_s']:.1f} images/s (train_on_batch: "
+                f"{row['images_per_s']:.1f}).")
+        elif row["kind"] == "profile":
+            if row["status"] != "ok":
+                lines.append(f"Profile {row['implementation']}: {row['status']}: {row['error']}.")
+                continue
+            classes = ", ".join(f"{name} {ms:.2f}" for name, ms in row["classes_ms"].items())
+            slowest = "; ".join(f"{name} {ms:.2f}" for name, ms, _ in row["top_kernels_ms"][:8])
+            lines.append(
+                f"Profile of {row['implementation']}'s {row['model']} training step "
+                f"({row['timed']}, ms per step, {row['ms_per_step']:.2f} in all): {classes}. "
+                f"Slowest: {slowest}.")
         elif row["kind"] == "gemm":
             lines.append(
                 f"bfloat16 GEMM {row.get('gemm_size', '')}³ (torch, best of 10): "
@@ -670,6 +872,10 @@ def main():
                         help=f"images of the parity check (default {DEFAULTS['parity_images']})")
     parser.add_argument("--parity_tolerance", type=float, default=1e-5,
                         help="largest relative logit difference the parity check accepts")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one training step of the first --plan model on "
+                             f"{' and '.join(PROFILE_IMPLEMENTATIONS)} (before the plan): device "
+                             "time per kernel class and the slowest kernels")
     parser.add_argument("--no_parity", action="store_true",
                         help="leave out the parity cases (a quick re-measure of the steps)")
     parser.add_argument("--case_timeout", type=float, default=240, help="seconds per case")

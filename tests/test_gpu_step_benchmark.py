@@ -56,6 +56,8 @@ def test_gpu_step_smoke_run_completes_every_case(tmp_path):
         if row["implementation"] == "vit_keras-jax":
             # Counted in the HLO XLA dumped for the step; XLA:CPU has no cuDNN attention.
             assert row["cudnn_fmha_calls"] == 0 and row["jit_compile"] is True, row
+            rate = "stateless_images_per_s" if row["mode"] == "inference" else "fit_images_per_s"
+            assert row[rate] > 0, row
     with open(tmp_path / "results.jsonl") as f:
         assert [json.loads(line)["status"] for line in f] == ["ok"] * len(rows)
 
@@ -67,3 +69,55 @@ def test_gpu_step_smoke_run_completes_every_case(tmp_path):
     reprinted = subprocess.run([sys.executable, DRIVER, "--from_json", str(tmp_path / "results.json")],
                                cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert reprinted.returncode == 0 and reprinted.stdout.strip() == table
+
+
+def _driver_module():
+    sys.path.insert(0, os.path.dirname(DRIVER))
+    try:
+        return __import__("gpu_step")
+    finally:
+        sys.path.remove(os.path.dirname(DRIVER))
+
+
+@pytest.mark.backend_independent("jax")
+def test_a_plan_takes_xla_flag_variants_of_jax_and_refuses_unknown_ones():
+    gpu_step = _driver_module()
+    ((model, batch, implementations),) = gpu_step.parse_plan(
+        ["ViT-B/16:256:timm-compile,vit_keras-jax,vit_keras-jax@cublaslt"])
+    assert (model, batch) == ("ViT-B/16", 256) and implementations[-1] == "vit_keras-jax@cublaslt"
+    for wrong in ("vit_keras-jax@no_such_flags", "vit_keras-torch@cublaslt", "timm@cublaslt"):
+        with pytest.raises(ValueError, match="XLA flags"):
+            gpu_step.parse_plan([f"ViT-B/16:256:{wrong}"])
+
+
+@pytest.mark.backend_independent("jax")
+def test_the_profile_sums_each_kernel_class_per_step_from_a_chrome_trace():
+    gpu_step = _driver_module()
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7,
+             "args": {"name": "Stream #14(Compute)"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 8, "args": {"name": "XLA Ops"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}}]
+
+    def event(name, us, pid=1, tid=7, **extra):
+        return {"ph": "X", "name": name, "pid": pid, "tid": tid, "ts": 0, "dur": us, **extra}
+
+    jax_trace = meta + [
+        event("nvjet_tst_128x256_gemm", 3000), event("cudnn_fmha_fprop", 1000),
+        event("loop_convert_fusion_3", 500), event("input_reduce_fusion", 400),
+        event("loop_multiply_fusion", 100),
+        event("fusion.12", 9999, tid=8),  # the "XLA Ops" line repeats the kernels
+        event("PjitFunction(train_step)", 9999, pid=2, tid=3)]  # the host
+    table = gpu_step.kernel_table(jax_trace, steps=2)
+    assert table["timed"] == "GPU kernels" and table["ms_per_step"] == pytest.approx(2.5)
+    assert table["classes_ms"] == {"GEMM": 1.5, "attention": 0.5, "casts": 0.25,
+                                   "reductions": 0.2, "other (elementwise)": 0.05}
+    assert table["top_kernels_ms"][0] == ["nvjet_tst_128x256_gemm", 1.5, "GEMM"]
+    torch_trace = [event("ampere_bf16_s16816gemm", 2000, pid=5, cat="kernel"),
+                   event("vectorized_layer_norm_kernel", 1000, pid=5, cat="kernel"),
+                   event("aten::addmm", 9999, pid=6, cat="cpu_op")]  # the host's view
+    assert gpu_step.kernel_table(torch_trace, steps=1)["classes_ms"] == {"GEMM": 2.0,
+                                                                         "LayerNorm": 1.0}
+    # A CPU: no kernels, the operations instead.
+    assert gpu_step.kernel_table([event("aten::addmm", 2000, pid=6, cat="cpu_op")], steps=1)[
+        "timed"] == "CPU operations"
