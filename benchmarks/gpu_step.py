@@ -529,9 +529,9 @@ def fit_step_rate(model, x, y, spec):
             jax.block_until_ready(logs)
             ends.append(time.perf_counter())
 
-    def batches():
+    def batches():  # as train_on_batch hands them to the step, whose compiled program fit reuses
         while True:
-            yield x, y
+            yield x, y, None
 
     model.fit(batches(), steps_per_epoch=spec["warmup"] + spec["steps"], epochs=1, verbose=0,
               callbacks=[StepEnds()])
