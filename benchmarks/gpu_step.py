@@ -251,8 +251,9 @@ def gemm_case(spec):
           "tflops": 2 * size ** 3 / min(times) / 1e12})
 
 
-def timm_case(spec, compiled):
-    """timm's model, eager or through torch.compile: each mode of `spec["modes"]` timed."""
+def timm_steps(spec, compiled):
+    """timm's model, eager or through torch.compile, on the batch of `spec`: `(model, steps,
+    device, name, sync)`, `steps` the inference and training step by mode."""
     import timm  # pylint: disable=import-outside-toplevel
     import torch  # pylint: disable=import-outside-toplevel
 
@@ -277,14 +278,36 @@ def timm_case(spec, compiled):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    return model, {"inference": inference, "train": train}, device, name, sync
+
+
+def timm_case(spec, compiled):
+    """timm's model, eager or through torch.compile: each mode of `spec["modes"]` timed."""
+    import torch  # pylint: disable=import-outside-toplevel
+
+    model, steps, device, name, sync = timm_steps(spec, compiled)
     for mode in spec["modes"]:
         model.train(mode == "train")
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        first, times = time_steps(inference if mode == "inference" else train, sync,
-                                  spec["warmup"], spec["steps"])
+        first, times = time_steps(steps[mode], sync, spec["warmup"], spec["steps"])
         peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
         emit({"mode": mode, "device": name, **step_row(spec, first, times, peak)})
+
+
+def vit_keras_model(spec, jit_compile):
+    """vit_keras' model of `spec` under mixed bfloat16, compiled with AdamW and cross-entropy."""
+    import keras  # pylint: disable=import-outside-toplevel
+
+    import vit_keras  # pylint: disable=import-outside-toplevel
+
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    keras.utils.set_random_seed(0)
+    model = vit_keras.build_model(spec["model"], num_classes=NUM_CLASSES, image_size=IMAGE_SIZE)
+    model.compile(optimizer=keras.optimizers.AdamW(1e-4),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=jit_compile)
+    return model
 
 
 def count_fused_attention(dump, module):
@@ -312,17 +335,11 @@ def vit_keras_case(spec, backend):
             "--xla_dump_hlo_module_re=jit_(train_step|predict_forward)", *variant]).strip()
     import keras  # pylint: disable=import-outside-toplevel
 
-    import vit_keras  # pylint: disable=import-outside-toplevel
     from vit_keras.model.layers import MultiHeadDotProductAttention  # pylint: disable=import-outside-toplevel
 
-    keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    keras.utils.set_random_seed(0)
-    model = vit_keras.build_model(spec["model"], num_classes=NUM_CLASSES, image_size=IMAGE_SIZE)
+    model = vit_keras_model(spec, jit_compile=backend == "jax" or spec["jit_compile"])
     fused = [layer.fused for layer in model._flatten_layers()
              if isinstance(layer, MultiHeadDotProductAttention)]
-    model.compile(optimizer=keras.optimizers.AdamW(1e-4),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  jit_compile=backend == "jax" or spec["jit_compile"])
     images, labels = random_batch(spec["batch_size"])
     if backend == "jax":
         import jax  # pylint: disable=import-outside-toplevel
@@ -462,15 +479,8 @@ def profile_case(spec):
     folder = tempfile.mkdtemp(prefix="gpu_step-profile-")
     if spec["implementation"] == "vit_keras-jax":
         import jax  # pylint: disable=import-outside-toplevel
-        import keras  # pylint: disable=import-outside-toplevel
 
-        import vit_keras  # pylint: disable=import-outside-toplevel
-
-        keras.mixed_precision.set_global_policy("mixed_bfloat16")
-        model = vit_keras.build_model(spec["model"], num_classes=NUM_CLASSES, image_size=IMAGE_SIZE)
-        model.compile(optimizer=keras.optimizers.AdamW(1e-4),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      jit_compile=True)
+        model = vit_keras_model(spec, jit_compile=True)
         images, labels = random_batch(spec["batch_size"])
         x, y = jax.device_put(images), jax.device_put(labels)
         for _ in range(spec["warmup"]):
@@ -481,32 +491,18 @@ def profile_case(spec):
             model.trainable_variables[-1].value.block_until_ready()
         (path,) = glob.glob(os.path.join(folder, "**", "perfetto_trace.json.gz"), recursive=True)
     else:
-        import timm  # pylint: disable=import-outside-toplevel
         import torch  # pylint: disable=import-outside-toplevel
 
-        device, _, sync = torch_device()
-        model = timm.create_model(TIMM_NAMES[spec["model"]], pretrained=False,
-                                  num_classes=NUM_CLASSES).to(device).train()
-        forward = torch.compile(model)
-        images, labels = random_batch(spec["batch_size"])
-        x, y = timm_pixels(images, device), torch.from_numpy(labels).long().to(device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
-
-        def train():
-            with torch.autocast(device, dtype=torch.bfloat16):
-                loss = torch.nn.functional.cross_entropy(forward(x), y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
+        model, timm_step, device, _, sync = timm_steps(spec, compiled=True)
+        model.train()
         for _ in range(spec["warmup"]):
-            train()
+            timm_step["train"]()
         sync()
         activities = [torch.profiler.ProfilerActivity.CPU] + (
             [torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
         with torch.profiler.profile(activities=activities) as profiler:
             for _ in range(steps):
-                train()
+                timm_step["train"]()
             sync()
         path = os.path.join(folder, "trace.json")
         profiler.export_chrome_trace(path)

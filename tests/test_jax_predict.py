@@ -94,7 +94,6 @@ def test_keras_path_serves_what_the_jitted_forward_pass_would_not(tiny_config, k
     assert len(keras_path_calls) == (1 if BACKEND == "jax" else 2)
 
 
-@keras.saving.register_keras_serializable(package="vit_keras_tests")
 class _CountingModel(keras.Model):
     """A model whose forward pass counts its calls in a non-trainable variable."""
 
