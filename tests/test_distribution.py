@@ -99,12 +99,11 @@ def test_each_kind_sets_up_its_engine_in_scope_and_reset_leaves_none(kind):
             keras.distribution.set_distribution(None)
 
 
+# Keras' ModelParallel and the layouts FSDP shards by have no TensorFlow or torch engine.
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="keras.distribution is JAX-only")
 def test_the_model_and_optimizer_placement_is_reported_where_weights_are_split(tiny_config):
     """What each device holds, asked of the distribution after compiling in its scope: the
     optimizer's slots are laid out first, so they are counted."""
-    if keras.backend.backend() != "jax":
-        pytest.skip("Keras implements ModelParallel and the layouts FSDP shards by for JAX only "
-                    "(keras.distribution has no TensorFlow or torch engine for them)")
     from conftest import tiny_model
 
     for kind in distribution.DISTRIBUTIONS:
