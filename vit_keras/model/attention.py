@@ -371,7 +371,10 @@ class HeadsProjection(keras.layers.EinsumDense):
     @property
     def kernel(self):
         if not self.lora_enabled:
-            return super().kernel
+            # Not `super().kernel` where it would read `_kernel`: torch.compile cannot trace a
+            # property through `super()`, and a graph break in every projection would compile
+            # each block on its own.
+            return self._kernel if self.quantization_mode is None else super().kernel
         update = ops.tensordot(self.lora_kernel_a, self.lora_kernel_b, axes=1)
         return ops.cast(ops.add(self._kernel, (self.lora_alpha / self.lora_rank) * update),
                         self.compute_dtype)

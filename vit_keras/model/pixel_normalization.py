@@ -163,8 +163,10 @@ class PixelNormalization(keras.layers.Layer):
         self.mean, self.std = normalization.mean, normalization.std
         channels = max(len(self.mean), len(self.std))
         mean, std = _per_channel(self.mean, channels), _per_channel(self.std, channels)
-        self._scale = [1.0 / (255.0 * s) for s in std]
-        self._offset = [-m / s for m, s in zip(mean, std)]
+        # Tuples: Keras tracks a list attribute as a `TrackedList`, which torch.compile cannot
+        # turn into a constant (a graph break in every compiled forward pass).
+        self._scale = tuple(1.0 / (255.0 * s) for s in std)
+        self._offset = tuple(-m / s for m, s in zip(mean, std))
 
     def build(self, input_shape):
         channels = input_shape[-1]

@@ -342,14 +342,17 @@ def keep_rotary_float32(layer):
 
 
 def _fixed_frequencies(kind, temperature, head_dim):
-    """The frequencies of `"axial"` and `"dinov3"`, float32 `(2, 1, head_dim / 2)`: the bands
+    """The frequencies of `"axial"` and `"dinov3"`, `(2, 1, head_dim / 2)` float32 values: the bands
     `temperature ** -(k / (head_dim / 4))`, `k < head_dim / 4` (times 2π for DINOv3, whose periods
     are `temperature ** (k / (head_dim / 4))`), the first half of the angles turning with the
     first coordinate, the second half with the other."""
     bands = _bands(temperature, head_dim)
     bands = bands * np.float32(2 * math.pi) if kind == "dinov3" else bands
     zeros = np.zeros_like(bands)
-    return np.stack([np.concatenate([bands, zeros]), np.concatenate([zeros, bands])])[:, None]
+    frequencies = np.stack([np.concatenate([bands, zeros]), np.concatenate([zeros, bands])])[:, None]
+    # Nested tuples, not the array: torch.compile cannot read a NumPy attribute's dtype, which
+    # Keras' convert_to_tensor does (a graph break in every compiled forward pass).
+    return tuple(tuple(tuple(row) for row in plane) for plane in frequencies.tolist())
 
 
 def _bands(temperature, head_dim):
