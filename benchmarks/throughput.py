@@ -21,7 +21,8 @@ with torch.compile) runs in its own process, and the processes alternate A B C A
 the fp32 matrix-multiply peak (a 2048³ matmul) through its own library, then times inference and a
 training step (forward, loss, backward, SGD update) of each model on random images. Keras models
 run `predict_on_batch` / `train_on_batch` with `jit_compile=True` on JAX and TensorFlow; on torch
-they run eagerly unless `--torch_jit` (Keras' torch compile of a ViT training step takes minutes).
+they run eagerly (`vit_keras-torch`) or through torch.compile (`vit_keras-torch-jit`, Keras'
+`jit_compile=True`: a minute or more of compiling per model and mode on 2 cores).
 
 Reported per row: the median images/s over rounds, min-max, the ratio to timm eager, and the
 achieved FLOP/s as a fraction of the peak measured in the same process, with the forward pass's
@@ -57,6 +58,7 @@ BACKENDS = ("jax", "tensorflow", "torch")
 # name -> (worker implementation, Keras backend or None, package it needs)
 IMPLEMENTATIONS = {
     **{f"vit_keras-{b}": ("vit_keras", b, "keras") for b in BACKENDS},
+    "vit_keras-torch-jit": ("vit_keras", "torch", "keras"),
     "timm": ("timm", None, "timm"),
     "timm-compile": ("timm_compile", None, "timm"),
     **{f"keras_hub-{b}": ("keras_hub", b, "keras_hub") for b in BACKENDS},
@@ -151,7 +153,7 @@ def run_worker(implementation, configs, args, checkouts=None):
                "--implementation", worker, "--configs", json.dumps(configs),
                "--batch_size", str(args.batch_size), "--image_size", str(args.image_size),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--dtype", args.dtype,
-               "--modes", *args.modes] + (["--torch_jit"] if args.torch_jit else [])
+               "--modes", *args.modes] + (["--torch_jit"] if base == "vit_keras-torch-jit" else [])
     if implementation.endswith(DYNAMIC_SUFFIX):
         command += ["--dynamic_built_size", str(args.dynamic_built_size or args.image_size)]
     # The worker is always this checkout's; the vit_keras it imports is the commit's.
@@ -281,8 +283,6 @@ def main():
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (compile included)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "mixed_bfloat16"],
                         help="Keras dtype policy; timm uses torch.autocast for mixed_bfloat16")
-    parser.add_argument("--torch_jit", action="store_true",
-                        help="jit_compile=True for Keras on torch too (slow to compile)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per process")
     parser.add_argument("--json", default="throughput.json", help="where to write all results")
     parser.add_argument("--verbose", action="store_true", help="show the workers' stderr")
