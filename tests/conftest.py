@@ -67,6 +67,14 @@ if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
         os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 
+def xla_cpu_devices(count):
+    """XLA_FLAGS for a started process with `count` XLA CPU devices (JAX's data-parallel,
+    multi-process and fsdp runs on one CPU), keeping this run's flags above: a device count alone
+    would compile those runs with LLVM's optimisations again (a 4-device JAX app run: 23 s of CPU
+    against 17 s)."""
+    return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}".strip()
+
+
 def without_compilation_caches(env):
     """`env` without the compilation caches above: for processes that run at the same time."""
     return {name: value for name, value in env.items()

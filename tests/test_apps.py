@@ -10,7 +10,7 @@ import sys
 import keras
 import pytest
 
-from conftest import REPO_ROOT, run_killed_after_first_backup
+from conftest import REPO_ROOT, run_killed_after_first_backup, xla_cpu_devices
 
 BACKEND = keras.backend.backend()
 # Small enough for a few seconds per epoch on a busy 2-core CPU: ViT-digits at 8 px (4 tokens).
@@ -198,7 +198,7 @@ def test_data_parallel_run_on_a_4_device_cpu_mesh(tmp_path):
         return
     if BACKEND == "jax":
         _app("finetune.py", "--backend", "jax", *flags,
-             env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=4"))
+             env=_env(XLA_FLAGS=xla_cpu_devices(4)))
     else:
         # MirroredStrategy over 4 logical CPU devices, configured before TensorFlow starts.
         code = (
@@ -242,7 +242,7 @@ def test_model_parallel_shards_kernels_on_jax_and_is_refused_elsewhere(tmp_path)
         "from absl import app; app.run(finetune.main)\n")
     result = subprocess.run([sys.executable, "-c", code, "--backend", "jax", *flags],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
-                            env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=4"))
+                            env=_env(XLA_FLAGS=xla_cpu_devices(4)))
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     # Dense_0 (64, 128) split over the 4-device model axis: each device holds (64, 32).
     assert "SHARDING 4 (64, 32)" in result.stdout

@@ -15,7 +15,7 @@ import test_multiprocess as multiprocess
 
 from vit_keras.tools.distributed import sharding
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, xla_cpu_devices
 
 
 @pytest.mark.backend_independent
@@ -119,7 +119,7 @@ print("REPORT " + json.dumps(report))
 @pytest.fixture(scope="module")
 def eight_devices(tmp_path_factory):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_BACKEND": "jax",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+           "XLA_FLAGS": xla_cpu_devices(8)}
     checkpoint = tmp_path_factory.mktemp("orbax") / "epoch-3.orbax"
     result = subprocess.run([sys.executable, "-c", _EIGHT_DEVICES, str(checkpoint)],
                             cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -336,7 +336,7 @@ def test_the_sharding_benchmark_sizes_a_model_without_allocating_it(kind):
     table): AdamW's two slots laid out as their weights (`sharding.slot_weight`: model_parallel's
     rules name weights, not slots), and under fsdp an eighth of everything."""
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_BACKEND": "jax",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+           "XLA_FLAGS": xla_cpu_devices(8)}
     result = subprocess.run(
         [sys.executable, "benchmarks/sharding_memory.py", "--worker", "ViT-B/16", kind,
          "estimate"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from conftest import REPO_ROOT, without_compilation_caches
+from conftest import REPO_ROOT, without_compilation_caches, xla_cpu_devices
 
 pytestmark = pytest.mark.multiprocess
 
@@ -47,7 +47,7 @@ def _env(tmp, devices):
     # The processes run at the same time: no shared compilation cache (tests/conftest.py).
     return {**without_compilation_caches(os.environ), "TF_CPP_MIN_LOG_LEVEL": "3",
             "KERAS_BACKEND": "", "TMPDIR": str(tmp),
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+            "XLA_FLAGS": xla_cpu_devices(devices),
             "PYTHONUNBUFFERED": "1"}  # the logs are read while the processes run
 
 

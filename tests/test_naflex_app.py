@@ -13,7 +13,14 @@ import pytest
 
 import vit_keras
 
-from conftest import NEXT_BACKEND, REPO_ROOT, run_app, run_killed_after_first_backup, run_on_backend
+from conftest import (
+    NEXT_BACKEND,
+    REPO_ROOT,
+    run_app,
+    run_killed_after_first_backup,
+    run_on_backend,
+    xla_cpu_devices,
+)
 
 BACKEND = keras.backend.backend()
 # ViT-digits at 8 px (a 2 x 2 grid), buckets of 2 and 4 patches: seconds per epoch.
@@ -30,35 +37,46 @@ def _env():
     return {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_BACKEND": ""}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The command run once through, and again in another folder SIGKILLed after its first
-    backed-up epoch and started over with the same command."""
-    whole, resumed = tmp_path_factory.mktemp("whole"), tmp_path_factory.mktemp("resumed")
-    result = subprocess.run(_command(whole), cwd=REPO_ROOT, env=_env(), capture_output=True,
+def _run(output):
+    result = subprocess.run(_command(output), cwd=REPO_ROOT, env=_env(), capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    _, killed_after = run_killed_after_first_backup(_command(resumed), resumed / "naflex", _env())
-    second = subprocess.run(_command(resumed), cwd=REPO_ROOT, env=_env(), capture_output=True,
-                            text=True, timeout=600)
-    assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
-    return {"whole": whole / "naflex", "resumed": resumed / "naflex", "output": result.stdout,
-            "second": second.stdout, "killed_after": killed_after}
+    return result.stdout
 
 
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory):
+    """The command run once through: the run whose model the other tests take."""
+    output = tmp_path_factory.mktemp("whole")
+    return {"folder": output / "naflex", "output": _run(output)}
+
+
+@pytest.fixture(scope="module")
+def resumed_run(tmp_path_factory):
+    """The command in another folder, SIGKILLed after its first backed-up epoch and started over
+    with the same command."""
+    output = tmp_path_factory.mktemp("resumed")
+    _, killed_after = run_killed_after_first_backup(_command(output), output / "naflex", _env())
+    return {"folder": output / "naflex", "second": _run(output), "killed_after": killed_after}
+
+
+# Where a resumed NaFlex run starts in its buckets is the tf.data pipeline's, the same on every
+# backend; each backend's own resumption of `fit` is test_apps.py's killed and resumed run. One
+# pass: torch's, where the app runs fastest.
 @pytest.mark.slow
-def test_a_killed_naflex_run_resumes_to_the_uninterrupted_runs_result(runs):
+@pytest.mark.backend_independent("torch")
+def test_a_killed_naflex_run_resumes_to_the_uninterrupted_runs_result(whole_run, resumed_run):
     from vit_keras.tools.runs.run_folder import read_history
 
-    assert "NaFlex: up to 4 patches, buckets 2/4 of 16/8 images" in runs["output"]
-    assert f"from its backup after epoch {runs['killed_after']} of 4" in runs["second"]
-    whole = json.loads((runs["whole"] / "metrics.json").read_text())
-    resumed = json.loads((runs["resumed"] / "metrics.json").read_text())
+    assert "NaFlex: up to 4 patches, buckets 2/4 of 16/8 images" in whole_run["output"]
+    assert f"from its backup after epoch {resumed_run['killed_after']} of 4" in resumed_run["second"]
+    whole = json.loads((whole_run["folder"] / "metrics.json").read_text())
+    resumed = json.loads((resumed_run["folder"] / "metrics.json").read_text())
     assert whole["config"]["naflex"] == {"max_num_patches": 4, "seq_lens": [2, 4],
                                          "batch_sizes": [16, 8]}
-    reference = read_history(runs["whole"] / "history.csv")
+    reference = read_history(whole_run["folder"] / "history.csv")
     for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
-        assert [row[key] for row in read_history(runs["resumed"] / "history.csv")] == \
+        assert [row[key] for row in read_history(resumed_run["folder"] / "history.csv")] == \
             [row[key] for row in reference], key
     for key in ("test_accuracy", "test_loss", "train_loss"):
         assert resumed[key] == whole[key], key
@@ -66,7 +84,7 @@ def test_a_killed_naflex_run_resumes_to_the_uninterrupted_runs_result(runs):
 
 
 @pytest.mark.slow
-def test_the_naflex_runs_model_takes_any_images_on_the_next_backend(runs, tmp_path):
+def test_the_naflex_runs_model_takes_any_images_on_the_next_backend(whole_run, tmp_path):
     """What a user does with the run's model.keras: images of other shapes than the digits'
     squares, through `naflex_patches`, on another backend; the same logits as here."""
     rng = np.random.default_rng(0)
@@ -74,7 +92,7 @@ def test_the_naflex_runs_model_takes_any_images_on_the_next_backend(runs, tmp_pa
               for size in ((8, 8, 3), (5, 17, 3), (30, 6, 3))]
     batch = vit_keras.naflex_patches(images, patch_size=4, max_num_patches=4)
     np.savez(tmp_path / "batch.npz", **batch)
-    path = str(runs["whole"] / "model.keras")
+    path = str(whole_run["folder"] / "model.keras")
     model = keras.models.load_model(path)
     here = keras.ops.convert_to_numpy(model(batch))
     found = run_on_backend(NEXT_BACKEND, """
@@ -93,17 +111,17 @@ def test_the_naflex_runs_model_takes_any_images_on_the_next_backend(runs, tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.backend_independent  # apps/evaluate.py and predict.py on the pass's own run
-def test_evaluate_and_predict_feed_the_naflex_runs_model_its_own_budget(runs, tmp_path):
+def test_evaluate_and_predict_feed_the_naflex_runs_model_its_own_budget(whole_run, tmp_path):
     """Without --max_num_patches both apps take the run's from metrics.json: evaluate.py
     repeats the run's test accuracy, predict.py gives what the model gives the files' patches."""
     from PIL import Image
 
     from vit_keras.tools.data import naflex
 
-    model_path = str(runs["whole"] / "model.keras")
+    model_path = str(whole_run["folder"] / "model.keras")
     evaluated = run_app("evaluate.py", "--model", model_path, "--json", str(tmp_path / "e.json"))
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
-    metrics = json.loads((runs["whole"] / "metrics.json").read_text())
+    metrics = json.loads((whole_run["folder"] / "metrics.json").read_text())
     assert json.loads((tmp_path / "e.json").read_text())["accuracy"] == pytest.approx(
         metrics["test_accuracy"], abs=1e-6)  # of 360 images: 1/360 apart
 
@@ -142,7 +160,7 @@ _MIRRORED = ("import sys, tensorflow as tf\n"
 
 @pytest.mark.slow
 @pytest.mark.skipif(BACKEND == "torch", reason="Keras has no distribution engine for torch")
-def test_a_naflex_run_splits_every_bucket_over_2_devices(runs, tmp_path):
+def test_a_naflex_run_splits_every_bucket_over_2_devices(whole_run, tmp_path):
     """--distribution data_parallel, the run's first epoch: each bucket's batch rounded down to
     a multiple of the 2 devices (34 tokens: 17 images of 2 patches become 16, 8 of 4 stay 8: the
     single-device run's batches), the validation's last batch (180 images in 256s) padded at
@@ -156,11 +174,11 @@ def test_a_naflex_run_splits_every_bucket_over_2_devices(runs, tmp_path):
     command[command.index("--run_name") + 1] = "dp"
     if BACKEND == "tensorflow":
         command[1:2] = ["-c", _MIRRORED]  # apps/finetune.py behind the devices' configuration
-    env = {**_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {**_env(), "XLA_FLAGS": xla_cpu_devices(2)}
     output, _ = run_killed_after_first_backup(command, tmp_path / "dp", env, timeout=600)
     assert "NaFlex: up to 4 patches, buckets 2/4 of 16/8 images" in output, output[-3000:]
     (found, *_), (whole, *_) = (read_history(run / "history.csv")
-                                for run in (tmp_path / "dp", runs["whole"]))
+                                for run in (tmp_path / "dp", whole_run["folder"]))
     for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
         if BACKEND == "jax":
             assert found[key] == pytest.approx(whole[key], rel=1e-5), key
@@ -170,12 +188,12 @@ def test_a_naflex_run_splits_every_bucket_over_2_devices(runs, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.backend_independent("tensorflow")  # the export runs on TensorFlow whatever trained
-def test_the_naflex_runs_model_exports_to_tf_serving_and_litert(runs, tmp_path):
+def test_the_naflex_runs_model_exports_to_tf_serving_and_litert(whole_run, tmp_path):
     """apps/export.py verifies each artifact on square, wide and tall images; then, as a
     server's client: the SavedModel takes any sequence length up to the run's budget and
     refuses a longer one by name, its bytes signature resizes an image at its own aspect ratio,
     and the LiteRT file takes the budget's length."""
-    model_path = str(runs["whole"] / "model.keras")
+    model_path = str(whole_run["folder"] / "model.keras")
     result = subprocess.run(  # on TensorFlow whatever this pass's backend
         [sys.executable, "apps/export.py", "--model", model_path, "--format", "saved_model",
          "--format", "tflite", "--out", str(tmp_path / "exports"), "--name", "naflex"],
