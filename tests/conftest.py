@@ -42,7 +42,7 @@ def _compilation_caches_for_started_processes():
     file lock and an eviction scan at every write. Every program is kept, however short its
     compile: building or loading a model on JAX compiles its initialisers, one small program per
     shape (81 of about 0.05 s for the user journeys' five models), and a later process reads them
-    back (the journeys' load of those models 7.5 s -> 3.5 s; a second JAX app run 10.3 s -> 8.9 s
+    back (the journeys' load of those models 6.9 s -> 3.5 s; a second JAX app run 10.3 s -> 8.9 s
     against keeping only compiles of 0.2 s or more). A test setting: neither the library nor the
     apps configure a cache."""
     import atexit
