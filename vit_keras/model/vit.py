@@ -18,6 +18,7 @@ import numpy as np
 from vit_keras.model import attention as attention_lib
 from vit_keras.model import (
     configs,
+    failed_calls,
     geometry,
     heads,
     jax_predict,
@@ -267,15 +268,34 @@ class ViT(keras.Model):
         # Keras checks the input's shape in `__call__`, which JAX's `predict` and `fit` skip (they
         # trace `call`): a model without absolute position embeddings would run on images of
         # another size there, silently unlike what it was built and loaded for.
-        if not (self.dynamic_image_size or self.naflex):
-            found = tuple(keras.ops.shape(inputs)[1:3]) if hasattr(inputs, "shape") else ()
-            if len(found) == 2 and all(isinstance(side, int) for side in found) and (
-                    found != self.image_size):
-                raise ValueError(
-                    f"Model {self.name!r} takes {self.image_size[0]}x{self.image_size[1]} images; "
-                    f"got {found[0]}x{found[1]}. Resize the images, or build the model with "
-                    f"image_size={found} or dynamic_image_size=True.")
+        if not (self.dynamic_image_size or self.naflex) and hasattr(inputs, "shape"):
+            self._check_images(tuple(keras.ops.shape(inputs)))
         return super().call(inputs, training=training, mask=mask, **kwargs)
+
+    def _check_images(self, shape):
+        """Refuses a batch `shape` other than `(batch, height, width, channels)` of the model's
+        size, naming what differs."""
+        height, width = self.image_size
+        channels = self._arguments["channels"]
+        # A side a traced graph leaves unknown is a tensor here, not an int: unchecked.
+        shape = tuple(side if isinstance(side, int) else None for side in shape)
+        if len(shape) != 4:
+            single = (" One image: add a batch axis (images[None], or a dataset's .batch(n))."
+                      if shape == (height, width, channels) else "")
+            raise ValueError(f"Model {self.name!r} takes a batch of images, shape (batch, "
+                             f"{height}, {width}, {channels}); got shape {shape}.{single}")
+        if shape[1:3] != (height, width) and None not in shape[1:3]:
+            raise ValueError(
+                f"Model {self.name!r} takes {height}x{width} images; got {shape[1]}x{shape[2]}. "
+                f"Resize the images, or build the model with image_size={shape[1:3]} or "
+                f"dynamic_image_size=True.")
+        # One channel broadcasts to the model's in a per-channel normalisation: grey as RGB.
+        normalized_channels = [len(getattr(self.rescale, name, ())) for name in ("mean", "std")]
+        broadcasts = channels == max(normalized_channels)
+        if shape[3] not in (None, channels) and not (
+                shape[3] == 1 and broadcasts):
+            raise ValueError(f"Model {self.name!r} takes images of {channels} channels; "
+                             f"got {shape[3]}.")
 
     def predict_on_batch(self, x):
         """Keras' `predict_on_batch`: outputs of one batch as NumPy arrays. On JAX one jitted
@@ -284,6 +304,38 @@ class ViT(keras.Model):
         if keras.backend.backend() == "jax":
             return jax_predict.predict_on_batch(self, x)
         return super().predict_on_batch(x)
+
+    # The images are checked before Keras runs: TensorFlow traces a second `fit` for images of
+    # any size, which then fails deep in the graph. A call that raises would leave the model
+    # without its weights on JAX, and unable to train again on TensorFlow
+    # (`vit_keras.model.failed_calls`).
+
+    def fit(self, *args, **kwargs):
+        self._check_data(args[0] if args else kwargs.get("x"))
+        with failed_calls.kept_on_error(self):
+            return super().fit(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        self._check_data(args[0] if args else kwargs.get("x"))
+        with failed_calls.kept_on_error(self):
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        self._check_data(args[0] if args else kwargs.get("x"))
+        with failed_calls.kept_on_error(self):
+            return super().predict(*args, **kwargs)
+
+    def _check_data(self, x):
+        """`_check_images` for an array of images, or a `tf.data.Dataset` of them (alone, or
+        first in a tuple); generators and the rest are checked as they are traced."""
+        if self.dynamic_image_size or self.naflex:
+            return
+        spec = getattr(x, "element_spec", None)  # a tf.data.Dataset
+        if isinstance(spec, tuple) and spec:
+            spec = spec[0]
+        shape = getattr(spec if spec is not None else x, "shape", None)
+        if shape is not None and getattr(shape, "rank", 0) is not None:
+            self._check_images(tuple(shape))
 
     # -- configuration ----------------------------------------------------------------------------
 
