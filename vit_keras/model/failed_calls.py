@@ -29,7 +29,8 @@ def kept_on_error(model):
     weights (on JAX the latest its steps made, or those it had before the call) and can run
     again; the error goes on."""
     backend = keras.backend.backend()
-    held = ([(variable, variable.value) for variable in _state_variables(model)]
+    # `_value`, the array itself (`.value` checks scopes: +0.25 ms for a ViT-B's 200 variables).
+    held = ([(variable, variable._value) for variable in _state_variables(model)]  # pylint: disable=protected-access
             if backend == "jax" else [])
     try:
         yield
@@ -38,7 +39,7 @@ def kept_on_error(model):
             model.jax_state_sync()
             for variable, value in held:
                 # A value donated to a step that ran is gone; that step's result is in place.
-                if variable._value is None and not value.is_deleted():  # pylint: disable=protected-access
+                if variable._value is None and value is not None and not value.is_deleted():  # pylint: disable=protected-access
                     variable.assign(value)
             model._jax_state = None  # pylint: disable=protected-access  (as Keras' calls end)
         elif backend == "tensorflow":
@@ -50,5 +51,5 @@ def _state_variables(model):
     """Every variable Keras' JAX trainer may take off the model: its own, its optimizer's (once
     built) and its metrics'."""
     optimizer = getattr(model, "optimizer", None)
-    return [*model.trainable_variables, *model.non_trainable_variables,
-            *(optimizer.variables if optimizer is not None else ()), *model.metrics_variables]
+    return [*model.variables, *(optimizer.variables if optimizer is not None else ()),
+            *model.metrics_variables]
