@@ -292,8 +292,7 @@ class ViT(keras.Model):
         # One channel broadcasts to the model's in a per-channel normalisation: grey as RGB.
         normalized_channels = [len(getattr(self.rescale, name, ())) for name in ("mean", "std")]
         broadcasts = channels == max(normalized_channels)
-        if shape[3] not in (None, channels) and not (
-                shape[3] == 1 and broadcasts):
+        if shape[3] not in (None, channels) and not (shape[3] == 1 and broadcasts):
             raise ValueError(f"Model {self.name!r} takes images of {channels} channels; "
                              f"got {shape[3]}.")
 
