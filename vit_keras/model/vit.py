@@ -310,19 +310,18 @@ class ViT(keras.Model):
     # (`vit_keras.model.failed_calls`).
 
     def fit(self, *args, **kwargs):
-        self._check_data(args[0] if args else kwargs.get("x"))
-        with failed_calls.kept_on_error(self):
-            return super().fit(*args, **kwargs)
+        return self._checked(super().fit, args, kwargs)
 
     def evaluate(self, *args, **kwargs):
-        self._check_data(args[0] if args else kwargs.get("x"))
-        with failed_calls.kept_on_error(self):
-            return super().evaluate(*args, **kwargs)
+        return self._checked(super().evaluate, args, kwargs)
 
     def predict(self, *args, **kwargs):
+        return self._checked(super().predict, args, kwargs)
+
+    def _checked(self, run, args, kwargs):
         self._check_data(args[0] if args else kwargs.get("x"))
         with failed_calls.kept_on_error(self):
-            return super().predict(*args, **kwargs)
+            return run(*args, **kwargs)
 
     def _check_data(self, x):
         """`_check_images` for an array of images, or a `tf.data.Dataset` of them (alone, or
