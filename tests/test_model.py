@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import vit_keras
+from vit_keras.training import masked_patch_prediction
 
 from conftest import TINY_CONFIG, random_images, randomize_weights, tiny_data, tiny_model
 
@@ -238,6 +239,34 @@ def test_a_call_that_fails_at_its_first_step_leaves_the_model_its_weights(method
         for weight, value in zip(model.get_weights(), before):
             np.testing.assert_array_equal(weight, value)
         _run(model, method, images, labels, batch_size=2)  # the same call runs now
+
+
+def _wrong_size_batches(method):
+    batch = random_images(2, 16, 16)
+    return ((batch,) if method == "predict" else (batch, np.zeros((2, 1))) for _ in range(2))
+
+
+# The models vit_keras builds around a ViT's layers share its variables: on JAX their failing
+# call took the ViT's weights away.
+@pytest.mark.parametrize("wrapper,method", [("feature_extractor", "predict"),
+                                            ("pretraining_model", "fit")])
+def test_a_failing_call_of_a_model_around_a_vits_layers_leaves_the_vit_its_weights(wrapper,
+                                                                                    method):
+    vit = randomize_weights(tiny_model(TINY_CONFIG))
+    images = random_images(2, 8, 8)
+    expected = vit.predict(images, verbose=0)
+    if wrapper == "feature_extractor":
+        model = vit_keras.build_feature_extractor(vit)
+    else:
+        model = masked_patch_prediction.build_pretraining_model(vit, seed=0)
+        model.compile(optimizer=keras.optimizers.SGD(0.0), loss=None)
+    for _ in ("new", "has run"):
+        with pytest.raises(Exception, match="found shape|position embeddings for"):
+            getattr(model, method)(_wrong_size_batches(method), verbose=0)
+        np.testing.assert_array_equal(vit.predict(images, verbose=0), expected)
+        # The same call runs now (a learning rate of 0 leaves the ViT's outputs as they were).
+        getattr(model, method)(images, *([np.zeros((2, 1))] if method == "fit" else []),
+                               verbose=0)
 
 
 class _RaisesAtBatch(keras.callbacks.Callback):

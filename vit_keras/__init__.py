@@ -25,6 +25,7 @@ from vit_keras.inspection.analysis import (
 )
 from vit_keras.inspection.features import build_feature_extractor, intermediate_features
 from vit_keras.model.configs import VARIANTS, ViTConfig, get_config
+from vit_keras.model.failed_calls import FailSafeModel
 from vit_keras.model.heads import MAPHead, TokenPooling
 from vit_keras.model.layers import (
     AddPositionEmbs,
@@ -72,6 +73,7 @@ _moved.register(_sys.modules[__name__])
 
 __all__ = [
     "ViT",
+    "FailSafeModel",
     "build_model",
     "build_model_from_checkpoint",
     "with_dynamic_image_size",

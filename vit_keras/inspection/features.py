@@ -18,7 +18,7 @@ from keras import ops
 import numpy as np
 
 from vit_keras import model as vit_model
-from vit_keras.model import geometry
+from vit_keras.model import failed_calls, geometry
 
 OUTPUTS = ("tokens", "grid", "pooled")
 
@@ -172,8 +172,9 @@ def build_feature_extractor(model, blocks=None, output="tokens", norm=True):
         outputs.append(x)
     # TensorFlow takes a model's name as a name scope, where "+" (in hybrids' names) is refused.
     extractor_name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{vit.name}_features")
-    return keras.Model(vit.input, outputs[0] if len(outputs) == 1 else outputs,
-                       name=extractor_name)
+    # Its failing `predict` keeps the weights it shares with `vit` (`failed_calls`).
+    return failed_calls.FailSafeModel(vit.input, outputs[0] if len(outputs) == 1 else outputs,
+                                      name=extractor_name)
 
 
 def intermediate_features(model, images, blocks=None, output="tokens", norm=True, batch_size=16):

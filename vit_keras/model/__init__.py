@@ -2,7 +2,8 @@
 JAX or torch at import), so one model runs on every backend.
 
 - `vit.py`: `ViT`, the model that owns its structure; `with_dynamic_image_size`,
-  `attention_scores`.
+  `attention_scores`. `failed_calls.py`: `FailSafeModel`, its base, whose failing `fit`,
+  `evaluate` or `predict` keeps the weights.
 - `configs.py`: the variant table.
 - `layers.py`: the token layers and the encoder block; the block's slots, each a table of
   implementations: `attention.py` (and its kernels per device), `mlp.py`, `norms.py`,

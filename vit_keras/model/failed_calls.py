@@ -16,6 +16,10 @@ to run again. Two upstream bugs took that away (Keras 3.15.1; its main branch of
 began; on TensorFlow it drops the traced training step, to be traced anew. Holding the starting
 values costs nothing: the compiled step donates its inputs, so a value a step replaced is freed
 as it would be without this. (Without `jit_compile`, a JAX `fit` keeps them until it returns.)
+
+`FailSafeModel` is a functional `keras.Model` whose calls run inside it: `vit_keras.ViT` is one,
+and so are the models vit_keras builds around a ViT's layers (feature extractors, the masked patch
+prediction model), whose failing call would otherwise take away the weights they share with it.
 """
 
 import contextlib
@@ -53,3 +57,25 @@ def _state_variables(model):
     optimizer = getattr(model, "optimizer", None)
     return [*model.variables, *(optimizer.variables if optimizer is not None else ()),
             *model.metrics_variables]
+
+
+@keras.saving.register_keras_serializable(package="vit_keras")
+class FailSafeModel(keras.Model):
+    """A functional `keras.Model`, `FailSafeModel(inputs, outputs, name=None)`, whose `fit`,
+    `evaluate` and `predict` keep its weights (and so those of any model it shares layers with)
+    when they raise: `kept_on_error`. It saves and loads as a functional model does."""
+
+    def __init__(self, inputs, outputs, name=None, **kwargs):
+        super().__init__(inputs, outputs, name=name, **kwargs)
+
+    def fit(self, *args, **kwargs):
+        with kept_on_error(self):
+            return super().fit(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        with kept_on_error(self):
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        with kept_on_error(self):
+            return super().predict(*args, **kwargs)

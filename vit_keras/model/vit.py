@@ -35,7 +35,7 @@ CLASSIFIERS = heads.CLASSIFIERS
 
 
 @keras.saving.register_keras_serializable(package="vit_keras")
-class ViT(keras.Model):
+class ViT(failed_calls.FailSafeModel):
     """A Vision Transformer (or an R+ViT hybrid): images `(batch, height, width, channels)` →
     logits `(batch, num_classes)` (float32 under mixed precision), or pooled features `(batch,
     features)` without the top.
@@ -305,23 +305,20 @@ class ViT(keras.Model):
         return super().predict_on_batch(x)
 
     # The images are checked before Keras runs: TensorFlow traces a second `fit` for images of
-    # any size, which then fails deep in the graph. A call that raises would leave the model
-    # without its weights on JAX, and unable to train again on TensorFlow
-    # (`vit_keras.model.failed_calls`).
+    # any size, which then fails deep in the graph. A call that raises keeps the model's weights
+    # (`failed_calls.FailSafeModel`).
 
     def fit(self, *args, **kwargs):
-        return self._checked(super().fit, args, kwargs)
+        self._check_data(args[0] if args else kwargs.get("x"))
+        return super().fit(*args, **kwargs)
 
     def evaluate(self, *args, **kwargs):
-        return self._checked(super().evaluate, args, kwargs)
+        self._check_data(args[0] if args else kwargs.get("x"))
+        return super().evaluate(*args, **kwargs)
 
     def predict(self, *args, **kwargs):
-        return self._checked(super().predict, args, kwargs)
-
-    def _checked(self, run, args, kwargs):
         self._check_data(args[0] if args else kwargs.get("x"))
-        with failed_calls.kept_on_error(self):
-            return run(*args, **kwargs)
+        return super().predict(*args, **kwargs)
 
     def _check_data(self, x):
         """`_check_images` for an array of images, or a `tf.data.Dataset` of them (alone, or
@@ -464,7 +461,7 @@ class ViT(keras.Model):
         tokens `(batch, tokens, hidden)`; with rotary embeddings to those tokens and each block's
         second input, the tokens' coordinates `(tokens, 2)` or their rotation `(2, 1, tokens,
         head_dim)` (see `vit_keras.model.position_embeddings`)."""
-        return keras.Model(self.input, self.blocks[0].input)
+        return failed_calls.FailSafeModel(self.input, self.blocks[0].input)
 
     # -- adopting models saved before this class --------------------------------------------------
 

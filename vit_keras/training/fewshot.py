@@ -21,6 +21,7 @@ import keras
 import numpy as np
 
 from vit_keras import model as model_lib
+from vit_keras.model import failed_calls
 from vit_keras.training import masked_patch_prediction
 
 BIAS_CONSTANT = 100.0
@@ -53,7 +54,7 @@ def feature_extractor(model):
     # DeiT distilled: the mean of its two heads' inputs (timm's pre-logits).
     inputs = [head.input for head in vit.heads]
     features = inputs[0] if len(inputs) == 1 else keras.layers.Average()(inputs)
-    return keras.Model(vit.input, features)
+    return failed_calls.FailSafeModel(vit.input, features)
 
 
 def extract_features(model, images, batch_size=256):

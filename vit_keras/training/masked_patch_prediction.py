@@ -32,7 +32,7 @@ import keras
 from keras import ops
 
 from vit_keras import model as model_lib
-from vit_keras.model import heads, layers
+from vit_keras.model import failed_calls, heads, layers
 
 _PACKAGE = "vit_keras"
 TARGETS = ("mean_colour", "downsampled_colour", "pixels")
@@ -337,7 +337,8 @@ def build_pretraining_model(vit, target="mean_colour", corruption_rate=0.5, mask
                                      name="mpp_head")(PatchTokens(prefix, name="patch_tokens")(x))
     targets = MaskedPatchTargets(patch_size, target, name="mpp_targets")(images)
     outputs = MaskedPatchPredictionLoss(target, name="mpp_loss")([predictions, targets, mask])
-    return keras.Model(images, outputs, name=name or f"{vit.name}_mpp")
+    # Its failing `fit` keeps the weights it shares with `vit` (`failed_calls`).
+    return failed_calls.FailSafeModel(images, outputs, name=name or f"{vit.name}_mpp")
 
 
 def _has(model, kind):
