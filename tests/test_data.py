@@ -95,7 +95,6 @@ def test_training_stream_is_a_function_of_seed_and_example_index():
         data.make_pipeline(splits, "val", image_size=8, batch_size=4, start_batch=3)
 
 
-@pytest.mark.slow  # over 5 s alone: out of make test-fast
 def test_mixup_and_cutmix_give_soft_labels_that_sum_to_one():
     splits = data.load_splits("digits", log=lambda _: None)
     augmentation = data.Augmentation(crop_area=(0.8, 1.0), flip=False, randaugment=(2, 0.5),
@@ -602,7 +601,6 @@ def test_prepared_tfds_dataset_loads_with_vit_jax_splits(tmp_path):
     assert images.shape == (6, 8, 8, 3) and labels.shape == (6, 3)
 
 
-@pytest.mark.slow  # over 5 s alone: out of make test-fast
 def test_batch_augmentations_stay_float32_under_mixed_precision():
     import keras
 

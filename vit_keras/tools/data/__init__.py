@@ -844,16 +844,19 @@ def _training_stream(splits, split, shuffle_buffer, repeat, seed, start_example)
 
 
 def batch_augmentations(augmentation, seed=0):
-    """The per-batch `keras.layers` (RandAugment, MixUp, CutMix) an `Augmentation` asks for.
+    """The per-batch `keras.layers` (RandAugment, MixUp, CutMix) an `Augmentation` asks for
+    (RandAugment: `rand_augment.RandAugment`, Keras' with an equalisation that traces small).
 
     They compute in float32 whatever the global (mixed precision) policy: the pipeline's output is
     float32 pixels and labels."""
     import keras
 
+    from vit_keras.tools.data import rand_augment
+
     layers = []
     if augmentation.randaugment:
         num_ops, magnitude = augmentation.randaugment
-        layers.append(keras.layers.RandAugment(value_range=(0, 255), num_ops=int(num_ops),
+        layers.append(rand_augment.RandAugment(value_range=(0, 255), num_ops=int(num_ops),
                                                factor=float(magnitude), seed=seed,
                                                dtype="float32"))
     if augmentation.mixup:
