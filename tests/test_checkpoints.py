@@ -8,6 +8,7 @@ scales near 1, so logits spread well beyond the tolerance.
 Tolerance: fp32 with exact GELU on both sides, max|a - b| / max|b| <= 1e-4 (seen: ~3e-7).
 """
 
+import errno
 from functools import partial
 import json
 import logging
@@ -374,6 +375,31 @@ def test_save_npz_round_trips_through_timm(tmp_path, classifier):
     reference = timm_vit(classifier=classifier)
     _load_weights(reference, path)
     assert relative(torch_logits(reference, images()), keras_logits(model, images())) < RTOL
+
+
+def test_a_save_npz_that_fails_while_writing_leaves_the_file_it_replaces(tmp_path, monkeypatch):
+    from vit_keras.weights.checkpoints import npz
+
+    model = keras_vit()
+    path = vit_keras.save_npz(model, str(tmp_path / "out.npz"))
+    with open(path, "rb") as f:
+        before = f.read()
+
+    def fills_the_disk(file, **arrays):
+        file.write(before[:100])  # part of a file, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(npz.np, "savez", fills_the_disk)
+    with pytest.raises(OSError, match="No space left"):
+        vit_keras.save_npz(model, path)
+    monkeypatch.undo()
+    with open(path, "rb") as f:
+        assert f.read() == before
+    assert os.listdir(tmp_path) == ["out.npz"]  # no temporary file left
+    # A link at the path is replaced, not written through.
+    os.symlink(path, tmp_path / "link.npz")
+    vit_keras.save_npz(model, str(tmp_path / "link.npz"))
+    assert not os.path.islink(tmp_path / "link.npz")
 
 
 def test_hybrid_npz_matches_timm(tmp_path):

@@ -6,6 +6,9 @@ patch * 3, width)`, and its position grid as `(rows, cols, width)`; it resizes t
 bilinearly with antialiasing (`jax.image.scale_and_translate`) and its MLPs compute Flax's
 (tanh) GELU. Such a file reads as a NaFlex model with those settings (`_naflex`)."""
 
+import contextlib
+import os
+
 import numpy as np
 
 from vit_keras import errors
@@ -67,11 +70,20 @@ def _naflex(params, path):
 
 def write(path, params, input_normalization=None):
     """Writes canonical params as an uncompressed `.npz` at exactly `path` (the official layout),
-    with the model's input normalisation as two extra arrays where it is not the original
-    weights' (vit_jax and timm read the arrays they know and leave these)."""
+    atomically, with the model's input normalisation as two extra arrays where it is not the
+    original weights' (vit_jax and timm read the arrays they know and leave these)."""
     arrays = {key: np.asarray(value) for key, value in params.items()}
     if input_normalization is not None and not input_normalization.matches(pixel_normalization.PAPER):
         arrays[NORMALIZATION + "mean"] = np.asarray(input_normalization.mean, np.float64)
         arrays[NORMALIZATION + "std"] = np.asarray(input_normalization.std, np.float64)
-    with open(path, "wb") as f:
-        np.savez(f, **arrays)
+    # Through a temporary file and `os.replace`: a write that fails (a full disk, Ctrl-C) leaves
+    # the file at `path` as it was, and a link there is replaced, never written through.
+    temporary = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(temporary, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temporary)
+        raise
