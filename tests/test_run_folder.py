@@ -119,3 +119,26 @@ def test_overwrite_says_it_deletes_only_once_the_folder_passed_as_a_run_folder(t
     folder.write_metrics({"test_accuracy": 0.5})
     training.finished_run(folder, overwrite=True, log=lines.append)
     assert any("deleted" in line for line in lines), lines
+
+
+def test_a_file_that_fills_the_disk_while_written_is_one_error_and_the_old_one_stays(tmp_path):
+    """A run folder's flags, metrics, class names and training curves are written by
+    `atomic_write_bytes` (its model by `atomic_save_model`)."""
+    import resource  # POSIX only
+
+    from vit_keras.tools.runs import run_folder
+
+    path = str(tmp_path / "training_curves.png")
+    run_folder.atomic_write_bytes(b"the last epoch's curves", path)
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    # Writes past 16 KiB fail with EFBIG, as on a full disk with ENOSPC (Python ignores SIGXFSZ).
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, limits[1]))
+    try:
+        with pytest.raises(run_folder.RunFolderWriteError) as raised:
+            run_folder.atomic_write_bytes(bytes(64 * 1024), path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    assert str(raised.value).startswith(f"Cannot write {path}: File too large. Free space")
+    with open(path, "rb") as f:
+        assert f.read() == b"the last epoch's curves"
+    assert os.listdir(tmp_path) == ["training_curves.png"]

@@ -226,8 +226,8 @@ def filter_components_figure(components, path, explained=None, columns=7, title=
 
 def plot_history(history, path):
     """Loss and accuracy per epoch (train and val), from `run_folder.read_history` rows, as a
-    10x4 inch PNG at 100 dpi; a metric no row holds (a pre-training run's accuracy) gets no
-    panel."""
+    10x4 inch PNG at 100 dpi written to `path` (a file name or a binary file object); a metric no
+    row holds (a pre-training run's accuracy) gets no panel."""
     metrics = [m for m in ("loss", "accuracy") if any(m in row for row in history)] or ["loss"]
     figure = _figure(10, 4)
     epochs = [row["epoch"] + 1 for row in history]

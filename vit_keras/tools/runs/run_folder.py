@@ -80,12 +80,17 @@ def atomic_write_json(data, path):
 
 
 def atomic_write_text(text, path):
-    """`text` written to `path` through a temporary file and `os.replace`, never through a link
+    """`text` written to `path` as UTF-8, atomically and never through a link."""
+    atomic_write_bytes(text.encode("utf-8"), path)
+
+
+def atomic_write_bytes(data, path):
+    """`data` written to `path` through a temporary file and `os.replace`, never through a link
     (`RunFolderWriteError` names `path` when it cannot be written)."""
     temporary = f"{path}.tmp-{os.getpid()}"
     with writing(path, temporary):
-        with open_new_file(temporary, encoding="utf-8") as f:
-            f.write(text)
+        with open_new_file(temporary, "wb") as f:
+            f.write(data)
         os.replace(temporary, path)
 
 
