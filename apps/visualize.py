@@ -13,6 +13,11 @@ writes to `--out`:
 `--model` is a `.keras` file saved on any backend, or a variant name such as `ViT-Ti/16` for a
 randomly initialised model (to try the app). Images are resized to the model's input size; images
 after `--images` that are not flags also count (`--images a.jpg b.png`).
+
+An `--out` that holds any of these files (an earlier run's) stops the app with status 2 before the
+model loads, unless `--overwrite`: then the new files replace them and those this run does not
+write (the rollout without `--images`) are deleted, so the folder describes one run. Each file is
+written whole or not at all.
 """
 
 import _backend
@@ -40,8 +45,23 @@ config_flags.define_number("num_components", 28, "Principal components of the fi
 config_flags.define_number("batch_size", 8, "Images per forward pass.", bounds="[1, inf)", kind=int)
 config_flags.define_number("seed", 0, "Seed of the random weights for a variant name.",
                            bounds="[0, 4294967295]", kind=int)
+flags.DEFINE_bool("overwrite", False,
+                  "Replace the figures and analysis.json of an earlier run in --out. Without it, "
+                  "an --out that holds any of them stops the app before the model loads.")
 flags.mark_flags_as_required(["model", "out"])
 FLAGS = flags.FLAGS
+OUTPUTS = ("rollout.png", "attention_distance.png", "position_embedding_similarity.png",
+           "embedding_filters.png", "analysis.json")
+
+
+def check_out():
+    """The app's files already in --out (an earlier run's): refused without --overwrite."""
+    existing = [name for name in OUTPUTS if os.path.lexists(os.path.join(FLAGS.out, name))]
+    if existing and not FLAGS.overwrite:
+        raise app.UsageError(
+            f"--out {FLAGS.out} holds {', '.join(existing)} of an earlier run; pass --overwrite "
+            f"to replace {'it' if len(existing) == 1 else 'them'}, or choose another --out.")
+    return existing
 
 
 def load_model(spec):
@@ -129,11 +149,13 @@ def image_titles(model, inputs, paths):
 @_common.exit_on_user_error
 def main(argv):
     paths = list(FLAGS.images) + list(argv[1:])
+    earlier = check_out()
     pictures = read_images(paths)  # a missing or bad file: a one-line error (exit_on_user_error)
 
     import vit_keras  # Keras, after the images are known to be readable
     from vit_keras.inspection import analysis
     from vit_keras.tools import plots
+    from vit_keras.tools.runs import run_folder
 
     model = load_model(FLAGS.model)
     _, height, width, channels = model.inputs[0].shape
@@ -184,9 +206,12 @@ def main(argv):
                         "pixels: skipping the filter figure.", kernel.shape[2])
 
     written.append(os.path.join(FLAGS.out, "analysis.json"))
-    with open(written[-1], "w") as file:
-        file.write("{\n" + ",\n".join(f" {json.dumps(key)}: {json.dumps(value)}"
-                                       for key, value in summary.items()) + "\n}\n")
+    run_folder.atomic_write_text("{\n" + ",\n".join(f" {json.dumps(key)}: {json.dumps(value)}"
+                                                     for key, value in summary.items()) + "\n}\n",
+                                 written[-1])
+    for name in earlier:  # --overwrite: the earlier run's files this one did not replace
+        if os.path.join(FLAGS.out, name) not in written:
+            run_folder.remove_link_or_file(os.path.join(FLAGS.out, name))
     for path in written:
         print(path)
 

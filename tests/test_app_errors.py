@@ -46,6 +46,9 @@ CASES = {
         "finetune.py", ["--model=ViT-Ti/16", "--image_size=30", "--epochs=1",
                         "--output_dir={tmp}/runs"],
         ["30 is not divisible by patch size 16", "multiple of 16"]),
+    "visualize_out_of_an_earlier_run": (
+        "visualize.py", ["--model=ViT-Ti/16", "--image_size=32", "--out={tmp}/figures"],
+        ["--out", "figures holds analysis.json of an earlier run", "pass --overwrite"]),
     "visualize_image_size_not_divisible": (
         "visualize.py", ["--model=ViT-Ti/16", "--image_size=30", "--out={tmp}/figures"],
         ["30 is not divisible by patch size 16"]),
@@ -115,13 +118,22 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp("app_errors"))
+def cases_folder(tmp_path_factory):
+    """The folder `results` runs the apps in: their inputs and outputs."""
+    return str(tmp_path_factory.mktemp("app_errors"))
+
+
+@pytest.fixture(scope="module")
+def results(cases_folder):
+    tmp = cases_folder
     vit_keras.build_model(TINY_CONFIG, image_size=16, num_classes=3).save(
         os.path.join(tmp, "three_classes.keras"))
     for name, text in (("notes.txt", "not a model"), ("damaged.keras", "not a zip archive")):
         with open(os.path.join(tmp, name), "w") as f:
             f.write(text)
+    os.makedirs(os.path.join(tmp, "figures"))
+    with open(os.path.join(tmp, "figures", "analysis.json"), "w") as f:
+        f.write("{}\n")
     with zipfile.ZipFile(os.path.join(tmp, "unknown_layer.keras"), "w") as archive:
         archive.writestr("config.json", '{"class_name": "NoSuchLayer", "config": {}}')
 
@@ -173,6 +185,16 @@ def test_a_model_that_is_not_a_keras_file_is_a_one_line_error(results, case):
 def test_keras_weights_of_another_architecture_than_model_is_a_one_line_error(results):
     case = "finetune_keras_weights_of_another_variant"
     _assert_one_line_error(results[case], *CASES[case][2])
+
+
+@pytest.mark.slow
+def test_figures_of_an_earlier_run_are_not_replaced_without_overwrite(results, cases_folder):
+    case = "visualize_out_of_an_earlier_run"
+    _assert_one_line_error(results[case], *CASES[case][2])
+    figures = os.path.join(cases_folder, "figures")
+    assert os.listdir(figures) == ["analysis.json"]
+    with open(os.path.join(figures, "analysis.json")) as f:
+        assert f.read() == "{}\n"
 
 
 # --- careless flags (vit_keras issue 41, items 1, 3, 5 and 10) ----------------------------------

@@ -77,11 +77,18 @@ def test_app_uses_the_feature_map_grid_of_a_hybrid_and_skips_its_filters(tmp_pat
         {"name": "hybrid", "patch_size": 1, "hidden_size": 16, "mlp_dim": 32, "num_heads": 2,
          "num_layers": 1, "resnet_layers": ()},
         image_size=32, num_classes=3, classifier="gap").save(tmp_path / "hybrid.keras")
+    # An earlier run's files in --out: replaced, or deleted where this run writes none.
+    (tmp_path / "out").mkdir()
+    for name in ("embedding_filters.png", "analysis.json"):
+        (tmp_path / "out" / name).write_text("an earlier run's")
+    (tmp_path / "out" / "notes.txt").write_text("not the app's")
     result = run_app("--model", str(tmp_path / "hybrid.keras"), "--images",
-                     write_images(tmp_path)[0], "--out", str(tmp_path / "out"))
+                     write_images(tmp_path)[0], "--out", str(tmp_path / "out"), "--overwrite")
     assert result.returncode == 0, result.stderr
     assert "skipping the filter figure" in result.stderr
     assert not (tmp_path / "out" / "embedding_filters.png").exists()
+    assert (tmp_path / "out" / "notes.txt").read_text() == "not the app's"
+    assert not [name for name in os.listdir(tmp_path / "out") if ".tmp-" in name]
     assert png_size(tmp_path / "out" / "rollout.png") == (750, 250)
     summary = json.loads((tmp_path / "out" / "analysis.json").read_text())
     assert summary["grid"] == [8, 8] and summary["token_size_pixels"] == [4.0, 4.0]

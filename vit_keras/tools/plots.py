@@ -1,10 +1,13 @@
 """Figures in the style of the paper's Figures 6 and 7 from the arrays of `vit_keras.analysis`,
 and a training run's curves (`plot_history`).
 
-Each function writes one PNG of a fixed pixel size (stated in its docstring) and returns the path.
+Each function writes one PNG of a fixed pixel size (stated in its docstring), atomically, and
+returns the path.
 matplotlib is imported inside the functions and drawn with its Agg canvas (no pyplot state, no
 display needed); install it with the `apps` extra.
 """
+
+import io
 
 import numpy as np
 
@@ -21,7 +24,13 @@ def _figure(width_in, height_in):
 
 
 def _save(figure, path):
-    figure.savefig(path, dpi=_DPI, format="png")
+    """Draws `figure` in memory, then writes it whole or not at all (`atomic_write_bytes`: a
+    temporary file and `os.replace`, never through a link)."""
+    from vit_keras.tools.runs import run_folder
+
+    png = io.BytesIO()
+    figure.savefig(png, dpi=_DPI, format="png")
+    run_folder.atomic_write_bytes(png.getvalue(), path)
     return path
 
 
@@ -226,8 +235,8 @@ def filter_components_figure(components, path, explained=None, columns=7, title=
 
 def plot_history(history, path):
     """Loss and accuracy per epoch (train and val), from `run_folder.read_history` rows, as a
-    10x4 inch PNG at 100 dpi written to `path` (a file name or a binary file object); a metric no
-    row holds (a pre-training run's accuracy) gets no panel."""
+    10x4 inch PNG at 100 dpi; a metric no row holds (a pre-training run's accuracy) gets no
+    panel."""
     metrics = [m for m in ("loss", "accuracy") if any(m in row for row in history)] or ["loss"]
     figure = _figure(10, 4)
     epochs = [row["epoch"] + 1 for row in history]
@@ -243,5 +252,4 @@ def plot_history(history, path):
         axes.grid(alpha=0.3)
         axes.legend()
     figure.tight_layout()
-    figure.savefig(path, format="png")
-    return path
+    return _save(figure, path)

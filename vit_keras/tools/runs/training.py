@@ -8,7 +8,6 @@ objective's evaluation, the model, metrics.json last)."""
 import contextlib
 import dataclasses
 import importlib.util
-import io
 import math
 import os
 import shutil
@@ -763,9 +762,7 @@ def _report(state, fit_seconds):
     for part in state.parts:
         part.save(state.model, state.writes)  # LoRA: adapters.npz
     if state.processes.is_chief:
-        curves = io.BytesIO()  # drawn in memory, then written atomically
-        plots.plot_history(history, curves)
-        run_folder_lib.atomic_write_bytes(curves.getvalue(), state.folder.curves)
+        plots.plot_history(history, state.folder.curves)
     metrics = {
         **results,
         "images_per_second": state.throughput.images_per_second(),
