@@ -47,8 +47,8 @@ CASES = {
                         "--output_dir={tmp}/runs"],
         ["30 is not divisible by patch size 16", "multiple of 16"]),
     "visualize_out_of_an_earlier_run": (
-        "visualize.py", ["--model=ViT-Ti/16", "--image_size=32", "--out={tmp}/figures"],
-        ["--out", "figures holds analysis.json of an earlier run", "pass --overwrite"]),
+        "visualize.py", ["--model=ViT-Ti/16", "--image_size=32", "--out={tmp}/earlier_figures"],
+        ["--out", "earlier_figures holds analysis.json of an earlier run", "pass --overwrite"]),
     "visualize_image_size_not_divisible": (
         "visualize.py", ["--model=ViT-Ti/16", "--image_size=30", "--out={tmp}/figures"],
         ["30 is not divisible by patch size 16"]),
@@ -131,8 +131,8 @@ def results(cases_folder):
     for name, text in (("notes.txt", "not a model"), ("damaged.keras", "not a zip archive")):
         with open(os.path.join(tmp, name), "w") as f:
             f.write(text)
-    os.makedirs(os.path.join(tmp, "figures"))
-    with open(os.path.join(tmp, "figures", "analysis.json"), "w") as f:
+    os.makedirs(os.path.join(tmp, "earlier_figures"))
+    with open(os.path.join(tmp, "earlier_figures", "analysis.json"), "w") as f:
         f.write("{}\n")
     with zipfile.ZipFile(os.path.join(tmp, "unknown_layer.keras"), "w") as archive:
         archive.writestr("config.json", '{"class_name": "NoSuchLayer", "config": {}}')
@@ -191,7 +191,7 @@ def test_keras_weights_of_another_architecture_than_model_is_a_one_line_error(re
 def test_figures_of_an_earlier_run_are_not_replaced_without_overwrite(results, cases_folder):
     case = "visualize_out_of_an_earlier_run"
     _assert_one_line_error(results[case], *CASES[case][2])
-    figures = os.path.join(cases_folder, "figures")
+    figures = os.path.join(cases_folder, "earlier_figures")
     assert os.listdir(figures) == ["analysis.json"]
     with open(os.path.join(figures, "analysis.json")) as f:
         assert f.read() == "{}\n"
