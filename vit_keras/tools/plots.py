@@ -1,13 +1,15 @@
 """Figures in the style of the paper's Figures 6 and 7 from the arrays of `vit_keras.analysis`,
 and a training run's curves (`plot_history`).
 
-Each function writes one PNG of a fixed pixel size (stated in its docstring), atomically, and
-returns the path.
+Each function writes one PNG of a fixed pixel size (stated in its docstring) to a file name,
+whole or not at all, or to a binary file object, and returns it.
 matplotlib is imported inside the functions and drawn with its Agg canvas (no pyplot state, no
 display needed); install it with the `apps` extra.
 """
 
+import contextlib
 import io
+import os
 
 import numpy as np
 
@@ -24,13 +26,23 @@ def _figure(width_in, height_in):
 
 
 def _save(figure, path):
-    """Draws `figure` in memory, then writes it whole or not at all (`atomic_write_bytes`: a
-    temporary file and `os.replace`, never through a link)."""
-    from vit_keras.tools.runs import run_folder
-
+    """`figure` as a PNG into `path`, a binary file object, or a file name written whole or not
+    at all: drawn in memory, then through a temporary file and `os.replace` (a link at `path`
+    is replaced, not written through)."""
+    if hasattr(path, "write"):
+        figure.savefig(path, dpi=_DPI, format="png")
+        return path
     png = io.BytesIO()
     figure.savefig(png, dpi=_DPI, format="png")
-    run_folder.atomic_write_bytes(png.getvalue(), path)
+    temporary = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(temporary, "wb") as f:
+            f.write(png.getvalue())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temporary)
+        raise
     return path
 
 

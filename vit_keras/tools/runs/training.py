@@ -8,6 +8,7 @@ objective's evaluation, the model, metrics.json last)."""
 import contextlib
 import dataclasses
 import importlib.util
+import io
 import math
 import os
 import shutil
@@ -762,7 +763,9 @@ def _report(state, fit_seconds):
     for part in state.parts:
         part.save(state.model, state.writes)  # LoRA: adapters.npz
     if state.processes.is_chief:
-        plots.plot_history(history, state.folder.curves)
+        curves = io.BytesIO()  # written as every run file is: whole, a full disk one line
+        plots.plot_history(history, curves)
+        run_folder_lib.atomic_write_bytes(curves.getvalue(), state.folder.curves)
     metrics = {
         **results,
         "images_per_second": state.throughput.images_per_second(),
