@@ -34,5 +34,5 @@ class RandAugment(keras.layers.RandAugment):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.equalization = BincountEqualization(value_range=self.value_range,
-                                          data_format=self.data_format, dtype=self.dtype_policy)
+        self.equalization = BincountEqualization(
+            value_range=self.value_range, data_format=self.data_format, dtype=self.dtype_policy)
