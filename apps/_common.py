@@ -281,16 +281,12 @@ def save_checked_model(model, out):
     temporary name, reloaded and compared (`verify_reload`), then renamed into place, so `out` is
     never a partial or a wrong file. Returns the largest difference; raises
     `ReloadMismatchError` (the temporary file deleted)."""
+    from vit_keras import atomic_files
+
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    temporary = f"{out[:-len('.keras')]}.tmp-{os.getpid()}.keras"
-    model.save(temporary)
-    try:
-        difference = verify_reload(model, temporary, shown_as=out)
-    except ReloadMismatchError:
-        os.remove(temporary)
-        raise
-    os.replace(temporary, out)
-    return difference
+    with atomic_files.replacing(out, ".keras") as temporary:
+        model.save(temporary)
+        return verify_reload(model, temporary, shown_as=out)
 
 
 def run_flags_text(module_name, leave_out=("overwrite",)):

@@ -153,6 +153,7 @@ def main(argv):
     pictures = read_images(paths)  # a missing or bad file: a one-line error (exit_on_user_error)
 
     import vit_keras  # Keras, after the images are known to be readable
+    from vit_keras import atomic_files
     from vit_keras.inspection import analysis
     from vit_keras.tools import plots
     from vit_keras.tools.runs import run_folder
@@ -211,7 +212,7 @@ def main(argv):
                                  written[-1])
     for name in earlier:  # --overwrite: the earlier run's files this one did not replace
         if os.path.join(FLAGS.out, name) not in written:
-            run_folder.remove_link_or_file(os.path.join(FLAGS.out, name))
+            atomic_files.remove_link_or_file(os.path.join(FLAGS.out, name))
     for path in written:
         print(path)
 

@@ -1,7 +1,10 @@
 """LoRA, the linear probe and rematerialisation (`vit_keras.tools.finetuning`), and the run's
 checks of their flags."""
 
+import contextlib
+import errno
 import json
+import os
 
 import keras
 import numpy as np
@@ -156,6 +159,27 @@ def test_adapters_applied_to_the_base_give_the_merged_model(lora_run, tmp_path):
     stored = np.load(path)
     assert sum(stored[k].size for k in stored.files if not k.startswith("__")) == \
         finetuning.trainable_parameters(model)
+
+
+def test_adapters_that_fill_the_disk_leave_the_file_they_replace(lora_run, tmp_path, monkeypatch):
+    _, _, model = lora_run
+    path = finetuning.save_adapters(model, str(tmp_path / "adapters.npz"))
+    with open(path, "rb") as f:
+        before = f.read()
+
+    def fills_the_disk(file, **arrays):
+        with contextlib.ExitStack() as stack:
+            if isinstance(file, str):
+                file = stack.enter_context(open(file, "wb"))
+            file.write(before[:100])  # part of a file, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(finetuning.np, "savez", fills_the_disk)
+    with pytest.raises(OSError, match="No space left"):
+        finetuning.save_adapters(model, path)
+    with open(path, "rb") as f:
+        assert f.read() == before
+    assert os.listdir(tmp_path) == ["adapters.npz"]  # no temporary file left
 
 
 def test_adapters_refuse_a_base_of_another_shape(lora_run, tmp_path, tiny_config):

@@ -116,6 +116,11 @@ def test_host_memory_imports_only_the_standard_library():
     assert {i.split(".")[0] for i in _imports("vit_keras.host_memory")} <= {"ctypes", "sys"}
 
 
+def test_atomic_files_imports_only_the_standard_library():
+    """Every layer writes through it (the model's checkpoints, the tools, the apps)."""
+    assert {i.split(".")[0] for i in _imports("vit_keras.atomic_files")} <= {"contextlib", "os"}
+
+
 def test_the_builder_and_the_checkpoint_loader_do_not_import_each_other():
     checkpoints = [name for name in MODULES if name.startswith("vit_keras.weights.checkpoints")]
     for name in checkpoints:

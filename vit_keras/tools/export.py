@@ -57,6 +57,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from vit_keras import atomic_files
 from vit_keras.model import ViT
 from vit_keras.tools.runs.run_folder import RunFolder, atomic_write_text
 
@@ -514,8 +515,7 @@ def export_litert(model, path, quantize="none", max_num_patches=None):
             raise RuntimeError(
                 f"The LiteRT converter could not lower {model.name!r} to builtin ops only (Flex / "
                 f"Select-TF ops are not allowed): {error}") from error
-    with open(path, "wb") as f:
-        f.write(flatbuffer)
+    atomic_files.write_bytes(flatbuffer, path)
     return path
 
 
@@ -568,8 +568,7 @@ def export_onnx(model, path, opset=ONNX_OPSET):
     elif height is None:
         for axis, name in ((1, "height"), (2, "width")):
             model_proto.graph.input[0].type.tensor_type.shape.dim[axis].dim_param = name
-    with open(path, "wb") as f:
-        f.write(model_proto.SerializeToString())
+    atomic_files.write_bytes(model_proto.SerializeToString(), path)
     return path
 
 

@@ -33,7 +33,7 @@ import zlib
 import keras
 import numpy as np
 
-from vit_keras import errors
+from vit_keras import atomic_files, errors
 from vit_keras.model import ViT
 from vit_keras.model.layers import HeadsProjection
 from vit_keras.weights.checkpoints import files
@@ -213,9 +213,8 @@ def save_adapters(model, path):
     arrays = {weight.path: keras.ops.convert_to_numpy(weight) for weight in model.trainable_weights}
     arrays[_RANK_KEY] = np.asarray(targets[0].lora_rank)
     arrays[_ALPHA_KEY] = np.asarray(targets[0].lora_alpha, dtype="float64")
-    temporary = f"{path}.tmp-{os.getpid()}.npz"  # np.savez adds .npz to a name without it
-    np.savez(temporary, **arrays)
-    os.replace(temporary, path)
+    with atomic_files.replacing(path) as temporary, open(temporary, "wb") as f:
+        np.savez(f, **arrays)
     return path
 
 

@@ -7,11 +7,11 @@ matplotlib is imported inside the functions and drawn with its Agg canvas (no py
 display needed); install it with the `apps` extra.
 """
 
-import contextlib
 import io
-import os
 
 import numpy as np
+
+from vit_keras import atomic_files
 
 _DPI = 100
 
@@ -27,22 +27,14 @@ def _figure(width_in, height_in):
 
 def _save(figure, path):
     """`figure` as a PNG into `path`, a binary file object, or a file name written whole or not
-    at all: drawn in memory, then through a temporary file and `os.replace` (a link at `path`
-    is replaced, not written through)."""
+    at all: drawn in memory, then written by `atomic_files.write_bytes` (a link at `path` is
+    replaced, not written through)."""
     if hasattr(path, "write"):
         figure.savefig(path, dpi=_DPI, format="png")
         return path
     png = io.BytesIO()
     figure.savefig(png, dpi=_DPI, format="png")
-    temporary = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(temporary, "wb") as f:
-            f.write(png.getvalue())
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(temporary)
-        raise
+    atomic_files.write_bytes(png.getvalue(), path)
     return path
 
 

@@ -25,7 +25,7 @@ import threading
 import numpy as np
 import tensorflow as tf
 
-from vit_keras import errors
+from vit_keras import atomic_files, errors
 
 SPLITS = ("train", "val", "test")
 DIGITS = "digits"
@@ -355,12 +355,11 @@ class UnreadableFiles:
                 self._reasons.setdefault(file, reason)
             self._record = path if write else None
             if write:
-                temporary = f"{path}.tmp-{os.getpid()}"
-                with open(temporary, "w", encoding="utf-8") as f:
+                with atomic_files.replacing(path) as temporary, open(
+                        temporary, "w", encoding="utf-8") as f:
                     f.write(_RECORD_HEADER)
                     f.writelines(_record_line(file, reason) for file, reason in
                                  sorted(self._reasons.items()))
-                os.replace(temporary, path)
 
     def summary(self):
         """One line with the count and where the list is, or `None` when nothing was skipped."""

@@ -32,27 +32,13 @@ import socket
 
 import numpy as np
 
-from vit_keras import errors
+from vit_keras import atomic_files, errors
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # POSIX; Windows has no symbolic links to refuse here
 # The entries a run writes in its folder (beside the temporary files of its atomic writes):
 # `--overwrite` deletes a folder's contents only when it holds nothing else.
 RUN_FILES = ("model.keras", "adapters.npz", "metrics.json", "flags.txt", "class_names.json",
              "history.csv", "training_curves.png", "logs", "backup", "skipped_files.txt", "lock")
-
-
-def open_new_file(path, mode="w", **kwargs):
-    """`open(path, mode)` for writing a file anew, but never through a symbolic link: a link at
-    `path` is an `OSError` (`ELOOP`), its target untouched."""
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW, 0o644)
-    return os.fdopen(descriptor, mode, **kwargs)
-
-
-def remove_link_or_file(path):
-    """Removes what is at `path` when it is a file or a link (a link's target is untouched), so
-    that a writer that follows links (Keras, h5py) creates a new file there."""
-    if os.path.islink(path) or os.path.isfile(path):
-        os.remove(path)
 
 
 def atomic_save_model(model, path):
@@ -65,12 +51,9 @@ def atomic_save_model(model, path):
     crashes the process when the disk fills (a segmentation fault inside `File.close`)."""
     from vit_keras.tools.distributed import sharding
 
-    temporary = f"{path[:-len('.keras')]}.tmp-{os.getpid()}.keras"
-    with writing(path, temporary):
-        remove_link_or_file(temporary)
+    with writing(path), atomic_files.replacing(path, ".keras") as temporary:
         with sharding.whole_values(model):  # weights split over processes (fsdp): gathered
             model.save(temporary)
-        os.replace(temporary, path)
 
 
 def atomic_write_json(data, path):
@@ -85,13 +68,10 @@ def atomic_write_text(text, path):
 
 
 def atomic_write_bytes(data, path):
-    """`data` written to `path` through a temporary file and `os.replace`, never through a link
-    (`RunFolderWriteError` names `path` when it cannot be written)."""
-    temporary = f"{path}.tmp-{os.getpid()}"
-    with writing(path, temporary):
-        with open_new_file(temporary, "wb") as f:
-            f.write(data)
-        os.replace(temporary, path)
+    """`data` written to `path` whole or not at all, never through a link
+    (`atomic_files.write_bytes`; `RunFolderWriteError` names `path` when it cannot be written)."""
+    with writing(path):
+        atomic_files.write_bytes(data, path)
 
 
 # What a write fails with when the disk (or the quota, or the file-size limit) is full.
@@ -99,18 +79,16 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 @contextlib.contextmanager
-def writing(path, temporary=None):
-    """Turns an `OSError` raised while the block writes `path` (through the file `temporary`,
-    then deleted to give the space back) into a one-line `RunFolderWriteError` naming `path` and
-    what to do (`RunFolderError` for a link)."""
+def writing(path):
+    """Turns an `OSError` raised while the block writes `path` into a one-line
+    `RunFolderWriteError` naming `path` and what to do (`RunFolderError` for a link). A write
+    through `atomic_files.replacing` has deleted its temporary file by then, giving the space
+    back."""
     try:
         yield
     except RunFolderError:
         raise
     except OSError as error:
-        if temporary is not None and error.errno != errno.ELOOP:
-            with contextlib.suppress(OSError):
-                remove_link_or_file(temporary)
         raise write_error(path, error) from None
 
 

@@ -6,12 +6,10 @@ patch * 3, width)`, and its position grid as `(rows, cols, width)`; it resizes t
 bilinearly with antialiasing (`jax.image.scale_and_translate`) and its MLPs compute Flax's
 (tanh) GELU. Such a file reads as a NaFlex model with those settings (`_naflex`)."""
 
-import contextlib
-import os
 
 import numpy as np
 
-from vit_keras import errors
+from vit_keras import atomic_files, errors
 from vit_keras.model import pixel_normalization
 from vit_keras.weights.checkpoints import files, names
 
@@ -76,14 +74,5 @@ def write(path, params, input_normalization=None):
     if input_normalization is not None and not input_normalization.matches(pixel_normalization.PAPER):
         arrays[NORMALIZATION + "mean"] = np.asarray(input_normalization.mean, np.float64)
         arrays[NORMALIZATION + "std"] = np.asarray(input_normalization.std, np.float64)
-    # Through a temporary file and `os.replace`: a write that fails (a full disk, Ctrl-C) leaves
-    # the file at `path` as it was, and a link there is replaced, never written through.
-    temporary = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(temporary, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(temporary)
-        raise
+    with atomic_files.replacing(path) as temporary, open(temporary, "wb") as f:
+        np.savez(f, **arrays)
