@@ -255,25 +255,58 @@ def define_model_output_flags():
 
 
 def check_model_output(out, overwrite):
-    """Refuses, before any work, an `--out` that is not a `.keras` path, that is a symbolic link
-    (a file is written, never through a link), whose folder is not one (a file or a dangling
-    link in its path), or that exists and is not to be overwritten: a model written earlier is never
-    replaced without `--overwrite`."""
+    """Refuses, before any work, an `--out` that is not a `.keras` path, or one `check_output_file`
+    refuses: a model written earlier is never replaced without `--overwrite`."""
     if not out.endswith(".keras"):
         raise app.UsageError(f"--out must end with .keras; got {out!r}.")
-    if os.path.islink(out):
-        raise app.UsageError(f"--out {out} is a symbolic link (to {os.readlink(out)}); give the "
-                             f"path of the file itself.")
-    folder = os.path.dirname(os.path.abspath(out))
+    check_output_file("--out", out, overwrite)
+
+
+def check_output_file(flag, path, overwrite):
+    """Refuses, before any work, a file to write at `path` (given as `flag`) that is a symbolic
+    link (a file is written, never through a link) or a folder, whose folder is not one (a file
+    or a dangling link in its path), or that exists and is not to be overwritten. Missing folders
+    above it are fine: the writer creates them."""
+    if os.path.islink(path):
+        raise app.UsageError(f"{flag} {path} is a symbolic link (to {os.readlink(path)}); give "
+                             f"the path of the file itself.")
+    if os.path.isdir(path):
+        raise app.UsageError(f"{flag} {path} is a folder; give the path of a file.")
+    folder = os.path.dirname(os.path.abspath(path))
     while not os.path.lexists(folder):  # the nearest existing folder above it: created below
         folder = os.path.dirname(folder)
     if not os.path.isdir(folder):
-        raise app.UsageError(f"--out {out}: {folder} is not a folder"
+        raise app.UsageError(f"{flag} {path}: {folder} is not a folder"
                              + (" (a symbolic link to nothing)" if os.path.islink(folder) else "")
-                             + "; choose another --out.")
-    if os.path.exists(out) and not overwrite:
-        raise app.UsageError(f"{out} exists already: pass --overwrite to replace it, or choose "
-                             f"another --out.")
+                             + f"; choose another {flag}.")
+    if os.path.exists(path) and not overwrite:
+        raise app.UsageError(f"{path} exists already: pass --overwrite to replace it, or choose "
+                             f"another {flag}.")
+
+
+def define_json_flags(what):
+    """`--json` (a report written beside what the app prints) and `--overwrite`, listed by the
+    calling app's `--help`."""
+    module_name = _backend.flag_module()
+    flags.DEFINE_string("json", None, f"Also write {what} as JSON to this path.",
+                        module_name=module_name)
+    flags.DEFINE_bool("overwrite", False, "Replace the --json file if it exists (without it, an "
+                      "existing file stops the program before any work).", module_name=module_name)
+
+
+def check_json_output():
+    """`--json`, refused before any work as `check_output_file` refuses a file (an earlier
+    report is not replaced without `--overwrite`)."""
+    if FLAGS.json:
+        check_output_file("--json", FLAGS.json, FLAGS.overwrite)
+
+
+def write_json(data):
+    """`data` as indented JSON at `--json` (its folders created), whole or not at all."""
+    from vit_keras.tools.runs import run_folder
+
+    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json)), exist_ok=True)
+    run_folder.atomic_write_json(data, FLAGS.json)
 
 
 def save_checked_model(model, out):

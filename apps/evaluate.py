@@ -37,7 +37,7 @@ config_flags.define_number("val_fraction", None, "Held-out fraction for val (def
 config_flags.define_number("seed", None, "Seed of the held-out splits (default: the run's, else 0).",
                            bounds="[0, 4294967295]", kind=int)
 config_flags.define_number("batch_size", 256, "Evaluation batch size.", bounds="[1, inf)", kind=int)
-flags.DEFINE_string("json", None, "Also write the results as JSON to this path.")
+_common.define_json_flags("the results")
 flags.DEFINE_enum("quantize", "none", ["none", "int8"],
                   "int8: also evaluate the model with Keras' int8 weight quantization "
                   "(model.quantize('int8'), as apps/predict.py --quantize int8 runs it) on the same "
@@ -57,9 +57,10 @@ def main(argv):
 
     import vit_keras  # noqa: F401  (registers the layers for loading)
     from vit_keras.tools import data
-    from vit_keras.tools.runs import evaluation, run_folder
+    from vit_keras.tools.runs import evaluation
 
     _common.check_model_file(FLAGS.model)  # before the data loads
+    _common.check_json_output()
     dataset, splits = _common.load_run_splits(FLAGS.model, FLAGS.dataset, FLAGS.data_dir,
                                               FLAGS.seed, FLAGS.val_fraction)
     model = _common.load_keras_model(FLAGS.model)
@@ -102,7 +103,7 @@ def main(argv):
         accuracy = "-" if row["accuracy"] is None else f"{100 * row['accuracy']:.2f}%"
         print(f"| {name} | {row['count']} | {accuracy} |")
     if FLAGS.json:
-        run_folder.atomic_write_json(report, FLAGS.json)
+        _common.write_json(report)
     return 0
 
 

@@ -62,7 +62,7 @@ flags.DEFINE_enum("train_split", "train", ["train", "val", "test"], "Split the s
 flags.DEFINE_enum("test_split", "test", ["train", "val", "test"], "Split the probe is scored on.")
 config_flags.define_number("batch_size", 256, "Feature extraction batch size.",
                            bounds="[1, inf)", kind=int)
-flags.DEFINE_string("json", None, "Also write the results as JSON to this path.")
+_common.define_json_flags("the results")
 FLAGS = flags.FLAGS
 
 
@@ -74,7 +74,6 @@ def main(argv):
 
     import vit_keras  # registers the layers for loading
     from vit_keras.tools import data
-    from vit_keras.tools.runs import run_folder
     from vit_keras.training import fewshot
 
     try:
@@ -84,6 +83,7 @@ def main(argv):
     except ValueError:
         raise app.UsageError(f"--shots takes positive whole numbers (e.g. 1,5,10,25); got "
                              f"{','.join(FLAGS.shots)!r}.") from None
+    _common.check_json_output()
     if FLAGS.weights:  # checked before the data loads
         _common.check_weights(FLAGS.weights, FLAGS.model, FLAGS.image_size)
     else:
@@ -115,13 +115,13 @@ def main(argv):
           f"seeds, backend {keras.backend.backend()}.\n")
     print(fewshot.results_table(results))
     if FLAGS.json:
-        run_folder.atomic_write_json({
+        _common.write_json({
             "model": FLAGS.model if FLAGS.weights else os.path.abspath(FLAGS.model),
             "weights": FLAGS.weights, "dataset": dataset, "probe": FLAGS.probe,
             "l2_reg": FLAGS.l2_reg, "train_split": FLAGS.train_split,
             "test_split": FLAGS.test_split, "feature_dimension": dimension,
             "backend": keras.backend.backend(),
-            "results": {str(count): row for count, row in results.items()}}, FLAGS.json)
+            "results": {str(count): row for count, row in results.items()}})
     return 0
 
 

@@ -51,7 +51,7 @@ config_flags.define_number("top_k", 5, "Classes listed per image.", bounds="[1, 
 flags.DEFINE_string("class_names", None,
                     "A JSON list or a text file with one class name per line (default: the "
                     "release's classes, or class_names.json beside a .keras model).")
-flags.DEFINE_string("json", None, "Also write the predictions as JSON to this path.")
+_common.define_json_flags("the predictions")
 flags.DEFINE_enum("quantize", "none", ["none", "int8"],
                   "int8: Keras' int8 weight quantization of the model (model.quantize('int8'): "
                   "int8 kernels with per-channel scales in every Dense/EinsumDense) before "
@@ -82,8 +82,9 @@ def main(argv):
 
     import vit_keras  # registers the layers for loading
     from vit_keras.tools import data
-    from vit_keras.tools.runs import evaluation, run_folder
+    from vit_keras.tools.runs import evaluation
 
+    _common.check_json_output()
     is_keras_file = FLAGS.model.endswith(".keras") or os.path.isfile(FLAGS.model)
     if FLAGS.weights is None:
         if not is_keras_file:
@@ -119,9 +120,8 @@ def main(argv):
         for rank, (name, probability) in enumerate(ranked, 1):
             print(f"  {rank}. {name}  {100 * probability:.2f}%")
     if FLAGS.json:
-        run_folder.atomic_write_json(
-            {file: [{"class": n, "probability": p} for n, p in ranked]
-             for file, ranked in zip(files, predictions)}, FLAGS.json)
+        _common.write_json({file: [{"class": n, "probability": p} for n, p in ranked]
+                            for file, ranked in zip(files, predictions)})
     return 0
 
 

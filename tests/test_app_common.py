@@ -191,6 +191,28 @@ def test_parse_image_size():
 
 
 @pytest.mark.backend_independent
+def test_an_output_file_is_checked_before_any_work(tmp_path):
+    """What `--json` (evaluate, predict, fewshot) and `--out` (convert, build_hybrid) write."""
+    report, notes = tmp_path / "report.json", tmp_path / "notes.txt"
+    report.write_text("{}\n")
+    notes.write_text("keep me")
+    (tmp_path / "link.json").symlink_to(report)
+    refused = {
+        str(report): "report.json exists already: pass --overwrite to replace it, or choose "
+                     "another --json.",
+        str(tmp_path / "link.json"): "link.json is a symbolic link (to ",
+        str(tmp_path): "is a folder; give the path of a file.",
+        str(notes / "report.json"): "notes.txt is not a folder; choose another --json.",
+    }
+    for path, message in refused.items():
+        with pytest.raises(app.UsageError, match=re.escape(message)):
+            _common.check_output_file("--json", path, overwrite=False)
+    _common.check_output_file("--json", str(report), overwrite=True)
+    _common.check_output_file("--json", str(tmp_path / "new" / "folders" / "r.json"), False)
+    assert report.read_text() == "{}\n" and notes.read_text() == "keep me"
+
+
+@pytest.mark.backend_independent
 def test_check_weights_is_the_librarys_check_naming_the_model_flag(monkeypatch):
     from vit_keras import errors
     from vit_keras.weights import download, releases

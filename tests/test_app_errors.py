@@ -60,6 +60,15 @@ CASES = {
         "evaluate.py", ["--model={tmp}/three_classes.keras"],
         ["three_classes.keras predicts 3 classes but digits has 10",
          "evaluate on the dataset the model was trained for"]),
+    # A report of an earlier run is not replaced: refused before the data and model load.
+    "evaluate_json_of_an_earlier_run": (
+        "evaluate.py", ["--model={tmp}/three_classes.keras", "--json={tmp}/earlier_report.json",
+                        "--dataset=folder:{tmp}/no_such_folder"],
+        ["earlier_report.json exists already: pass --overwrite to replace it"]),
+    "predict_json_a_folder": (
+        "predict.py", ["--model={tmp}/no_such_run/model.keras", "--json={tmp}/earlier_figures",
+                       "{tmp}/image.png"],
+        ["--json", "earlier_figures is a folder; give the path of a file"]),
     "fewshot_missing_folder": (
         "fewshot.py", ["--model={tmp}/three_classes.keras", "--dataset=folder:{tmp}/no_such_folder"],
         ["no_such_folder", "does not exist"]),
@@ -132,6 +141,8 @@ def results(cases_folder):
         with open(os.path.join(tmp, name), "w") as f:
             f.write(text)
     os.makedirs(os.path.join(tmp, "earlier_figures"))
+    with open(os.path.join(tmp, "earlier_report.json"), "w") as f:
+        f.write("{}\n")
     with open(os.path.join(tmp, "earlier_figures", "analysis.json"), "w") as f:
         f.write("{}\n")
     with zipfile.ZipFile(os.path.join(tmp, "unknown_layer.keras"), "w") as archive:
@@ -185,6 +196,14 @@ def test_a_model_that_is_not_a_keras_file_is_a_one_line_error(results, case):
 def test_keras_weights_of_another_architecture_than_model_is_a_one_line_error(results):
     case = "finetune_keras_weights_of_another_variant"
     _assert_one_line_error(results[case], *CASES[case][2])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [case for case in CASES if "_json_" in case])
+def test_a_json_report_is_checked_before_any_work(results, cases_folder, case):
+    _assert_one_line_error(results[case], *CASES[case][2])
+    with open(os.path.join(cases_folder, "earlier_report.json")) as f:
+        assert f.read() == "{}\n"
 
 
 @pytest.mark.slow

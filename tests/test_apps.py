@@ -160,8 +160,9 @@ def test_help_documents_every_flag(app):
     text = _app(app, "--help", check=False).stdout  # absl exits 1 after --help
     expected = {
         "evaluate.py": ["backend", "model", "dataset", "data_dir", "split", "val_fraction", "seed",
-                        "batch_size", "json", "resize_only"],
-        "predict.py": ["backend", "model", "top_k", "class_names", "json", "resize_only"],
+                        "batch_size", "json", "overwrite", "resize_only"],
+        "predict.py": ["backend", "model", "top_k", "class_names", "json", "overwrite",
+                       "resize_only"],
     }
     if app in ("finetune.py", "train.py"):
         from vit_keras.tools.runs import config_flags, training
