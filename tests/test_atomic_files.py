@@ -37,6 +37,17 @@ def test_a_write_that_fails_midway_leaves_the_old_file_and_no_temporary_one(tmp_
     assert os.listdir(tmp_path) == ["model.keras"]
 
 
+def test_a_write_that_cannot_start_names_the_path_not_the_temporary_file(tmp_path):
+    missing = str(tmp_path / "no_such_folder" / "model.npz")
+    with pytest.raises(FileNotFoundError) as raised:
+        atomic_files.write_bytes(b"new", missing)
+    assert str(raised.value) == f"[Errno 2] No such file or directory: {missing!r}"
+    with pytest.raises(IsADirectoryError) as raised:  # os.replace onto a folder
+        atomic_files.write_bytes(b"new", str(tmp_path))
+    assert str(raised.value) == f"[Errno 21] Is a directory: {str(tmp_path)!r}"
+    assert os.listdir(tmp_path) == []
+
+
 def test_the_temporary_name_keeps_the_suffix_and_a_link_left_there_is_not_followed(tmp_path):
     """Keras chooses a file's format by its suffix; a link planted at the temporary name (or a
     killed run's leftover) is removed before the writer, which follows links, opens it."""

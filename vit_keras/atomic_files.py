@@ -18,7 +18,8 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # POSIX; Windows has no symbolic links
 def replacing(path, suffix=""):
     """Yields the temporary name to write the new `path` to; when the block ends, the file there
     replaces `path` in one `os.replace`. When the block raises, the temporary file is deleted and
-    `path` is left as it was.
+    `path` is left as it was; an `OSError` about the temporary file (a missing folder, a full
+    disk) names `path` instead, the file the caller asked for.
 
     `suffix` ends the temporary name, for writers that choose a format by it (Keras' `.keras`):
     `model.keras` is written as `model.tmp-PID.keras`. Whatever is at the temporary name before
@@ -30,9 +31,12 @@ def replacing(path, suffix=""):
     try:
         yield temporary
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as error:
         with contextlib.suppress(OSError):
             remove_link_or_file(temporary)
+        if isinstance(error, OSError) and error.filename == temporary:
+            named = type(error)(error.errno, error.strerror, path)
+            raise named.with_traceback(error.__traceback__) from None
         raise
 
 
