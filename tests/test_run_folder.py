@@ -106,6 +106,30 @@ def test_history_rows_leave_out_the_values_csvlogger_could_not_fill(tmp_path):
     assert folder.read_history() == [{"epoch": 0, "loss": 6.5}, {"epoch": 1, "loss": 4.5}]
 
 
+def test_a_history_row_a_full_disk_cut_short_is_cut_when_the_run_resumes(tmp_path):
+    """CSVLogger appends the resumed run's rows: without the cut, the first one would continue
+    the unfinished line (`1,0.61,0.65,0.9`), and reading the history would raise."""
+    from vit_keras.tools.runs import training
+
+    folder = RunFolder(tmp_path / "run").create()
+    with open(folder.history, "w") as f:
+        f.write("epoch,accuracy,loss\n0,0.5,1.2\n1,0.6")  # the disk filled within epoch 1's row
+    lines = []
+    assert training.finished_run(folder, log=lines.append) is None  # the run resumes
+    assert [line for line in lines if "Cut the unfinished last row" in line], lines
+    with open(folder.history, "a") as f:  # what CSVLogger(append=True) then writes
+        f.write("1,0.65,0.9\n2,0.7,0.8\n")
+    assert [row["accuracy"] for row in folder.read_history()] == [0.5, 0.65, 0.7]
+    assert not folder.cut_unfinished_history_row()  # a whole file is left as it is
+
+
+def test_history_rows_that_are_no_rows_are_left_out(tmp_path):
+    folder = RunFolder(tmp_path / "run").create()
+    with open(folder.history, "w") as f:
+        f.write("epoch,accuracy,loss\n0,0.5,1.2\n1,0.61,0.65,0.9\n2,0.7,0.\x00\n3,0.8,0.7\n")
+    assert [row["epoch"] for row in folder.read_history()] == [0, 3]
+
+
 def test_overwrite_says_it_deletes_only_once_the_folder_passed_as_a_run_folder(tmp_path):
     from vit_keras.tools.runs import training
 

@@ -135,17 +135,22 @@ def read_history(path):
     when the file is absent.
 
     A value CSVLogger could not fill is left out of its row: it writes `NA` in a column no log
-    of that epoch held (a pre-training run's `val_loss`, when a fit has no validation data)."""
+    of that epoch held (a pre-training run's `val_loss`, when a fit has no validation data). A
+    row that is not one (more values than columns, a value that is no number: a row a full disk
+    cut short, see `RunFolder.cut_unfinished_history_row`) is left out."""
     if not os.path.exists(path):
         return []
     rows = {}
     with open(path) as f:
         for row in csv.DictReader(f):
-            if row.get("epoch") in (None, "", "epoch"):
+            if row.get("epoch") in (None, "", "epoch") or None in row:
                 continue
-            rows[int(row["epoch"])] = {key: (float(value) if key != "epoch" else int(value))
-                                       for key, value in row.items()
-                                       if value not in (None, "", "NA")}
+            try:
+                rows[int(row["epoch"])] = {key: (float(value) if key != "epoch" else int(value))
+                                           for key, value in row.items()
+                                           if value not in (None, "", "NA")}
+            except ValueError:
+                continue
     return [rows[epoch] for epoch in sorted(rows)]
 
 
@@ -387,6 +392,22 @@ class RunFolder:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(path)
         return found
+
+    def cut_unfinished_history_row(self):
+        """Cuts a last row of history.csv that a write did not finish, so that the rows a resumed
+        run appends start on a line of their own. Returns whether there was one.
+
+        Only a full disk leaves one (Keras' `CSVLogger` writes a row and flushes it at the end of
+        an epoch). That epoch has no backup, since the backup is written after the row
+        (`training._callbacks`), so it runs again and writes its row whole."""
+        if not os.path.isfile(self.history) or os.path.islink(self.history):
+            return False
+        with open(self.history, "rb+") as f:
+            text = f.read()
+            if not text or text.endswith(b"\n"):
+                return False
+            f.truncate(text.rfind(b"\n") + 1)
+        return True
 
     def write_flags(self, text):
         atomic_write_text(text, self.flags)

@@ -247,9 +247,9 @@ def finished_run(folder, overwrite=False, processes=distribution_lib.Processes()
     Returns the finished run's metrics (from `metrics.json`, with `"already_complete": True`)
     when the folder holds one and `overwrite` is false: nothing is to be done. Otherwise returns
     `None` after removing, on process 0, what `overwrite` discards (everything, from a run
-    folder only: `RunFolder.clear`) and the temporary files of interrupted writes (an unfinished
-    run then resumes from its backup). `RunFolderError` when the folder has a symbolic link in
-    it (`RunFolder.refuse_links`)."""
+    folder only: `RunFolder.clear`), the temporary files of interrupted writes and the unfinished
+    last row of a history.csv (an unfinished run then resumes from its backup). `RunFolderError`
+    when the folder has a symbolic link in it (`RunFolder.refuse_links`)."""
     refusal, complete = None, False
     if processes.is_chief and not overwrite:
         recorded = folder.read_flags_text() if flags_text is not None else None
@@ -283,6 +283,9 @@ def finished_run(folder, overwrite=False, processes=distribution_lib.Processes()
                 log(f"Removed {_count(len(removed), 'temporary file')} of interrupted writes from "
                     f"{folder.path}: {', '.join(removed)}.")
             folder.refuse_links()
+            if folder.cut_unfinished_history_row():
+                log(f"Cut the unfinished last row of {folder.history} (a write the disk could "
+                    f"not finish); its epoch runs again.")
         except RunFolderError as raised:
             error = raised
     # The others wait until that is done, and stop with process 0 when it could not.
