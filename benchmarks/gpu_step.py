@@ -380,7 +380,24 @@ def vit_keras_case(spec, backend):
             extra = {}
         emit({"mode": mode, **row, **step_row(spec, first, times, peak), **extra})
     if dump:
+        for module in ("jit_train_step", "jit_predict_forward"):
+            paths = sorted(glob.glob(os.path.join(dump, f"*.{module}.*after_optimizations.txt")))
+            if paths:
+                keep_artifact(spec, paths[-1], f"hlo-{spec['implementation']}-{spec['model']}-{module}")
         shutil.rmtree(dump, ignore_errors=True)
+
+
+def keep_artifact(spec, path, name):
+    """With `--artifacts`: `path` gzipped into that folder as NAME (made file-name safe)."""
+    if not spec.get("artifacts"):
+        return
+    import gzip  # pylint: disable=import-outside-toplevel
+
+    os.makedirs(spec["artifacts"], exist_ok=True)
+    target = os.path.join(spec["artifacts"], re.sub(r"[^A-Za-z0-9.-]+", "_", name))
+    target += ".json.gz" if path.endswith(".json.gz") else os.path.splitext(path)[1] + ".gz"
+    with open(path, "rb") as source, (open if path.endswith(".gz") else gzip.open)(target, "wb") as f:
+        shutil.copyfileobj(source, f)
 
 
 def stateless_forward_rate(model, x, spec):
@@ -427,7 +444,7 @@ def kernel_class(name):
     return "other (elementwise)"
 
 
-def kernel_table(trace, steps, top=15):
+def kernel_table(trace, steps, top=40):
     """Device time per step by kernel class and the `top` kernels, from a Chrome trace (torch's
     `export_chrome_trace`, JAX's perfetto trace): on a GPU the kernels of its streams, on a CPU
     the operations XLA's or torch's threads ran (all of them, nested ones too)."""
@@ -459,6 +476,7 @@ def kernel_table(trace, steps, top=15):
     for name, ms in per_kernel.items():
         per_class[kernel_class(name)] += ms
     return {"timed": where, "ms_per_step": sum(per_kernel.values()),
+            "kernels_per_step": round(len(kernels) / steps, 1),
             "classes_ms": {k: round(v, 3) for k, v in per_class.most_common()},
             "top_kernels_ms": [[name[:120], round(ms, 3), kernel_class(name)]
                                for name, ms in per_kernel.most_common(top)]}
@@ -507,6 +525,7 @@ def profile_case(spec):
         path = os.path.join(folder, "trace.json")
         profiler.export_chrome_trace(path)
     emit({"mode": "train", "steps": steps, **kernel_table(read_trace(path), steps)})
+    keep_artifact(spec, path, f"profile-{spec['implementation']}-{spec['model']}")
     shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -586,7 +605,8 @@ def plan_cases(args, work):
     dict `run_case` takes (`kind`, `implementation`, `model`, `batch_size`, the `modes` it reports
     a row for, None for the parity and GEMM cases' one row, ...), with a `name` and its `log`."""
     plan = parse_plan(args.plan)
-    common = {"work": work, "warmup": args.warmup, "steps": args.steps, "jit_compile": False}
+    common = {"work": work, "warmup": args.warmup, "steps": args.steps, "jit_compile": False,
+              "artifacts": args.artifacts and os.path.abspath(args.artifacts)}
     parity_model = plan[0][0]
     cases = [dict(common, kind="parity", implementation=implementation, model=parity_model,
                   parity_images=args.parity_images, parity_tolerance=args.parity_tolerance,
@@ -872,6 +892,9 @@ def main():
                         help="profile one training step of the first --plan model on "
                              f"{' and '.join(PROFILE_IMPLEMENTATIONS)} (before the plan): device "
                              "time per kernel class and the slowest kernels")
+    parser.add_argument("--artifacts", metavar="DIR",
+                        help="keep the profiles' traces and vit_keras-jax's optimised HLO "
+                             "(gzipped) in DIR")
     parser.add_argument("--no_parity", action="store_true",
                         help="leave out the parity cases (a quick re-measure of the steps)")
     parser.add_argument("--case_timeout", type=float, default=240, help="seconds per case")
