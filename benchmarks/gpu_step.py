@@ -28,8 +28,10 @@ recorded as such and the next one runs. The cases, in order:
    `vit_keras-torch-jit` (the same with `jit_compile=True`; minutes of compiling, not in the
    default plan), and `vit_keras-jax@VARIANT`: vit_keras-jax with the XLA flags `XLA_VARIANTS`
    names (issue 59's candidates: cuBLASLt, Triton GEMMs off, command buffers off, the
-   latency-hiding scheduler). vit_keras-jax runs inference and training in two processes, since
-   JAX's peak memory cannot be reset; the others reset torch's between the two.
+   latency-hiding scheduler) or the library's earlier paths `CODE_VARIANTS` names, joined by
+   `+` (`vit_keras-jax@keras_layer_norm+rank3_projections`). vit_keras-jax runs inference and
+   training in two processes, since JAX's peak memory cannot be reset; the others reset torch's
+   between the two.
 4. With `--profile` (run after the GEMM, before the plan's steps): one training step of the
    first plan model on vit_keras-jax (jax.profiler) and timm compiled (torch.profiler),
    `--steps` steps traced after the warm-up: device time
@@ -108,6 +110,12 @@ XLA_VARIANTS = {
     "no_triton_gemm": ["--xla_gpu_enable_triton_gemm=false"],
     "no_command_buffer": ["--xla_gpu_enable_command_buffer="],
     "latency_hiding": ["--xla_gpu_enable_latency_hiding_scheduler=true"],
+}
+# ... and the library's earlier ways, each undone in that process before the model is built:
+# `vit_keras-jax@keras_layer_norm+cublaslt` combines variants.
+CODE_VARIANTS = {
+    "keras_layer_norm": "Keras' LayerNorm call (autodiff's gradient), not jax_layer_norm's",
+    "rank3_projections": "the projections as Keras' layer calls (rank-3 products)",
 }
 MODES = ("inference", "train")
 PROFILE_IMPLEMENTATIONS = ("vit_keras-jax", "timm-compile")
@@ -329,10 +337,12 @@ def vit_keras_case(spec, backend):
     os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
     if backend == "jax":  # before JAX starts: XLA reads its flags once
         dump = tempfile.mkdtemp(prefix="gpu_step-hlo-")
-        variant = XLA_VARIANTS.get(spec["implementation"].partition("@")[2], [])
+        names = variant_names(spec["implementation"])
+        variant = [flag for name in names for flag in XLA_VARIANTS.get(name, [])]
         os.environ["XLA_FLAGS"] = " ".join([
             os.environ.get("XLA_FLAGS", ""), f"--xla_dump_to={dump}", "--xla_dump_hlo_as_text",
             "--xla_dump_hlo_module_re=jit_(train_step|predict_forward)", *variant]).strip()
+        undo_library_paths(names)
     import keras  # pylint: disable=import-outside-toplevel
 
     from vit_keras.model.layers import MultiHeadDotProductAttention  # pylint: disable=import-outside-toplevel
@@ -357,7 +367,8 @@ def vit_keras_case(spec, backend):
         x, y = torch.from_numpy(images).to(where), torch.from_numpy(labels).to(where)
     row = {"device": name, "keras": keras.__version__, "dtype_policy": model.dtype_policy.name,
            "jit_compile": model.jit_compile,
-           "fused_attention_layers": f"{sum(fused)}/{len(fused)}"}
+           "fused_attention_layers": f"{sum(fused)}/{len(fused)}",
+           "library_paths": library_paths(model)}
     for mode in spec["modes"]:
         if backend == "torch" and where == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -385,6 +396,34 @@ def vit_keras_case(spec, backend):
             if paths:
                 keep_artifact(spec, paths[-1], f"hlo-{spec['implementation']}-{spec['model']}-{module}")
         shutil.rmtree(dump, ignore_errors=True)
+
+
+def library_paths(model):
+    """The functions the first encoder block took for its LayerNorms and MLP projections, and
+    the attention's projection (`vit_keras.model.backend_ops`): which variant ran."""
+    from vit_keras.model import attention, layers  # pylint: disable=import-outside-toplevel
+
+    block = next(layer for layer in model._flatten_layers()
+                 if isinstance(layer, layers.TransformerBlock))
+    return {"layer_norm": block._norm.__name__, "mlp_projection": block.mlp._project.__name__,
+            "attention_projection": attention.matrix_projection.__name__}
+
+
+def variant_names(implementation):
+    """The variants `vit_keras-jax@a+b` names: `["a", "b"]`."""
+    variants = implementation.partition("@")[2]
+    return variants.split("+") if variants else []
+
+
+def undo_library_paths(names):
+    """Puts back the library's earlier way for each of `names` in `CODE_VARIANTS`."""
+    from vit_keras.model import attention, backend_ops  # pylint: disable=import-outside-toplevel
+
+    if "keras_layer_norm" in names:
+        backend_ops.choose_layer_norm = lambda: backend_ops._layer_call  # pylint: disable=protected-access
+    if "rank3_projections" in names:
+        backend_ops.choose_projection = lambda: backend_ops._dense_call  # pylint: disable=protected-access
+        attention.matrix_projection = lambda layer, x: layer(x)
 
 
 def keep_artifact(spec, path, name):
@@ -591,11 +630,13 @@ def parse_plan(entries):
             raise ValueError(f"--plan entry {entry!r} is not MODEL:BATCH:IMPL,IMPL,...") from None
         implementations = implementations.split(",")
         unknown = [i for i in implementations if i not in IMPLEMENTATIONS and not (
-            i.partition("@")[0] == "vit_keras-jax" and i.partition("@")[2] in XLA_VARIANTS)]
+            i.partition("@")[0] == "vit_keras-jax" and variant_names(i) and all(
+                name in XLA_VARIANTS or name in CODE_VARIANTS for name in variant_names(i)))]
         if model not in TIMM_NAMES or unknown or batch_size < 1:
             raise ValueError(f"--plan entry {entry!r}: models are {list(TIMM_NAMES)}, "
                              f"implementations {list(IMPLEMENTATIONS)} (vit_keras-jax@VARIANT "
-                             f"with XLA flags: {list(XLA_VARIANTS)}), batch sizes positive.")
+                             f"with XLA flags: {list(XLA_VARIANTS)}, or earlier library "
+                             f"paths: {list(CODE_VARIANTS)}, joined by +), batch sizes positive.")
         plan.append((model, batch_size, implementations))
     return plan
 
@@ -614,11 +655,11 @@ def plan_cases(args, work):
              for implementation in ("timm",) + PARITY_IMPLEMENTATIONS if not args.no_parity]
     cases.append(dict(common, kind="gemm", implementation="torch", model=None, batch_size=None,
                       gemm_size=args.gemm_size, modes=[None]))
-    if args.profile:  # the issue's first step, so before the steps a deadline may cut short
+    if args.profile is not None:  # the issue's first step: before the steps a deadline may cut
         model, batch_size, _ = plan[0]
         cases.extend(dict(common, kind="profile", implementation=implementation, model=model,
                           batch_size=batch_size, modes=["train"])
-                     for implementation in PROFILE_IMPLEMENTATIONS)
+                     for implementation in args.profile or PROFILE_IMPLEMENTATIONS)
     for model, batch_size, implementations in plan:
         for implementation in implementations:
             # JAX's peak memory cannot be reset: its training step gets a process of its own.
@@ -888,10 +929,10 @@ def main():
                         help=f"images of the parity check (default {DEFAULTS['parity_images']})")
     parser.add_argument("--parity_tolerance", type=float, default=1e-5,
                         help="largest relative logit difference the parity check accepts")
-    parser.add_argument("--profile", action="store_true",
-                        help="profile one training step of the first --plan model on "
-                             f"{' and '.join(PROFILE_IMPLEMENTATIONS)} (before the plan): device "
-                             "time per kernel class and the slowest kernels")
+    parser.add_argument("--profile", nargs="*", choices=PROFILE_IMPLEMENTATIONS,
+                        help="profile one training step of the first --plan model on these "
+                             f"(none named: {' and '.join(PROFILE_IMPLEMENTATIONS)}) before the "
+                             "plan: device time per kernel class and the slowest kernels")
     parser.add_argument("--artifacts", metavar="DIR",
                         help="keep the profiles' traces and vit_keras-jax's optimised HLO "
                              "(gzipped) in DIR")

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import keras
 import pytest
 
 from conftest import REPO_ROOT
@@ -85,9 +86,39 @@ def test_a_plan_takes_xla_flag_variants_of_jax_and_refuses_unknown_ones():
     ((model, batch, implementations),) = gpu_step.parse_plan(
         ["ViT-B/16:256:timm-compile,vit_keras-jax,vit_keras-jax@cublaslt"])
     assert (model, batch) == ("ViT-B/16", 256) and implementations[-1] == "vit_keras-jax@cublaslt"
-    for wrong in ("vit_keras-jax@no_such_flags", "vit_keras-torch@cublaslt", "timm@cublaslt"):
+    ((_, _, combined),) = gpu_step.parse_plan(
+        ["ViT-B/16:256:vit_keras-jax@keras_layer_norm+rank3_projections+cublaslt"])
+    assert gpu_step.variant_names(combined[0]) == ["keras_layer_norm", "rank3_projections",
+                                                   "cublaslt"]
+    for wrong in ("vit_keras-jax@no_such_flags", "vit_keras-torch@cublaslt", "timm@cublaslt",
+                  "vit_keras-jax@cublaslt+no_such_path", "vit_keras-jax@"):
         with pytest.raises(ValueError, match="XLA flags"):
             gpu_step.parse_plan([f"ViT-B/16:256:{wrong}"])
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="the variants are vit_keras-jax's")
+def test_a_code_variant_builds_the_model_through_the_earlier_library_paths(monkeypatch):
+    """`@keras_layer_norm+rank3_projections` puts back Keras' LayerNorm and layer calls, and the
+    row says which paths the model took (on the test machine with the XLA:CPU workarounds off, as
+    on a GPU)."""
+    import vit_keras
+    from vit_keras.model import attention, backend_ops, xla_cpu
+
+    gpu_step = _driver_module()
+    for module, name in ((backend_ops, "choose_layer_norm"), (backend_ops, "choose_projection"),
+                         (attention, "matrix_projection")):
+        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+
+    def paths():
+        with xla_cpu.set_workarounds(False):
+            return gpu_step.library_paths(vit_keras.build_model("ViT-Ti/16", image_size=32,
+                                                                num_classes=3))
+
+    assert paths() == {"layer_norm": "_jax_layer_norm", "mlp_projection": "matrix_projection",
+                       "attention_projection": "matrix_projection"}
+    gpu_step.undo_library_paths(["keras_layer_norm", "rank3_projections", "cublaslt"])
+    assert paths() == {"layer_norm": "_layer_call", "mlp_projection": "_dense_call",
+                       "attention_projection": "<lambda>"}
 
 
 @pytest.mark.backend_independent("jax")

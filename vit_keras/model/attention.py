@@ -49,7 +49,7 @@ import keras
 from keras import ops
 
 from vit_keras.model import initializers, legacy, position_embeddings, specs, xla_cpu
-from vit_keras.model.backend_ops import adapted, torch_linear
+from vit_keras.model.backend_ops import adapted, matrix_projection, torch_linear
 
 _PACKAGE = "vit_keras"
 
@@ -141,8 +141,9 @@ class FusedAttention(_Kernel):
     name = "fused"
 
     def project(self, layer, x):
-        """`(batch, tokens, hidden)` → q, k, v, each `(batch, tokens, heads, head_dim)`."""
-        return layer.query(x), layer.key(x), layer.value(x)
+        """`(batch, tokens, hidden)` → q, k, v, each `(batch, tokens, heads, head_dim)`: each one
+        product of 2-D matrices (`backend_ops.matrix_projection`)."""
+        return [matrix_projection(projection, x) for projection in (layer.query, layer.key, layer.value)]
 
     def attend(self, q, k, v, dropout=None, valid=None):
         """`(batch, tokens, heads, head_dim)` each → the attended values in the same layout, and
@@ -155,7 +156,7 @@ class FusedAttention(_Kernel):
 
     def out(self, layer, attended):
         """`(batch, tokens, heads, head_dim)` → `(batch, tokens, hidden)`."""
-        return layer.out(attended)
+        return matrix_projection(layer.out, attended)
 
 
 class PaddedAttention(FusedAttention):

@@ -1,18 +1,22 @@
 """How the encoder's projections, LayerNorms and GELU compute on each backend and device, chosen
 once when a layer is built (attention has its own table: `vit_keras.model.attention`).
 
-| chooses               | torch                        | JAX's CPU, workarounds on | elsewhere   |
-|-----------------------|------------------------------|---------------------------|-------------|
-| `choose_projection`   | `F.linear`, bias in product  | bfloat16 einsum           | Dense call  |
-| `choose_linear`       | `F.linear`, bias in product  | bfloat16 einsum           | einsum      |
-| `choose_layer_norm`   | `F.layer_norm`, input dtype  | layer call                | layer call  |
-| `choose_gelu` (exact) | torch's fused GELU           | erf                       | erf         |
+| chooses               | torch                       | JAX's CPU, workarounds | other JAX   | TF      |
+|-----------------------|-----------------------------|------------------------|-------------|---------|
+| `choose_projection`   | `F.linear`, bias in product | bfloat16 einsum        | 2-D product | Dense   |
+| `choose_linear`       | `F.linear`, bias in product | bfloat16 einsum        | einsum      | einsum  |
+| `choose_layer_norm`   | `F.layer_norm`, input dtype | layer call             | own VJP     | layer   |
+| `choose_gelu` (exact) | torch's fused GELU          | erf                    | erf         | erf     |
 
 On torch a Keras `Dense` is a matrix product and a separate bias kernel, and Keras' LayerNorm
 casts a bfloat16 input to float32 and its output back (two copies); `torch.nn.functional`'s
 `linear` puts the bias in the product's epilogue, and its `layer_norm` normalises a bfloat16
 input in float32 itself (its weights cast to bfloat16, which CUDA's kernel asks for).
-The XLA:CPU column is `vit_keras.model.xla_cpu`'s workaround for bfloat16 products.
+The XLA:CPU column is `vit_keras.model.xla_cpu`'s workaround for bfloat16 products. On JAX's
+other devices (a GPU) a projection is one product of 2-D matrices, `(batch * tokens, in)` by
+`(in, out)`, whose weight gradient contracts one axis (Keras' rank-3 product contracts batch and
+tokens, for which XLA wrote transposed copies of the activations), and a LayerNorm is
+`vit_keras.model.jax_layer_norm`'s, whose backward pass is written out.
 """
 
 import math
@@ -39,7 +43,9 @@ def choose_projection():
     `(dense, x) -> dense(x)`, computed as the table above says."""
     if keras.backend.backend() == "torch":
         return _torch_linear
-    return _einsum_projection if xla_cpu.workarounds_active() else _dense_call
+    if xla_cpu.workarounds_active():
+        return _einsum_projection
+    return matrix_projection if keras.backend.backend() == "jax" else _dense_call
 
 
 def _dense_call(dense, x):
@@ -51,6 +57,45 @@ def _einsum_projection(dense, x):
         return dense(x)
     y = xla_cpu.bfloat16_einsum("btd,dn->btn", x, dense.kernel)
     return y if dense.bias is None else y + dense.bias
+
+
+def matrix_projection(layer, x):
+    """`layer(x)` for a `Dense` or `EinsumDense` that contracts the last axes of
+    `(batch, tokens, *in)` with the first of its kernel `(*in, *out)`, as one product of 2-D
+    matrices: `(batch * tokens, prod(in))` by `(prod(in), prod(out))`, then `(batch, tokens,
+    *out)`. Any other layer (quantized, LoRA, an activation, another contraction) is called."""
+    kernel = getattr(layer, "kernel", None)
+    contracted = tuple(x.shape[2:])
+    if (kernel is None or adapted(layer) or getattr(layer, "activation", None) not in (
+            None, keras.activations.linear) or tuple(kernel.shape[:len(contracted)]) != contracted
+            or not _contracts_leading_axes(layer)):
+        return layer(x)
+    batch, tokens = ops.shape(x)[0], x.shape[1]
+    out = tuple(kernel.shape[len(contracted):])
+    y = ops.matmul(ops.reshape(x, (-1, math.prod(contracted))),
+                   ops.reshape(ops.convert_to_tensor(kernel), (math.prod(contracted), -1)))
+    if layer.bias is not None:
+        y = y + ops.reshape(ops.convert_to_tensor(layer.bias), (-1,))
+    return ops.reshape(y, (batch, tokens, *out))
+
+
+def _contracts_leading_axes(layer):
+    """Whether the layer is a `Dense`, or an `EinsumDense` whose equation contracts its input's
+    last axes with its kernel's first, in order, and keeps the other axes in order
+    (`"btd,dhk->bthk"`, `"bthk,hkd->btd"`) with the bias over the output's own axes."""
+    if isinstance(layer, keras.layers.Dense):
+        return True
+    equation = getattr(layer, "equation", None)
+    if not isinstance(layer, keras.layers.EinsumDense) or not equation:
+        return False
+    inputs, output = equation.replace(" ", "").split("->")
+    x_axes, kernel_axes = inputs.split(",")
+    shared = [axis for axis in x_axes if axis in kernel_axes]
+    kept = x_axes[:len(x_axes) - len(shared)]
+    own = kernel_axes[len(shared):]
+    return (x_axes.endswith("".join(shared)) and kernel_axes.startswith("".join(shared))
+            and output == kept + own and kept == x_axes[:2]
+            and (layer.bias is None or len(layer.bias.shape) <= len(own)))
 
 
 def _torch_linear(dense, x):
@@ -84,20 +129,42 @@ def torch_linear(x, kernel, bias):
 
 def choose_layer_norm():
     """How a layer built now applies a `keras.layers.LayerNormalization` over the last axis of
-    `(batch, tokens, hidden)`: a function `(norm, x) -> norm(x)`, computed as the table says."""
-    return _torch_layer_norm if keras.backend.backend() == "torch" else _layer_call
+    `(batch, tokens, hidden)`: a function `(norm, x, training) -> norm(x)`, computed as the table
+    says. JAX's written gradient serves training calls only: at inference XLA fuses Keras' own
+    forward pass better (2-4% of a ViT-B/16 forward pass on an H200, docs/performance.md)."""
+    if keras.backend.backend() == "torch":
+        return _torch_layer_norm
+    if keras.backend.backend() == "jax" and not xla_cpu.workarounds_active():
+        return _jax_layer_norm
+    return _layer_call
 
 
-def _layer_call(layer, x):
+def _layer_call(layer, x, training=None):
+    del training  # a LayerNorm computes the same in training
     return layer(x)
 
 
-def _torch_layer_norm(norm, x):
-    rank = len(x.shape)
-    if not isinstance(norm, keras.layers.LayerNormalization):  # RMSNorm: its own call
-        return norm(x)
+def _plain_layer_norm(norm, x):
+    """Whether `norm` is a Keras LayerNorm over the last axis of `x` with both weights."""
+    if not isinstance(norm, keras.layers.LayerNormalization) or norm.rms_scaling:
+        return False
     axes = [norm.axis] if isinstance(norm.axis, int) else list(norm.axis)
-    if norm.rms_scaling or [axis % rank for axis in axes] != [rank - 1]:
+    return [axis % len(x.shape) for axis in axes] == [len(x.shape) - 1]
+
+
+def _jax_layer_norm(norm, x, training=None):
+    if not (training and _plain_layer_norm(norm, x) and norm.center and norm.scale):
+        return norm(x)
+    from vit_keras.model import jax_layer_norm  # pylint: disable=import-outside-toplevel
+
+    return jax_layer_norm.layer_norm(ops.convert_to_tensor(x, norm.compute_dtype),
+                                     ops.convert_to_tensor(norm.gamma),
+                                     ops.convert_to_tensor(norm.beta), norm.epsilon)
+
+
+def _torch_layer_norm(norm, x, training=None):
+    del training
+    if not _plain_layer_norm(norm, x):  # RMSNorm: its own call
         return norm(x)
     import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
 

@@ -378,7 +378,9 @@ class TransformerBlock(position_embeddings.TakesRotary, keras.layers.Layer):
         # An identity; on XLA:CPU one whose gradient XLA computes once per block instead of fusing
         # it into every consumer (see vit_keras.model.xla_cpu).
         self._block_boundary = xla_cpu.choose_block_boundary()
-        self._norm = backend_ops.choose_layer_norm()  # torch's own kernel on torch
+        # torch's own kernel on torch; on a JAX GPU a training step's LayerNorm has its gradient
+        # written out
+        self._norm = backend_ops.choose_layer_norm()
 
     def _drop_path(self, branch, training):
         if not (training and self.drop_path_rate > 0):
@@ -389,7 +391,7 @@ class TransformerBlock(position_embeddings.TakesRotary, keras.layers.Layer):
 
     def call(self, x, rotary=None, training=None, return_attention_scores=False, valid=None):
         x = self._block_boundary(ops.cast(x, self.compute_dtype))
-        y = self.attention(self._norm(self.norm_0, x), rotary, training=training,
+        y = self.attention(self._norm(self.norm_0, x, training), rotary, training=training,
                            return_attention_scores=return_attention_scores, valid=valid)
         if return_attention_scores:
             y, scores = y
@@ -397,7 +399,7 @@ class TransformerBlock(position_embeddings.TakesRotary, keras.layers.Layer):
         if self.scale_1 is not None:
             y = self.scale_1(y)
         x = x + self._drop_path(y, training)
-        y = self.mlp(self._norm(self.norm_2, x), training=training)
+        y = self.mlp(self._norm(self.norm_2, x, training), training=training)
         if self.scale_3 is not None:
             y = self.scale_3(y)
         x = x + self._drop_path(y, training)
