@@ -9,6 +9,8 @@ precision and device, inference and a training step.
     python benchmarks/gpu_step.py --out DIR --smoke                # ViT-Ti/16, batch 2: CPU, ~2 min
     python benchmarks/gpu_step.py --out DIR --profile --plan \
         "ViT-B/16:256:timm-compile,vit_keras-jax,vit_keras-jax@cublaslt"  # issue 59's A/B
+    python benchmarks/gpu_step.py --out DIR --profile vit_keras-jax --artifacts DIR/art --plan \
+        "ViT-B/16:256:vit_keras-jax,vit_keras-jax@keras_layer_norm+rank3_projections"
     python benchmarks/gpu_step.py --from_json DIR/results.json     # the table of an earlier run
     bash benchmarks/gpu_step.sh                                    # the device machine's command
 
@@ -36,7 +38,10 @@ recorded as such and the next one runs. The cases, in order:
    first plan model on vit_keras-jax (jax.profiler) and timm compiled (torch.profiler),
    `--steps` steps traced after the warm-up: device time
    per step by kernel class (`KERNEL_CLASSES`: attention, GEMM, LayerNorm, GELU, optimizer,
-   casts, copies, reductions, the rest) and the slowest kernels by name.
+   casts, copies, reductions, the rest), kernels per step and the slowest kernels by name.
+   `--profile IMPL ...` profiles only those. `--artifacts DIR` keeps the traces and, for each
+   vit_keras-jax case, the optimised HLO of its compiled steps (gzipped): XLA's fusions name
+   their kernels, and the HLO's `op_name`s trace each to its layer.
 
 Inputs are random and already on the device: vit_keras takes NHWC pixels in [0, 255] (the model
 normalises them), timm NCHW pixels normalised with mean = std = 0.5. Both run under bfloat16 mixed
@@ -170,6 +175,18 @@ def time_steps(step, sync, warmup, steps):
     return first, times
 
 
+def back_to_back_rate(step, sync, batch_size, steps):
+    """images/s of `steps` calls one after the other and one wait at the end, as a training loop
+    that does not read its loss every step runs: the host's work for the next call overlaps the
+    device's for this one (where the call itself does not wait, as `train_on_batch` does)."""
+    sync()
+    started = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    return batch_size * steps / (time.perf_counter() - started)
+
+
 def step_row(spec, first, times, peak_bytes):
     """The measurements of one mode: images/s (median and fastest step), first call, peak memory."""
     median = statistics.median(times)
@@ -300,7 +317,9 @@ def timm_case(spec, compiled):
             torch.cuda.reset_peak_memory_stats()
         first, times = time_steps(steps[mode], sync, spec["warmup"], spec["steps"])
         peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
-        emit({"mode": mode, "device": name, **step_row(spec, first, times, peak)})
+        emit({"mode": mode, "device": name, **step_row(spec, first, times, peak),
+              "back_to_back_images_per_s": back_to_back_rate(
+                  steps[mode], sync, spec["batch_size"], spec["steps"])})
 
 
 def vit_keras_model(spec, jit_compile):
@@ -375,6 +394,7 @@ def vit_keras_case(spec, backend):
         step = (lambda: model.predict_on_batch(x)) if mode == "inference" else (
             lambda: model.train_on_batch(x, y))
         first, times = time_steps(step, sync, spec["warmup"], spec["steps"])
+        back_to_back = back_to_back_rate(step, sync, spec["batch_size"], spec["steps"])
         if backend == "jax":
             peak = (device.memory_stats() or {}).get("peak_bytes_in_use")
             calls = count_fused_attention(
@@ -383,13 +403,18 @@ def vit_keras_case(spec, backend):
             extra = {"cudnn_fmha_calls": None if calls is None else sum(calls.values()),
                      "cudnn_fmha_targets": calls}
             if mode == "inference":
-                extra["stateless_images_per_s"] = stateless_forward_rate(model, x, spec)
+                (extra["stateless_images_per_s"],
+                 extra["stateless_back_to_back_images_per_s"]) = stateless_forward_rate(
+                     model, x, spec)
             else:
                 extra["fit_images_per_s"] = fit_step_rate(model, x, y, spec)
+                extra["fit_back_to_back_images_per_s"] = fit_step_rate(
+                    model, x, y, spec, wait_each_step=False)
         else:
             peak = torch.cuda.max_memory_allocated() if where == "cuda" else None
             extra = {}
-        emit({"mode": mode, **row, **step_row(spec, first, times, peak), **extra})
+        emit({"mode": mode, **row, **step_row(spec, first, times, peak),
+              "back_to_back_images_per_s": back_to_back, **extra})
     if dump:
         for module in ("jit_train_step", "jit_predict_forward"):
             paths = sorted(glob.glob(os.path.join(dump, f"*.{module}.*after_optimizations.txt")))
@@ -442,7 +467,7 @@ def keep_artifact(spec, path, name):
 def stateless_forward_rate(model, x, spec):
     """images/s of the same forward pass as one jitted `stateless_call` whose logits stay on the
     device: the gap to `predict_on_batch` is what Keras' predict adds (its data handling, the copy
-    of the logits to NumPy on every step)."""
+    of the logits to NumPy on every step). Waited for each step, and back to back."""
     import jax  # pylint: disable=import-outside-toplevel
 
     trainable = [v.value for v in model.trainable_variables]
@@ -453,9 +478,10 @@ def stateless_forward_rate(model, x, spec):
     def step():
         logits[:] = [forward(trainable, non_trainable, x)]
 
-    _, times = time_steps(step, lambda: logits[0].block_until_ready(), spec["warmup"],
-                          spec["steps"])
-    return spec["batch_size"] / statistics.median(times)
+    sync = lambda: logits[0].block_until_ready()  # noqa: E731
+    _, times = time_steps(step, sync, spec["warmup"], spec["steps"])
+    return (spec["batch_size"] / statistics.median(times),
+            back_to_back_rate(step, sync, spec["batch_size"], spec["steps"]))
 
 
 # A kernel's class by its name, the first pattern that matches (cuBLAS/cuDNN/Triton kernel names,
@@ -568,20 +594,23 @@ def profile_case(spec):
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def fit_step_rate(model, x, y, spec):
+def fit_step_rate(model, x, y, spec, wait_each_step=True):
     """images/s of the same training step inside `model.fit`, as users train: Keras' loop keeps
     the state between steps, where `train_on_batch` gathers every variable (optimizer slots
     included) before each step and assigns it back after. Each step is timed from one batch end
-    to the next, once its loss is on the host."""
+    to the next, once its loss is on the host; with `wait_each_step=False` the timed steps run
+    back to back, waited for once after the warm-up and once at the end."""
     import jax  # pylint: disable=import-outside-toplevel
     import keras  # pylint: disable=import-outside-toplevel
 
     ends = []
+    last_warmup = spec["warmup"] - 1
 
     class StepEnds(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            jax.block_until_ready(logs)
-            ends.append(time.perf_counter())
+            if wait_each_step or batch in (last_warmup, last_warmup + spec["steps"]):
+                jax.block_until_ready(logs)
+                ends.append(time.perf_counter())
 
     def batches():  # as train_on_batch hands them to the step, whose compiled program fit reuses
         while True:
@@ -589,6 +618,8 @@ def fit_step_rate(model, x, y, spec):
 
     model.fit(batches(), steps_per_epoch=spec["warmup"] + spec["steps"], epochs=1, verbose=0,
               callbacks=[StepEnds()])
+    if not wait_each_step:
+        return spec["batch_size"] * spec["steps"] / (ends[-1] - ends[0])
     steps = [b - a for a, b in zip(ends, ends[1:])][-spec["steps"]:]
     return spec["batch_size"] / statistics.median(steps)
 
@@ -822,6 +853,12 @@ def markdown(report):
             f"{_number(row['ratio_to_timm-compile'], 2)} | {_number(row['peak_gib'], 2)} | "
             f"{row['first_call_s']:.1f} | {mfu} | {_number(row.get('cudnn_fmha_calls'), 0)} | "
             f"{log} |")
+    back_to_back = [f"{row['implementation']} {row['model']} {row['mode']} "
+                    f"{row['back_to_back_images_per_s']:.1f}" for row in rows
+                    if row["kind"] == "step" and row.get("back_to_back_images_per_s")]
+    if back_to_back:
+        lines += ["", "Back to back (the timed steps with one wait at the end), images/s: "
+                  + "; ".join(back_to_back) + "."]
     lines.append("")
     for row in rows:
         if row["kind"] == "parity" and row["implementation"] != "timm":
@@ -838,13 +875,15 @@ def markdown(report):
         elif row.get("stateless_images_per_s") and row["status"] == "ok":
             lines.append(
                 f"{row['implementation']} {row['model']} inference as a jitted stateless_call, "
-                f"logits left on the device: {row['stateless_images_per_s']:.1f} images/s "
+                f"logits left on the device: {row['stateless_images_per_s']:.1f} images/s, "
+                f"{_number(row.get('stateless_back_to_back_images_per_s'), 1)} back to back "
                 f"(predict_on_batch: {row['images_per_s']:.1f}).")
         elif row.get("fit_images_per_s") and row["status"] == "ok":
             lines.append(
                 f"{row['implementation']} {row['model']} training inside model.fit: "
-                f"{row['fit_images_per_s']:.1f} images/s (train_on_batch: "
-                f"{row['images_per_s']:.1f}).")
+                f"{row['fit_images_per_s']:.1f} images/s, "
+                f"{_number(row.get('fit_back_to_back_images_per_s'), 1)} back to back "
+                f"(train_on_batch: {row['images_per_s']:.1f}).")
         elif row["kind"] == "profile":
             if row["status"] != "ok":
                 lines.append(f"Profile {row['implementation']}: {row['status']}: {row['error']}.")

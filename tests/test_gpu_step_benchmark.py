@@ -53,12 +53,16 @@ def test_gpu_step_smoke_run_completes_every_case(tmp_path):
     for row in (r for r in rows if r["kind"] == "step"):
         assert row["model"] == "ViT-Ti/16" and row["batch_size"] == 2
         assert row["images_per_s"] > 0 and row["first_call_s"] > 0 and row["mfu"] > 0, row
+        assert row["back_to_back_images_per_s"] > 0, row
         assert row["ratio_to_timm"] > 0 and row["ratio_to_timm-compile"] is None
         if row["implementation"] == "vit_keras-jax":
             # Counted in the HLO XLA dumped for the step; XLA:CPU has no cuDNN attention.
             assert row["cudnn_fmha_calls"] == 0 and row["jit_compile"] is True, row
-            rate = "stateless_images_per_s" if row["mode"] == "inference" else "fit_images_per_s"
-            assert row[rate] > 0, row
+            rate = "stateless" if row["mode"] == "inference" else "fit"
+            assert row[f"{rate}_images_per_s"] > 0, row
+            assert row[f"{rate}_back_to_back_images_per_s"] > 0, row
+            assert set(row["library_paths"]) == {"layer_norm", "mlp_projection",
+                                                 "attention_projection"}, row
     with open(tmp_path / "results.jsonl") as f:
         assert [json.loads(line)["status"] for line in f] == ["ok"] * len(rows)
 
@@ -66,6 +70,7 @@ def test_gpu_step_smoke_run_completes_every_case(tmp_path):
     for name in SMOKE_IMPLEMENTATIONS:
         for mode in ("inference", "train"):
             assert f"| ViT-Ti/16 | 2 | {mode} | {name} |" in table
+    assert "Back to back (the timed steps with one wait at the end)" in table
     assert table in result.stdout and table in (tmp_path / "gpu_step.log").read_text()
     reprinted = subprocess.run([sys.executable, DRIVER, "--from_json", str(tmp_path / "results.json")],
                                cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)

@@ -97,11 +97,12 @@ def test_the_core_never_imports_the_application_half():
 
 
 # The per-device kernels (attention, backend_ops, xla_cpu) and JAX's predict_on_batch (jax_predict)
-# import JAX or torch inside the functions that run on them; the rest of the model imports no
+# import JAX or torch inside the functions that run on them, and JAX's LayerNorm (jax_layer_norm)
+# is JAX through and through, imported by backend_ops only on JAX; the rest of the model imports no
 # framework at all.
 @pytest.mark.parametrize("module", sorted(
     name for name in MODULES if name.startswith("vit_keras.model") and name.rpartition(".")[2]
-    not in ("attention", "backend_ops", "xla_cpu", "jax_predict")) + [
+    not in ("attention", "backend_ops", "xla_cpu", "jax_predict", "jax_layer_norm")) + [
         "vit_keras.weights.posemb", "vit_keras.inspection.analysis"])
 def test_the_model_path_imports_no_framework_but_keras(module):
     frameworks = {"tensorflow", "torch", "jax"}
