@@ -65,7 +65,8 @@ def _projections(hidden=12, heads=3):
 def test_a_matrix_projection_is_the_layer_call():
     """`(batch, tokens, *in)` flattened to one 2-D product gives the layer's own output: a Dense,
     a head projection `btd,dhk->bthk` and the output projection `bthk,hkd->btd`, each with its
-    bias; a layer it does not know (another equation, LoRA) is called."""
+    bias; a layer it does not know (another equation, a bias over part of the output, LoRA) is
+    called."""
     dense, block = _projections()
     rng = np.random.default_rng(1)
     x = rng.normal(size=(2, 7, 12)).astype("float32")
@@ -80,6 +81,11 @@ def test_a_matrix_projection_is_the_layer_call():
     np.testing.assert_allclose(_numpy(backend_ops.matrix_projection(pooled, x)),
                                _numpy(pooled(x)), rtol=1e-6)
     assert not backend_ops._contracts_leading_axes(pooled)  # pylint: disable=protected-access
+    per_head_dim = keras.layers.EinsumDense("btd,dhk->bthk", output_shape=(None, 3, 4),
+                                            bias_axes="k", bias_initializer="ones")
+    per_head_dim.build((None, 7, 12))  # its bias (4,) is broadcast over the heads: called
+    np.testing.assert_allclose(_numpy(backend_ops.matrix_projection(per_head_dim, x)),
+                               _numpy(per_head_dim(x)), rtol=1e-6)
     dense.enable_lora(2, b_initializer="ones")  # the call adds LoRA's delta; a 2-D product would not
     np.testing.assert_allclose(_numpy(backend_ops.matrix_projection(dense, x)), _numpy(dense(x)),
                                rtol=1e-6)

@@ -63,26 +63,29 @@ def matrix_projection(layer, x):
     """`layer(x)` for a `Dense` or `EinsumDense` that contracts the last axes of
     `(batch, tokens, *in)` with the first of its kernel `(*in, *out)`, as one product of 2-D
     matrices: `(batch * tokens, prod(in))` by `(prod(in), prod(out))`, then `(batch, tokens,
-    *out)`. Any other layer (quantized, LoRA, an activation, another contraction) is called."""
+    *out)`. Any other layer (quantized, LoRA, an activation, another contraction, a bias over
+    some of the output's axes) is called."""
     kernel = getattr(layer, "kernel", None)
     contracted = tuple(x.shape[2:])
+    out = () if kernel is None else tuple(kernel.shape[len(contracted):])
+    bias = getattr(layer, "bias", None)
     if (kernel is None or adapted(layer) or getattr(layer, "activation", None) not in (
             None, keras.activations.linear) or tuple(kernel.shape[:len(contracted)]) != contracted
+            or (bias is not None and tuple(bias.shape) != out)
             or not _contracts_leading_axes(layer)):
         return layer(x)
     batch, tokens = ops.shape(x)[0], x.shape[1]
-    out = tuple(kernel.shape[len(contracted):])
     y = ops.matmul(ops.reshape(x, (-1, math.prod(contracted))),
                    ops.reshape(ops.convert_to_tensor(kernel), (math.prod(contracted), -1)))
-    if layer.bias is not None:
-        y = y + ops.reshape(ops.convert_to_tensor(layer.bias), (-1,))
+    if bias is not None:
+        y = y + ops.reshape(ops.convert_to_tensor(bias), (-1,))
     return ops.reshape(y, (batch, tokens, *out))
 
 
 def _contracts_leading_axes(layer):
     """Whether the layer is a `Dense`, or an `EinsumDense` whose equation contracts its input's
     last axes with its kernel's first, in order, and keeps the other axes in order
-    (`"btd,dhk->bthk"`, `"bthk,hkd->btd"`) with the bias over the output's own axes."""
+    (`"btd,dhk->bthk"`, `"bthk,hkd->btd"`)."""
     if isinstance(layer, keras.layers.Dense):
         return True
     equation = getattr(layer, "equation", None)
@@ -94,8 +97,7 @@ def _contracts_leading_axes(layer):
     kept = x_axes[:len(x_axes) - len(shared)]
     own = kernel_axes[len(shared):]
     return (x_axes.endswith("".join(shared)) and kernel_axes.startswith("".join(shared))
-            and output == kept + own and kept == x_axes[:2]
-            and (layer.bias is None or len(layer.bias.shape) <= len(own)))
+            and output == kept + own and kept == x_axes[:2])
 
 
 def _torch_linear(dense, x):
