@@ -337,13 +337,20 @@ def vit_keras_model(spec, jit_compile):
     return model
 
 
-def count_fused_attention(dump, module):
-    """`{custom call target: count}` of cuDNN fused attention in the optimised HLO XLA dumped for
-    `module` (the last one compiled, when there are several), or None when none was dumped."""
+def optimised_hlo(dump, module):
+    """The path of the optimised HLO XLA dumped for `module` (the last one compiled, when there
+    are several), or None when none was dumped."""
     paths = sorted(glob.glob(os.path.join(dump, f"*.{module}.*after_optimizations.txt")))
-    if not paths:
+    return paths[-1] if paths else None
+
+
+def count_fused_attention(dump, module):
+    """`{custom call target: count}` of cuDNN fused attention in `optimised_hlo(dump, module)`,
+    or None when none was dumped."""
+    path = optimised_hlo(dump, module)
+    if path is None:
         return None
-    with open(paths[-1]) as f:
+    with open(path) as f:
         return dict(collections.Counter(FUSED_ATTENTION_CALL.findall(f.read())))
 
 
@@ -417,9 +424,9 @@ def vit_keras_case(spec, backend):
               "back_to_back_images_per_s": back_to_back, **extra})
     if dump:
         for module in ("jit_train_step", "jit_predict_forward"):
-            paths = sorted(glob.glob(os.path.join(dump, f"*.{module}.*after_optimizations.txt")))
-            if paths:
-                keep_artifact(spec, paths[-1], f"hlo-{spec['implementation']}-{spec['model']}-{module}")
+            path = optimised_hlo(dump, module)
+            if path:
+                keep_artifact(spec, path, f"hlo-{spec['implementation']}-{spec['model']}-{module}")
         shutil.rmtree(dump, ignore_errors=True)
 
 

@@ -147,7 +147,7 @@ def _layer_call(layer, x, training=None):
 
 
 def _plain_layer_norm(norm, x):
-    """Whether `norm` is a Keras LayerNorm over the last axis of `x` with both weights."""
+    """Whether `norm` is a Keras LayerNorm (not RMS-scaled) over the last axis of `x`."""
     if not isinstance(norm, keras.layers.LayerNormalization) or norm.rms_scaling:
         return False
     axes = [norm.axis] if isinstance(norm.axis, int) else list(norm.axis)
