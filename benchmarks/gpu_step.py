@@ -121,6 +121,7 @@ XLA_VARIANTS = {
 CODE_VARIANTS = {
     "keras_layer_norm": "Keras' LayerNorm call (autodiff's gradient), not jax_layer_norm's",
     "rank3_projections": "the projections as Keras' layer calls (rank-3 products)",
+    "keras_train_on_batch": "Keras' own train_on_batch, its checked round trip of every variable",
 }
 MODES = ("inference", "train")
 PROFILE_IMPLEMENTATIONS = ("vit_keras-jax", "timm-compile")
@@ -431,14 +432,16 @@ def vit_keras_case(spec, backend):
 
 
 def library_paths(model):
-    """The functions the first encoder block took for its LayerNorms and MLP projections, and
-    the attention's projection (`vit_keras.model.backend_ops`): which variant ran."""
+    """The functions the first encoder block took for its LayerNorms and MLP projections, the
+    attention's projection (`vit_keras.model.backend_ops`) and the model's `train_on_batch`
+    (`vit_keras.model.jax_train`'s, or Keras'): which variant ran."""
     from vit_keras.model import attention, layers  # pylint: disable=import-outside-toplevel
 
     block = next(layer for layer in model._flatten_layers()
                  if isinstance(layer, layers.TransformerBlock))
     return {"layer_norm": block._norm.__name__, "mlp_projection": block.mlp._project.__name__,
-            "attention_projection": attention.matrix_projection.__name__}
+            "attention_projection": attention.matrix_projection.__name__,
+            "train_on_batch": type(model).train_on_batch.__qualname__}
 
 
 def variant_names(implementation):
@@ -449,13 +452,17 @@ def variant_names(implementation):
 
 def undo_library_paths(names):
     """Puts back the library's earlier way for each of `names` in `CODE_VARIANTS`."""
-    from vit_keras.model import attention, backend_ops  # pylint: disable=import-outside-toplevel
+    from vit_keras.model import attention, backend_ops, vit  # pylint: disable=import-outside-toplevel
 
     if "keras_layer_norm" in names:
         backend_ops.choose_layer_norm = lambda: backend_ops._layer_call  # pylint: disable=protected-access
     if "rank3_projections" in names:
         backend_ops.choose_projection = lambda: backend_ops._dense_call  # pylint: disable=protected-access
         attention.matrix_projection = lambda layer, x: layer(x)
+    if "keras_train_on_batch" in names:
+        import keras  # pylint: disable=import-outside-toplevel
+
+        vit.ViT.train_on_batch = keras.Model.train_on_batch
 
 
 def keep_artifact(spec, path, name):

@@ -62,7 +62,7 @@ def test_gpu_step_smoke_run_completes_every_case(tmp_path):
             assert row[f"{rate}_images_per_s"] > 0, row
             assert row[f"{rate}_back_to_back_images_per_s"] > 0, row
             assert set(row["library_paths"]) == {"layer_norm", "mlp_projection",
-                                                 "attention_projection"}, row
+                                                 "attention_projection", "train_on_batch"}, row
     with open(tmp_path / "results.jsonl") as f:
         assert [json.loads(line)["status"] for line in f] == ["ok"] * len(rows)
 
@@ -103,15 +103,15 @@ def test_a_plan_takes_xla_flag_variants_of_jax_and_refuses_unknown_ones():
 
 @pytest.mark.skipif(keras.backend.backend() != "jax", reason="the variants are vit_keras-jax's")
 def test_a_code_variant_builds_the_model_through_the_earlier_library_paths(monkeypatch):
-    """`@keras_layer_norm+rank3_projections` puts back Keras' LayerNorm and layer calls, and the
-    row says which paths the model took (on the test machine with the XLA:CPU workarounds off, as
-    on a GPU)."""
+    """`@keras_layer_norm+rank3_projections+keras_train_on_batch` puts back Keras' LayerNorm,
+    layer calls and `train_on_batch`, and the row says which paths the model took (on the test
+    machine with the XLA:CPU workarounds off, as on a GPU)."""
     import vit_keras
-    from vit_keras.model import attention, backend_ops, xla_cpu
+    from vit_keras.model import attention, backend_ops, vit, xla_cpu
 
     gpu_step = _driver_module()
     for module, name in ((backend_ops, "choose_layer_norm"), (backend_ops, "choose_projection"),
-                         (attention, "matrix_projection")):
+                         (attention, "matrix_projection"), (vit.ViT, "train_on_batch")):
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
 
     def paths():
@@ -120,10 +120,13 @@ def test_a_code_variant_builds_the_model_through_the_earlier_library_paths(monke
                                                                 num_classes=3))
 
     assert paths() == {"layer_norm": "_jax_layer_norm", "mlp_projection": "matrix_projection",
-                       "attention_projection": "matrix_projection"}
-    gpu_step.undo_library_paths(["keras_layer_norm", "rank3_projections", "cublaslt"])
+                       "attention_projection": "matrix_projection",
+                       "train_on_batch": "ViT.train_on_batch"}
+    gpu_step.undo_library_paths(["keras_layer_norm", "rank3_projections", "keras_train_on_batch",
+                                 "cublaslt"])
     assert paths() == {"layer_norm": "_layer_call", "mlp_projection": "_dense_call",
-                       "attention_projection": "<lambda>"}
+                       "attention_projection": "<lambda>",
+                       "train_on_batch": "JAXTrainer.train_on_batch"}
 
 
 @pytest.mark.backend_independent("jax")

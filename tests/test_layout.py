@@ -96,13 +96,13 @@ def test_the_core_never_imports_the_application_half():
     assert not {name: found for name, found in offenders.items() if found}
 
 
-# The per-device kernels (attention, backend_ops, xla_cpu) and JAX's predict_on_batch (jax_predict)
-# import JAX or torch inside the functions that run on them, and JAX's LayerNorm (jax_layer_norm)
-# is JAX through and through, imported by backend_ops only on JAX; the rest of the model imports no
-# framework at all.
+# The per-device kernels (attention, backend_ops, xla_cpu) and JAX's predict_on_batch and
+# train_on_batch (jax_predict, jax_train) import JAX or torch inside the functions that run on
+# them, and JAX's LayerNorm (jax_layer_norm) is JAX through and through, imported by backend_ops
+# only on JAX; the rest of the model imports no framework at all.
 @pytest.mark.parametrize("module", sorted(
     name for name in MODULES if name.startswith("vit_keras.model") and name.rpartition(".")[2]
-    not in ("attention", "backend_ops", "xla_cpu", "jax_predict", "jax_layer_norm")) + [
+    not in ("attention", "backend_ops", "xla_cpu", "jax_predict", "jax_train", "jax_layer_norm")) + [
         "vit_keras.weights.posemb", "vit_keras.inspection.analysis"])
 def test_the_model_path_imports_no_framework_but_keras(module):
     frameworks = {"tensorflow", "torch", "jax"}

@@ -3,7 +3,7 @@
 Keras' JAX trainer gathers the model's whole state on every `predict_on_batch`, passes each
 variable through its compiled predict step (donated and returned) and assigns every one back
 afterwards, whatever the batch: for a ViT's 200 variables 0.2-0.8 ms a call on a 2-core CPU
-(`benchmarks/predict_call.py`), more on a GPU, where every returned buffer is a device buffer
+(`benchmarks/batch_calls.py`), more on a GPU, where every returned buffer is a device buffer
 (issue 59: `predict_on_batch` 5-11% slower than a jitted `stateless_call` on a ViT-B/16 batch
 of 256 on an H100). Here the weights go in as arguments and only the outputs come back.
 

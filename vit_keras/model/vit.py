@@ -22,6 +22,7 @@ from vit_keras.model import (
     geometry,
     heads,
     jax_predict,
+    jax_train,
     layers,
     norms,
     position_embeddings,
@@ -303,6 +304,15 @@ class ViT(failed_calls.FailSafeModel):
         if keras.backend.backend() == "jax":
             return jax_predict.predict_on_batch(self, x)
         return super().predict_on_batch(x)
+
+    def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
+        """Keras' `train_on_batch`: one training step, its logs. On JAX Keras' own compiled step
+        on the variables' arrays as they are, without Keras' checked copy of every variable into
+        and out of the step on each call (`vit_keras.model.jax_train`)."""
+        if keras.backend.backend() == "jax":
+            return jax_train.train_on_batch(self, x, y, sample_weight, class_weight, return_dict)
+        return super().train_on_batch(x, y, sample_weight=sample_weight, class_weight=class_weight,
+                                      return_dict=return_dict)
 
     # The images are checked before Keras runs: TensorFlow traces a second `fit` for images of
     # any size, which then fails deep in the graph. A call that raises keeps the model's weights
