@@ -145,11 +145,16 @@ def test_fsdp_trains_as_one_device_does(eight_devices):
     one, fsdp = eight_devices["none"], eight_devices["fsdp"]
     assert len(set(one["losses"])) == 3  # the weights changed between steps
     assert fsdp["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    # AdamW divides each update by the root of its second moment: for a weight whose gradients
+    # are near epsilon, the float32 rounding of a sharded reduction moves an update by up to
+    # ~0.1% of a step (1.3e-6 at learning rate 1e-3 on an AMD EPYC with AVX-512, where the
+    # reduction order differs), while a shard trained wrongly moves it by a whole step.
+    step = 1e-3
     for mine, reference in zip(fsdp["weights"], one["weights"]):
-        np.testing.assert_allclose(mine, reference, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(mine, reference, rtol=1e-5, atol=step / 100)
     moved = max(np.max(np.abs(np.subtract(a, b))) for a, b in
                 zip(one["weights"], eight_devices["data_parallel"]["weights"]))
-    assert moved < 1e-5  # and as data parallelism does
+    assert moved < step / 100  # and as data parallelism does
 
 
 @pytest.mark.jax_subprocess
