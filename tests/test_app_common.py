@@ -191,6 +191,26 @@ def test_parse_image_size():
 
 
 @pytest.mark.backend_independent
+def test_a_model_file_is_checked_before_anything_loads(tmp_path):
+    """`--model` of predict, evaluate and fewshot (each app's one-line error for one of these:
+    tests/test_app_errors.py)."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "notes.txt").write_text("not a model")
+    (tmp_path / "damaged.keras").write_text("not a zip archive")
+    refused = {
+        tmp_path / "no_such_run" / "model.keras": "no_such_run/model.keras: no such file.",
+        tmp_path / "run": "run is a folder; give a .keras model file.",
+        tmp_path / "notes.txt": "notes.txt is not a .keras file; give a model saved by model.save",
+        tmp_path / "damaged.keras": "damaged.keras is not a Keras model file (a zip archive "
+                                    "holding config.json): it is damaged or of another format.",
+    }
+    for path, message in refused.items():
+        with pytest.raises(app.UsageError, match=re.escape(message)) as error:
+            _common.check_model_file(str(path))
+        assert str(error.value).startswith(f"--model {path}")
+
+
+@pytest.mark.backend_independent
 def test_an_output_file_is_checked_before_any_work(tmp_path):
     """What `--json` (evaluate, predict, fewshot) and `--out` (convert, build_hybrid) write."""
     report, notes = tmp_path / "report.json", tmp_path / "notes.txt"

@@ -96,19 +96,11 @@ CASES = {
     "convert_release_without_model": (
         "convert.py", ["--weights=augreg_in21k_ft_in1k", "--out={tmp}/release.keras"],
         ["'augreg_in21k_ft_in1k' is a release name", "(--model ViT-B/16, for example)"]),
-    # --model of the apps that read a .keras file: missing, or not a Keras model.
+    # --model of the apps that read a .keras file, each refusing one kind of file (every kind is
+    # tested in-process: tests/test_app_common.py).
     "predict_missing_model": (
         "predict.py", ["--model={tmp}/no_such_run/model.keras", "{tmp}/image.png"],
         ["--model", "no_such_run/model.keras: no such file"]),
-    "evaluate_missing_model": (
-        "evaluate.py", ["--model={tmp}/no_such_run/model.keras"],
-        ["--model", "no_such_run/model.keras: no such file"]),
-    "fewshot_missing_model": (
-        "fewshot.py", ["--model={tmp}/no_such_run/model.keras"],
-        ["--model", "no_such_run/model.keras: no such file"]),
-    "predict_not_keras_model": (
-        "predict.py", ["--model={tmp}/notes.txt", "{tmp}/image.png"],
-        ["--model", "notes.txt is not a .keras file"]),
     "evaluate_not_keras_model": (
         "evaluate.py", ["--model={tmp}/damaged.keras"],
         ["--model", "damaged.keras is not a Keras model file", "damaged"]),
@@ -137,7 +129,7 @@ def results(cases_folder):
     tmp = cases_folder
     vit_keras.build_model(TINY_CONFIG, image_size=16, num_classes=3).save(
         os.path.join(tmp, "three_classes.keras"))
-    for name, text in (("notes.txt", "not a model"), ("damaged.keras", "not a zip archive")):
+    for name, text in (("damaged.keras", "not a zip archive"),):
         with open(os.path.join(tmp, name), "w") as f:
             f.write(text)
     os.makedirs(os.path.join(tmp, "earlier_figures"))
@@ -219,20 +211,16 @@ def test_figures_of_an_earlier_run_are_not_replaced_without_overwrite(results, c
 # --- careless flags (vit_keras issue 41, items 1, 3, 5 and 10) ----------------------------------
 
 # Each case: the app, its arguments, and what its one line must say. Every app refuses a number
-# outside its flag's range while absl parses the command line, before any work.
+# outside its flag's range while absl parses the command line, before any work. One case per app
+# shows its command line ends that way; which values each flag refuses is tested in-process
+# (`tests/test_config_flags.py`'s CARELESS), as are the run name's and NaFlex's refusals
+# (`tests/test_training.py`), each an app start fewer.
 RUNS = "--output_dir={tmp}/runs"  # where a training app would begin a run folder
 CARELESS_CASES = {
     "finetune_epochs_negative": ("finetune.py", [RUNS, "--epochs=-1"],
                                  ["--epochs=-1", "an integer >= 1"]),
-    "finetune_steps_per_epoch_negative": ("finetune.py", [RUNS, "--steps_per_epoch=-5"],
-                                          ["--steps_per_epoch=-5", "an integer >= 1"]),
-    "finetune_steps_per_epoch_zero": ("finetune.py", [RUNS, "--steps_per_epoch=0"],
-                                      ["--steps_per_epoch=0"]),
-    "finetune_val_fraction_negative": ("finetune.py", [RUNS, "--val_fraction=-1"],
-                                       ["--val_fraction=-1", "a number in (0, 1)"]),
     "train_learning_rate_negative": ("train.py", [RUNS, "--learning_rate=-1"],
                                      ["--learning_rate=-1", "a number > 0"]),
-    "train_dropout_above_one": ("train.py", [RUNS, "--dropout=1.5"], ["--dropout=1.5", "[0, 1)"]),
     "pretrain_corruption_rate_zero": ("pretrain.py", [RUNS, "--corruption_rate=0"],
                                       ["--corruption_rate=0", "(0, 1]"]),
     "evaluate_batch_size_zero": ("evaluate.py", ["--model={tmp}/model.keras", "--batch_size=0"],
@@ -252,19 +240,9 @@ CARELESS_CASES = {
     "build_hybrid_num_classes_negative": ("build_hybrid.py", ["--out={tmp}/h.keras",
                                                               "--num_classes=-1"],
                                           ["--num_classes=-1"]),
-    "finetune_naflex_mixup": ("finetune.py", [RUNS, "--max_num_patches=16", "--mixup=0.2"],
-                              ["--max_num_patches (NaFlex)", "cannot take --mixup"]),
-    "finetune_naflex_seq_lens_too_long": ("finetune.py", [RUNS, "--max_num_patches=16",
-                                                          "--naflex_seq_lens=8,32"],
-                                          ["--naflex_seq_lens 8,32", "--max_num_patches 16"]),
-    "pretrain_naflex": ("pretrain.py", [RUNS, "--max_num_patches=16", "--tokens_per_batch=64"],
-                        ["--max_num_patches (NaFlex)", "an objective other than classification"]),
     "finetune_run_name_parent": ("finetune.py", ["--output_dir={tmp}/parent/out", "--run_name=..",
                                                  "--overwrite"],
                                  ["--run_name '..' is not a folder name"]),
-    "finetune_run_name_dot": ("finetune.py", ["--output_dir={tmp}/parent/out", "--run_name=.",
-                                              "--overwrite"],
-                              ["--run_name '.' is not a folder name"]),
     "finetune_flagfile_loop": ("finetune.py", [RUNS, "--flagfile={tmp}/a.txt"],
                                ["a.txt includes itself", "b.txt"]),
     "convert_out_dangling_link": ("convert.py", ["--weights={tmp}/weights.npz",

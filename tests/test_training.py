@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import pytest
 
-from vit_keras import build_model
+from vit_keras import build_model, errors
 from vit_keras.tools.runs import callbacks, objectives, recipes, training
 from vit_keras.tools.runs.run_folder import (
     RunFolder,
@@ -249,6 +249,36 @@ def test_a_run_name_that_is_not_one_folder_name_is_refused(tmp_path, run_name):
     assert sorted(os.listdir(parent)) == ["out", "unrelated.txt"]
     assert os.listdir(parent / "out") == []
     assert (parent / "unrelated.txt").read_text() == "keep me"
+
+
+# What a NaFlex run (--max_num_patches) does not do, each refused in one line before the run
+# folder is made (apps/finetune.py and apps/pretrain.py print the line: tests/test_app_errors.py).
+NAFLEX_REFUSALS = {
+    "mixup": (dict(max_num_patches=16, mixup=0.2), None,
+              ["--max_num_patches (NaFlex)", "cannot take --mixup"]),
+    "bucket_too_long": (dict(max_num_patches=16, naflex_seq_lens=("8", "32")), None,
+                        ["--naflex_seq_lens 8,32", "from 1 to --max_num_patches 16"]),
+    "bucket_not_a_number": (dict(max_num_patches=16, naflex_seq_lens=("8", "x")), None,
+                            ["--naflex_seq_lens takes whole numbers", "got 8,x"]),
+    "pretraining": (dict(max_num_patches=16, tokens_per_batch=64), "mpp",
+                    ["--max_num_patches (NaFlex)", "an objective other than classification"]),
+    "tokens_without_naflex": (dict(tokens_per_batch=64), None,
+                              ["--tokens_per_batch sizes NaFlex batches", "needs --max_num_patches"]),
+}
+
+
+@pytest.mark.backend_independent
+@pytest.mark.parametrize("case", NAFLEX_REFUSALS)
+def test_what_a_naflex_run_cannot_take_is_refused_before_the_run_folder(tmp_path, case):
+    settings, objective, words = NAFLEX_REFUSALS[case]
+    config = training.RunConfig.of(output_dir=str(tmp_path / "runs"), **settings)
+    objective = {"objective": objectives.MaskedPatchPrediction()} if objective else {}
+    with pytest.raises(training.NaFlexOptionError) as refused:
+        _quiet(config, **objective)
+    message = str(refused.value)
+    assert "\n" not in message and all(text in message for text in words), message
+    assert isinstance(refused.value, errors.UserError)  # what the apps print as one line
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.backend_independent
