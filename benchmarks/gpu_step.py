@@ -6,7 +6,7 @@ precision and device, inference and a training step.
     python benchmarks/gpu_step.py --out gpu_step_results           # the issue's table (B/16, L/16)
     python benchmarks/gpu_step.py --out DIR --plan "ViT-L/16:128:timm,vit_keras-jax"
     python benchmarks/gpu_step.py --out DIR --plan "ViT-B/16:256:vit_keras-torch-jit"  # minutes
-    python benchmarks/gpu_step.py --out DIR --smoke                # ViT-Ti/16, batch 2: CPU, ~2 min
+    python benchmarks/gpu_step.py --out DIR --smoke                # ViT-Ti/16, batch 2, 32 px: CPU
     python benchmarks/gpu_step.py --out DIR --profile --plan \
         "ViT-B/16:256:timm-compile,vit_keras-jax,vit_keras-jax@cublaslt"  # issue 59's A/B
     python benchmarks/gpu_step.py --out DIR --profile vit_keras-jax --artifacts DIR/art --plan \
@@ -43,24 +43,24 @@ recorded as such and the next one runs. The cases, in order:
    vit_keras-jax case, the optimised HLO of its compiled steps (gzipped): XLA's fusions name
    their kernels, and the HLO's `op_name`s trace each to its layer.
 
-Inputs are random and already on the device: vit_keras takes NHWC pixels in [0, 255] (the model
-normalises them), timm NCHW pixels normalised with mean = std = 0.5. Both run under bfloat16 mixed
-precision (`mixed_bfloat16`; `torch.autocast(dtype=torch.bfloat16)`). Inference is a forward pass
-(`predict_on_batch`; timm under `torch.inference_mode`); a training step is forward, sparse
-cross-entropy from logits, backward and an AdamW update (`train_on_batch`; timm: fused AdamW on
-CUDA). Each step is timed to the device's completion: images/s is the batch over the median of
-`--steps` steps after `--warmup` untimed ones, of which the first is timed on its own (the
-compile time). Peak memory is `torch.cuda.max_memory_allocated` or JAX's `peak_bytes_in_use`
-(with `XLA_PYTHON_CLIENT_PREALLOCATE=false`). MFU: images/s x analytic FLOPs per image
-(`throughput.forward_flops`, x3 for a training step) over the GEMM's FLOP/s. For vit_keras-jax the
-cuDNN fused-attention calls (`__cudnn$fmha*` custom calls) are counted in the optimised HLO that
-XLA dumps when it compiles `train_on_batch`'s step and `predict_on_batch`'s forward pass, and its
-inference is also timed as a jitted `stateless_call` whose logits stay on the device (what
-`predict_on_batch` adds is the difference), and its training step also inside `model.fit` (as
-users train: Keras' loop keeps the state between steps, which `train_on_batch` gathers and
-assigns back on every call). Each case's
-stdout and stderr go to `OUT/logs/`; its ERROR lines (the word ERROR, or absl's `E0123 ...`
-severity) and tracebacks are counted (the issue asks for none).
+Inputs are random (224 px unless `--image_size`) and already on the device: vit_keras takes NHWC
+pixels in [0, 255] (the model normalises them), timm NCHW pixels normalised with mean = std = 0.5.
+Both run under bfloat16 mixed precision (`mixed_bfloat16`; `torch.autocast(dtype=torch.bfloat16)`).
+Inference is a forward pass (`predict_on_batch`; timm under `torch.inference_mode`); a training
+step is forward, sparse cross-entropy from logits, backward and an AdamW update (`train_on_batch`;
+timm: fused AdamW on CUDA). Each step is timed to the device's completion: images/s is the batch
+over the median of `--steps` steps after `--warmup` untimed ones, of which the first is timed on
+its own (the compile time). Peak memory is `torch.cuda.max_memory_allocated` or JAX's
+`peak_bytes_in_use` (with `XLA_PYTHON_CLIENT_PREALLOCATE=false`). MFU: images/s x analytic FLOPs
+per image (`throughput.forward_flops`, x3 for a training step) over the GEMM's FLOP/s. For
+vit_keras-jax the cuDNN fused-attention calls (`__cudnn$fmha*` custom calls) are counted in the
+optimised HLO that XLA dumps when it compiles `train_on_batch`'s step and `predict_on_batch`'s
+forward pass, and its inference is also timed as a jitted `stateless_call` whose logits stay on the
+device (what `predict_on_batch` adds is the difference), and its training step also inside
+`model.fit` (as users train: Keras' loop keeps the state between steps, which `train_on_batch`
+gathers and assigns back on every call). Each case's stdout and stderr go to `OUT/logs/`; its ERROR
+lines (the word ERROR, or absl's `E0123 ...` severity) and tracebacks are counted (the issue asks
+for none).
 
 Writes each row as one JSON line to `OUT/results.jsonl` as its case ends (a run starts the file
 afresh), and `OUT/results.json` (every row, the machine, the library versions, the commit, the
@@ -125,14 +125,14 @@ CODE_VARIANTS = {
 }
 MODES = ("inference", "train")
 PROFILE_IMPLEMENTATIONS = ("vit_keras-jax", "timm-compile")
-IMAGE_SIZE = 224
+IMAGE_SIZE = 224  # the issue's; --image_size changes it (the smoke check's is 32)
 NUM_CLASSES = 1000
 # The issue's plan, and the CPU smoke check's (`--smoke`); a setting given explicitly wins.
 DEFAULTS = {"plan": ["ViT-B/16:256:timm,vit_keras-jax,vit_keras-torch,timm-compile",
                  "ViT-L/16:128:timm,vit_keras-jax,vit_keras-torch"],
-        "warmup": 3, "steps": 15, "gemm_size": 8192, "parity_images": 8}
+        "warmup": 3, "steps": 15, "gemm_size": 8192, "parity_images": 8, "image_size": IMAGE_SIZE}
 SMOKE_DEFAULTS = {"plan": ["ViT-Ti/16:2:timm,vit_keras-jax,vit_keras-torch"],
-         "warmup": 1, "steps": 2, "gemm_size": 512, "parity_images": 2}
+         "warmup": 1, "steps": 2, "gemm_size": 512, "parity_images": 2, "image_size": 32}
 MIN_CASE_S = 30  # a case is not started with less time than this left before --deadline
 # A case prints each of its rows on one line after this prefix; the driver reads them from its log.
 ROW_PREFIX = "gpu_step row: "
@@ -148,12 +148,13 @@ def emit(row):
     print(ROW_PREFIX + json.dumps(row), flush=True)
 
 
-def random_batch(batch_size, seed=0):
-    """Pixels `(batch, 224, 224, 3)` in [0, 255] (float32) and int32 labels of 1000 classes."""
+def random_batch(batch_size, image_size, seed=0):
+    """Pixels `(batch, image_size, image_size, 3)` in [0, 255] (float32) and int32 labels of 1000
+    classes."""
     import numpy as np  # pylint: disable=import-outside-toplevel
 
     rng = np.random.default_rng(seed)
-    images = rng.uniform(0, 255, (batch_size, IMAGE_SIZE, IMAGE_SIZE, 3)).astype("float32")
+    images = rng.uniform(0, 255, (batch_size, image_size, image_size, 3)).astype("float32")
     return images, rng.integers(0, NUM_CLASSES, (batch_size,)).astype("int32")
 
 
@@ -221,9 +222,9 @@ def timm_parity_source(spec):
     torch.backends.cudnn.allow_tf32 = False
     device, name, _ = torch_device()
     torch.manual_seed(0)
-    model = timm.create_model(TIMM_NAMES[spec["model"]], pretrained=False,
-                              num_classes=NUM_CLASSES).to(device).eval()
-    images, _ = random_batch(spec["parity_images"], seed=1)
+    model = timm.create_model(TIMM_NAMES[spec["model"]], pretrained=False, num_classes=NUM_CLASSES,
+                              img_size=spec["image_size"]).to(device).eval()
+    images, _ = random_batch(spec["parity_images"], spec["image_size"], seed=1)
     with torch.no_grad():
         logits = model(timm_pixels(images, device)).float().cpu().numpy()
     torch.save(model.state_dict(), os.path.join(spec["work"], "timm.pth"))
@@ -241,7 +242,8 @@ def vit_keras_parity(spec, backend):
 
     model = vit_keras.build_model_from_checkpoint(
         os.path.join(spec["work"], "timm.pth"), variant=spec["model"],
-        timm_architecture=TIMM_NAMES[spec["model"]], normalization="inception")
+        timm_architecture=TIMM_NAMES[spec["model"]], normalization="inception",
+        image_size=spec["image_size"])
     images = np.load(os.path.join(spec["work"], "pixels.npy"))
     expected = np.load(os.path.join(spec["work"], "logits.npy")).astype("float64")
     if backend == "jax":
@@ -285,10 +287,10 @@ def timm_steps(spec, compiled):
 
     device, name, sync = torch_device()
     torch.manual_seed(0)
-    model = timm.create_model(TIMM_NAMES[spec["model"]], pretrained=False,
-                              num_classes=NUM_CLASSES).to(device)
+    model = timm.create_model(TIMM_NAMES[spec["model"]], pretrained=False, num_classes=NUM_CLASSES,
+                              img_size=spec["image_size"]).to(device)
     forward = torch.compile(model) if compiled else model
-    images, labels = random_batch(spec["batch_size"])
+    images, labels = random_batch(spec["batch_size"], spec["image_size"])
     x, y = timm_pixels(images, device), torch.from_numpy(labels).long().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     cross_entropy = torch.nn.CrossEntropyLoss()
@@ -331,7 +333,8 @@ def vit_keras_model(spec, jit_compile):
 
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
     keras.utils.set_random_seed(0)
-    model = vit_keras.build_model(spec["model"], num_classes=NUM_CLASSES, image_size=IMAGE_SIZE)
+    model = vit_keras.build_model(spec["model"], num_classes=NUM_CLASSES,
+                                  image_size=spec["image_size"])
     model.compile(optimizer=keras.optimizers.AdamW(1e-4),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   jit_compile=jit_compile)
@@ -377,7 +380,7 @@ def vit_keras_case(spec, backend):
     model = vit_keras_model(spec, jit_compile=backend == "jax" or spec["jit_compile"])
     fused = [layer.fused for layer in model._flatten_layers()
              if isinstance(layer, MultiHeadDotProductAttention)]
-    images, labels = random_batch(spec["batch_size"])
+    images, labels = random_batch(spec["batch_size"], spec["image_size"])
     if backend == "jax":
         import jax  # pylint: disable=import-outside-toplevel
 
@@ -578,7 +581,7 @@ def profile_case(spec):
         import jax  # pylint: disable=import-outside-toplevel
 
         model = vit_keras_model(spec, jit_compile=True)
-        images, labels = random_batch(spec["batch_size"])
+        images, labels = random_batch(spec["batch_size"], spec["image_size"])
         x, y = jax.device_put(images), jax.device_put(labels)
         for _ in range(spec["warmup"]):
             model.train_on_batch(x, y)
@@ -692,6 +695,7 @@ def plan_cases(args, work):
     a row for, None for the parity and GEMM cases' one row, ...), with a `name` and its `log`."""
     plan = parse_plan(args.plan)
     common = {"work": work, "warmup": args.warmup, "steps": args.steps, "jit_compile": False,
+              "image_size": args.image_size,
               "artifacts": args.artifacts and os.path.abspath(args.artifacts)}
     parity_model = plan[0][0]
     cases = [dict(common, kind="parity", implementation=implementation, model=parity_model,
@@ -764,7 +768,8 @@ def case_rows(case, status, seconds, text, timeout):
     rows = []
     for mode in case["modes"]:
         row = {"kind": case["kind"], "implementation": case["implementation"],
-               "model": case["model"], "mode": mode, "batch_size": case["batch_size"]}
+               "model": case["model"], "mode": mode, "batch_size": case["batch_size"],
+               "image_size": case["image_size"]}
         if mode in reported:
             row.update(reported[mode], status="ok")
         else:  # the log's last line says why, mostly (an exception, an out-of-memory error)
@@ -778,7 +783,8 @@ def case_rows(case, status, seconds, text, timeout):
 def skipped_rows(case):
     return [{"kind": case["kind"], "implementation": case["implementation"],
              "model": case["model"], "mode": mode, "batch_size": case["batch_size"],
-             "status": "skipped", "error": "no time left before --deadline"}
+             "image_size": case["image_size"], "status": "skipped",
+             "error": "no time left before --deadline"}
             for mode in case["modes"]]
 
 
@@ -825,7 +831,8 @@ def summarize(rows):
     for row in rows:
         row = dict(row)
         if row["kind"] == "step" and row["status"] == "ok":
-            work = forward_flops(SHAPES[row["model"]], IMAGE_SIZE, NUM_CLASSES) * (
+            work = forward_flops(SHAPES[row["model"]], row.get("image_size", IMAGE_SIZE),
+                                 NUM_CLASSES) * (
                 3 if row["mode"] == "train" else 1)
             row["mfu"] = gemm and row["images_per_s"] * work / (gemm * 1e12)
             for baseline in ("timm", "timm-compile"):
@@ -847,7 +854,8 @@ def markdown(report):
         f"no GPU ({about['cpu'] or 'CPU'}, {about['cpus']} cores)")
     versions = ", ".join(f"{k} {v}" for k, v in about["versions"].items() if v)
     lines = [f"{gpu}; {versions}; commit {about['commit'] or 'unknown'}; {about['date']}. "
-             f"bfloat16 mixed precision, inputs on the device; images/s: median of "
+             f"{report['settings'].get('image_size', IMAGE_SIZE)} px images, bfloat16 mixed "
+             f"precision, inputs on the device; images/s: median of "
              f"{report['settings']['steps']} steps after {report['settings']['warmup']} warm-up.",
              "",
              "| model | batch | mode | implementation | images/s | x timm | x timm compiled "
@@ -968,9 +976,9 @@ def main():
                              f"({', '.join(IMPLEMENTATIONS)}); the first model is also the parity "
                              f"check's. Default: {' '.join(DEFAULTS['plan'])}")
     parser.add_argument("--smoke", action="store_true",
-                        help="a quick check that runs on a CPU too (about 2 minutes on 2 cores): "
-                             "--plan {plan[0]}, {warmup} warm-up and {steps} timed steps, a "
-                             "{gemm_size}³ GEMM, {parity_images} parity images, unless "
+                        help="a quick check that runs on a CPU too: --plan {plan[0]} on "
+                             "{image_size} px images, {warmup} warm-up and {steps} timed steps, "
+                             "a {gemm_size}³ GEMM, {parity_images} parity images, unless "
                              "given".format(**SMOKE_DEFAULTS))
     parser.add_argument("--warmup", type=int, help="untimed steps, the first (compile) timed apart "
                         f"(default {DEFAULTS['warmup']})")
@@ -980,6 +988,8 @@ def main():
                              f"(default {DEFAULTS['gemm_size']})")
     parser.add_argument("--parity_images", type=int,
                         help=f"images of the parity check (default {DEFAULTS['parity_images']})")
+    parser.add_argument("--image_size", type=int,
+                        help=f"images' side in pixels (default {DEFAULTS['image_size']})")
     parser.add_argument("--parity_tolerance", type=float, default=1e-5,
                         help="largest relative logit difference the parity check accepts")
     parser.add_argument("--profile", nargs="*", choices=PROFILE_IMPLEMENTATIONS,
@@ -1012,8 +1022,9 @@ def main():
     for key, value in (SMOKE_DEFAULTS if args.smoke else DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if min(args.warmup, args.steps, args.gemm_size, args.parity_images) < 1:
-        parser.error("--warmup, --steps, --gemm_size and --parity_images must be at least 1")
+    if min(args.warmup, args.steps, args.gemm_size, args.parity_images, args.image_size) < 1:
+        parser.error("--warmup, --steps, --gemm_size, --parity_images and --image_size must be "
+                     "at least 1")
     try:
         parse_plan(args.plan)
     except ValueError as error:

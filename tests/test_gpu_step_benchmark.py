@@ -1,5 +1,5 @@
 """The GPU model-step benchmark (`benchmarks/gpu_step.sh` and `gpu_step.py`) end to end on the CPU:
-its `--smoke` run (ViT-Ti/16, batch 2) must complete every planned case; the speeds it measures
+its `--smoke` run (ViT-Ti/16, batch 2 of 32 px) must complete every planned case; the speeds it measures
 here are never part of pass/fail."""
 
 import importlib.util
@@ -51,7 +51,7 @@ def test_gpu_step_smoke_run_completes_every_case(tmp_path):
     (gemm,) = [r for r in rows if r["kind"] == "gemm"]
     assert gemm["gemm_size"] == 512 and gemm["tflops"] > 0
     for row in (r for r in rows if r["kind"] == "step"):
-        assert row["model"] == "ViT-Ti/16" and row["batch_size"] == 2
+        assert row["model"] == "ViT-Ti/16" and row["batch_size"] == 2 and row["image_size"] == 32
         assert row["images_per_s"] > 0 and row["first_call_s"] > 0 and row["mfu"] > 0, row
         assert row["back_to_back_images_per_s"] > 0, row
         assert row["ratio_to_timm"] > 0 and row["ratio_to_timm-compile"] is None
