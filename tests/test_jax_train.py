@@ -28,11 +28,17 @@ def keras_path_calls(monkeypatch):
     return calls
 
 
-def compiled_pair(tiny_config, **compile_args):
+@pytest.fixture
+def one_block(tiny_config):
+    """The tiny ViT of one block: each test here compiles its training step several times."""
+    return {**tiny_config, "num_layers": 1}
+
+
+def compiled_pair(config, **compile_args):
     """Two identical compiled tiny ViTs: one for ViT's path, one for Keras'."""
     models = []
     for _ in range(2):
-        model = randomize_weights(tiny_model(tiny_config))
+        model = randomize_weights(tiny_model(config))
         model.compile(**{"optimizer": keras.optimizers.AdamW(0.01), "jit_compile": True,
                          "loss": keras.losses.CategoricalCrossentropy(from_logits=True),
                          "metrics": ["accuracy", keras.metrics.AUC(name="auc")],
@@ -46,32 +52,28 @@ def state_arrays(model):
             for variable in group]
 
 
-def test_train_on_batch_gives_keras_logs_weights_and_optimizer_state(tiny_config,
+def test_train_on_batch_gives_keras_logs_weights_and_optimizer_state(one_block,
                                                                      keras_path_calls):
-    ours, theirs = compiled_pair(tiny_config)
+    ours, theirs = compiled_pair(one_block)
     x, y = tiny_data()
     weights = np.random.default_rng(1).uniform(0.5, 2.0, len(x)).astype("float32")
-    calls = [dict(), dict(sample_weight=weights), dict(return_dict=True), dict()]
+    calls = [dict(), dict(return_dict=True), dict(sample_weight=weights), dict()]
     for kwargs in calls:
         expected = keras.Model.train_on_batch(theirs, x, y, **kwargs)
         assert ours.train_on_batch(x, y, **kwargs) == expected  # Python floats, Keras' order
     assert keras_path_calls == [theirs] * len(calls)
     assert isinstance(expected, list) and len(expected) == 3
-    # Model, optimizer (moments, iterations) and metrics state alike, bit for bit.
+    # Model, optimizer (moments, iterations) and metrics state alike, bit for bit; each read
+    # through its variable, which a donated array would refuse.
     ours_state, theirs_state = state_arrays(ours), state_arrays(theirs)
     assert len(ours_state) == len(theirs_state) > 3 * len(ours.trainable_variables)
     for mine, keras_own in zip(ours_state, theirs_state):
         np.testing.assert_array_equal(mine, keras_own)
     assert int(ours.optimizer.iterations.value) == len(calls)
-    # The variables hold live arrays, which the next calls of every kind read.
-    np.testing.assert_array_equal(ours.predict_on_batch(x), theirs.predict_on_batch(x))
-    ours.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
-    theirs.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
-    assert ours.evaluate(x, y, verbose=0) == theirs.evaluate(x, y, verbose=0)
 
 
-def test_a_step_after_freezing_trains_what_keras_would(tiny_config):
-    ours, theirs = compiled_pair(tiny_config, metrics=None)
+def test_a_step_after_freezing_trains_what_keras_would(one_block):
+    ours, theirs = compiled_pair(one_block, metrics=None)
     x, y = tiny_data()
     for model in (ours, theirs):
         model.get_layer("embedding").trainable = False  # after compile, as users do
@@ -86,23 +88,29 @@ def test_a_step_after_freezing_trains_what_keras_would(tiny_config):
         np.testing.assert_array_equal(mine, keras_own)
 
 
-def test_keras_path_serves_what_the_lean_path_does_not(tiny_config, keras_path_calls):
-    model = tiny_model(tiny_config)
+def test_keras_path_serves_what_the_lean_path_does_not(one_block, monkeypatch):
+    routed = []  # Keras' own train_on_batch, recorded, not run (its eager step compiles for 5 s)
+    monkeypatch.setattr(keras.Model, "train_on_batch",
+                        lambda model, *args, **kwargs: routed.append(kwargs) or "Keras' path")
+    model = tiny_model(one_block)
     x, y = tiny_data()
     model.compile(optimizer="sgd", loss="categorical_crossentropy", jit_compile=False)
-    model.train_on_batch(x, y)
-    assert keras_path_calls == [model]
+    assert model.train_on_batch(x, y) == "Keras' path"
     model.compile(optimizer="sgd", loss="categorical_crossentropy", jit_compile=True)
-    model.train_on_batch(x, y)
-    assert len(keras_path_calls) == 1
-    with pytest.raises(ValueError, match="class_weight"):  # Keras' own check, with its words
-        model.train_on_batch(x, y, sample_weight=np.ones(len(x)), class_weight={0: 1.0})
-    model.train_on_batch(x, y, class_weight={0: 2.0, 1: 1.0, 2: 1.0})
-    assert len(keras_path_calls) == 3
+    assert isinstance(model.train_on_batch(x, y), float) and len(routed) == 1
+    class_weight = {0: 2.0, 1: 1.0, 2: 1.0}
+    assert model.train_on_batch(x, y, class_weight=class_weight) == "Keras' path"
+    assert routed[-1]["class_weight"] == class_weight
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    try:
+        assert model.train_on_batch(x, y) == "Keras' path"
+    finally:
+        keras.distribution.set_distribution(None)
+    assert len(routed) == 3
 
 
-def test_a_step_that_fails_leaves_the_model_able_to_train(tiny_config):
-    model = randomize_weights(tiny_model(tiny_config))
+def test_a_step_that_fails_leaves_the_model_able_to_train(one_block):
+    model = randomize_weights(tiny_model(one_block))
     model.compile(optimizer=keras.optimizers.SGD(0.1), jit_compile=True,
                   loss=keras.losses.CategoricalCrossentropy(from_logits=True))
     x, y = tiny_data()
