@@ -4,7 +4,7 @@ Keras' JAX `train_on_batch` lists the model's, optimizer's and metrics' variable
 walks every layer), reads each value through `Variable.value` (which checks for stateless and
 autocast scopes), and after the step puts each of the ~600 new values of a ViT back with
 `Variable.assign` (a conversion, a dtype and a shape check per variable); it also copies the
-batch to the device twice. For a ViT that is 4-5 ms a call on a 2-core CPU, whatever the batch
+batch to the device twice. For a ViT that is 4-6 ms a call on a 2-core CPU, whatever the batch
 (`benchmarks/batch_calls.py --call train`), and on a GPU it is time the device waits (issue 59:
 a ViT-B/16 step of 72.9 ms of kernels took 81.4 ms through `train_on_batch` on an H200).
 
